@@ -1,0 +1,76 @@
+"""The attention-backend interface and the batch description every backend starts from."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """The sequences of one step, as attention needs them; built once per step by the runner.
+
+    Decode sequences (one new token each) come first in the flattened token
+    batch, then prefill chunks. ``context_lens[i]`` is sequence i's length after
+    this step (cached prefix + new tokens).
+    """
+
+    num_decodes: int
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    # Cache slot (block_id * block_size + offset) of every new token: (num_tokens,)
+    slot_mapping: torch.Tensor
+    block_size: int
+    device: torch.device
+
+
+class AttentionBackend(abc.ABC):
+    """Writes a layer's new K/V into the paged cache and attends over each sequence's context."""
+
+    name: str
+
+    @abc.abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> Any:
+        """Per-step tensors shared by every layer (masks, gather indices, cu_seqlens)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        metadata: Any,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """Store ``key``/``value`` at the batch's slots, then return causal attention output."""
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """``auto``: flash-attn on CUDA in half precision when it is importable, SDPA otherwise."""
+    if name not in ("auto", "sdpa", "flash_attn"):
+        raise ValueError(f"attention_backend must be 'auto', 'sdpa' or 'flash_attn', got {name!r}")
+    use_flash = name == "flash_attn" or (
+        name == "auto" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
+    )
+    if use_flash:
+        if device.type != "cuda" or not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' needs a CUDA device and the flash-attn package")
+        from engine.attention.flash import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    from engine.attention.sdpa import SdpaBackend
+
+    return SdpaBackend()

@@ -1,0 +1,242 @@
+"""Ownership of KV cache blocks: allocation, ref counts, prefix cache, eviction.
+
+Every block is in exactly one of two states: held (ref count > 0, in some
+sequence's block table) or free (ref count 0, in the free queue). A free block
+may still carry a block hash: its KV is intact and a later request with the same
+prefix takes it back out of the queue instead of recomputing it. The free queue
+is ordered for eviction: blocks without a hash come first, then cached blocks
+from least to most recently freed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+from engine.hashing import BlockHash
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks whose KV is now cached under these hashes (publish to the index)."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Cached blocks that were evicted: their hashes no longer hit here."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+BlockEvent = BlockStored | BlockRemoved
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: BlockHash | None = None
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences; the caller asks ``can_*`` before each action."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        # How many leading blocks of each sequence are registered in the prefix cache.
+        self._num_registered: dict[str, int] = {}
+        self._events: list[BlockEvent] = []
+
+    # ---- queries -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order (next to be reused first)."""
+        return list(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        return self._cached.get(block_hash)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """Longest cached prefix of ``seq``: block ids and the number of tokens they cover.
+
+        At least one token is always left to compute, because the step that
+        computes it produces the logits the next token is sampled from.
+        """
+        if not self.enable_prefix_caching or seq.num_computed_tokens > 0:
+            return [], 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in seq.block_hashes()[:max_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def lookup_prefix(self, block_hashes: Seq[BlockHash]) -> list[int]:
+        """Block ids of the longest prefix of ``block_hashes`` cached here."""
+        block_ids: list[int] = []
+        if self.enable_prefix_caching:
+            for block_hash in block_hashes:
+                block_id = self._cached.get(block_hash)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+        return block_ids
+
+    # ---- admission and growth ---------------------------------------------------------
+
+    def _num_new_blocks(self, seq: Sequence, num_computed: int, num_held: int, num_new_tokens: int) -> int:
+        return max(0, seq.num_blocks_for(num_computed + num_new_tokens) - num_held)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> bool:
+        """Whether ``seq`` (holding no blocks) fits: its cached prefix plus ``num_new_tokens``."""
+        num_computed = len(computed_blocks) * self.block_size
+        needed = self._num_new_blocks(seq, num_computed, len(computed_blocks), num_new_tokens)
+        # Cached blocks sitting in the free queue leave it when they are taken.
+        reused_from_free = sum(1 for b in computed_blocks if self._blocks[b].ref_count == 0)
+        return needed + reused_from_free <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> None:
+        """Give ``seq`` its cached prefix blocks and enough new blocks for ``num_new_tokens``."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
+        if not self.can_allocate(seq, num_new_tokens, computed_blocks):
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.request_id}")
+        for block_id in computed_blocks:
+            self._touch(block_id)
+        seq.block_table = list(computed_blocks)
+        seq.num_computed_tokens = len(computed_blocks) * self.block_size
+        self._num_registered[seq.request_id] = len(computed_blocks)
+        self._grow(seq, num_new_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether a running ``seq`` can compute ``num_new_tokens`` more tokens."""
+        needed = self._num_new_blocks(seq, seq.num_computed_tokens, len(seq.block_table), num_new_tokens)
+        return needed <= len(self._free)
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        if not self.can_append(seq, num_new_tokens):
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.request_id}")
+        self._grow(seq, num_new_tokens)
+
+    def _grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        needed = self._num_new_blocks(seq, seq.num_computed_tokens, len(seq.block_table), num_new_tokens)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+
+    def allocate_imported(self, seq: Sequence, block_hashes: Seq[BlockHash], num_tokens: int) -> list[int]:
+        """Blocks for ``num_tokens`` tokens whose KV arrives from another worker.
+
+        Leading blocks already cached here (by hash) are reused; returns the
+        indices, within the block table, of the blocks whose data must be copied in.
+        The caller must have checked ``can_import``.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
+        reused = self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
+        for block_id in reused:
+            self._touch(block_id)
+        seq.block_table = list(reused)
+        seq.num_computed_tokens = len(reused) * self.block_size
+        self._num_registered[seq.request_id] = len(reused)
+        self._grow(seq, num_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens = num_tokens
+        return list(range(len(reused), len(seq.block_table)))
+
+    def can_import(self, seq: Sequence, block_hashes: Seq[BlockHash], num_tokens: int) -> bool:
+        reused = self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
+        return self.can_allocate(seq, num_tokens - len(reused) * self.block_size, reused)
+
+    # ---- prefix cache --------------------------------------------------------------
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that became full of computed KV."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self._num_registered.get(seq.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = seq.block_hashes()
+        stored: list[BlockHash] = []
+        for i in range(start, num_full):
+            block = self._blocks[seq.block_table[i]]
+            block_hash = hashes[i]
+            # A block computed twice (two requests with the same prefix admitted
+            # together) stays uncached: the index keeps the first copy.
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block.block_id
+                stored.append(block_hash)
+        self._num_registered[seq.request_id] = num_full
+        if stored:
+            self._events.append(BlockStored(tuple(stored)))
+
+    def drain_events(self) -> list[BlockEvent]:
+        """Stored/removed events since the last drain, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    # ---- release -------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; cached ones stay reusable until evicted."""
+        # Tail blocks first, so a sequence's later blocks are evicted before the
+        # prefix blocks that other requests are more likely to share.
+        for block_id in reversed(seq.block_table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(seq.request_id, None)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _touch(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            self._events.append(BlockRemoved((block.block_hash,)))
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,74 @@
+"""Typed configuration of the engine, grouped by the part that reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, pool size and prefix caching."""
+
+    block_size: int = 16
+    # None: size the pool from available memory (see kv_cache.size_kv_pool).
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    # Share of the memory available after loading the model that the pool may take.
+    kv_memory_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be None or an integer >= 1, got {self.num_kv_blocks!r}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run, in which dtype, on which device."""
+
+    model: str | None = None  # local folder, hub id, or None for the embedded default
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" picks cuda when available
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0  # seeds the sampler's generator for requests without a seed
+    attention_backend: str = "auto"  # "auto", "sdpa" or "flash_attn"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flash_attn"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'sdpa' or 'flash_attn', got {self.attention_backend!r}"
+            )
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()

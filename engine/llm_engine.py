@@ -1,0 +1,362 @@
+"""The engine: requests in, one ``step()`` at a time, outputs out.
+
+``step()`` reads like the pipeline: schedule, run the model and sample, update.
+The engine is single-threaded and knows nothing of asyncio or gRPC; the offline
+``LLM`` drives it in a loop, the services drive it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention.backend import select_backend
+from engine.block_manager import BlockEvent, BlockManager
+from engine.config import EngineConfig
+from engine.default_model import DEFAULT_MODEL_ID
+from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.hashing import BlockHash
+from engine.kv_cache import KVCache, bytes_per_block, size_kv_pool
+from engine.model_loader import load_eos_token_ids, load_hf_config, load_weights, resolve_model_path
+from engine.model_runner import ModelRunner, StepResult
+from engine.models import model_class
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A sequence's computed KV blocks, as they leave one engine for another.
+
+    ``blocks`` holds the sequence's blocks from index ``first_block`` on:
+    (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
+    """
+
+    request_id: str
+    model_id: str
+    block_size: int
+    num_tokens: int  # tokens whose KV the blocks hold
+    block_hashes: tuple[BlockHash, ...]  # of the full blocks among them
+    first_block: int
+    blocks: torch.Tensor
+
+
+class LLMEngine:
+    """One model on one device with its KV pool, scheduler and sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_cfg, cache_cfg = config.model, config.cache
+        self.model_path: Path = resolve_model_path(model_cfg.model)
+        self.model_id = DEFAULT_MODEL_ID if model_cfg.model in (None, "default") else str(model_cfg.model)
+        hf_config = load_hf_config(self.model_path)
+        self.hf_config = hf_config
+        self.device = _resolve_device(model_cfg.device)
+        self.dtype = _resolve_dtype(model_cfg.dtype, self.device)
+        max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        self.max_model_len = model_cfg.max_model_len or max_positions
+        if max_positions and self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings ({max_positions})"
+            )
+        self.vocab_size = int(hf_config.vocab_size)
+
+        self.model = _build_model(hf_config, self.max_model_len, self.dtype, self.device)
+        load_weights(self.model, self.model_path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+        self.model.eval()
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
+
+        block_size = cache_cfg.block_size
+        num_layers = int(hf_config.num_hidden_layers)
+        block_bytes = bytes_per_block(num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
+        num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(
+            block_bytes, cache_cfg.kv_memory_fraction, self.device, max_useful
+        )
+        self.kv_cache = KVCache(
+            num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
+        )
+        self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        backend = select_backend(model_cfg.attention_backend, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, Sampler(model_cfg.seed), self.device)
+        self._requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._request_counter = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt text needs a tokenizer, and the checkpoint at {self.model_path} has none")
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument."""
+        request_id = self._new_request_id(request_id)
+        token_ids = self._validate_prompt(prompt, params)
+        seq = self._new_sequence(request_id, token_ids, params)
+        self._register(seq)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish ``request_id`` with reason "abort" and free its blocks now; None if unknown."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, self._detokenizers.pop(request_id, None))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def drain_block_events(self) -> list[BlockEvent]:
+        """Prefix blocks stored and evicted since the last call (for the cluster index)."""
+        return self.block_manager.drain_events()
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that got a token (or finished) in it."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        result = self.runner.execute(scheduler_output)
+        self.scheduler.complete_step(scheduler_output)
+        return self._update(result)
+
+    def _update(self, result: StepResult) -> list[RequestOutput]:
+        sampled = result.sampled
+        if sampled is None:
+            return []
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        outputs = []
+        for row, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
+            seq.append_token(token_id)
+            if seq.logprobs is not None and logprobs is not None:
+                n = seq.params.logprobs or 0
+                top = tuple(zip(top_ids[row][:n], top_lps[row][:n])) if top_ids is not None else ()
+                seq.logprobs.append(TokenLogprobs(token_id, logprobs[row], top))
+            detokenizer = self._detokenizers.get(seq.request_id)
+            reason = self._finish_reason(seq, token_id, detokenizer)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._requests.pop(seq.request_id, None)
+                self._detokenizers.pop(seq.request_id, None)
+            outputs.append(self._output(seq, detokenizer))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if detokenizer is not None:
+            new_text = detokenizer.add(seq.output_token_ids)
+            if params.stop and new_text:
+                index = find_stop(detokenizer.text, len(new_text), params.stop)
+                if index is not None:
+                    detokenizer.text = detokenizer.text[:index]
+                    return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- KV export / import (what the KV transfer moves) ---------------------------------
+
+    def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
+        """Copy of the computed KV of a running request, from block ``first_block`` on."""
+        seq = self._requests.get(request_id)
+        if seq is None or not seq.block_table:
+            raise KeyError(f"request {request_id!r} holds no KV blocks")
+        num_tokens = seq.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        block_ids = seq.block_table[first_block:num_blocks]
+        full = num_tokens // self.block_size
+        return KVExport(
+            request_id=request_id,
+            model_id=self.model_id,
+            block_size=self.block_size,
+            num_tokens=num_tokens,
+            block_hashes=tuple(seq.block_hashes()[:full]),
+            first_block=first_block,
+            blocks=self.kv_cache.export_blocks(block_ids),
+        )
+
+    def num_cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks of a handoff this engine already holds (need not travel)."""
+        return len(self.block_manager.lookup_prefix(block_hashes))
+
+    def import_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        kv: KVExport,
+    ) -> bool:
+        """Join a request prefilled elsewhere to the running batch; False when its blocks don't fit now."""
+        if kv.model_id != self.model_id or kv.block_size != self.block_size:
+            raise ValueError(
+                f"KV handoff for model {kv.model_id!r} block size {kv.block_size} does not match "
+                f"this engine ({self.model_id!r}, block size {self.block_size})"
+            )
+        if kv.num_tokens != len(prompt_token_ids):
+            raise ValueError(f"KV handoff covers {kv.num_tokens} tokens, the prompt has {len(prompt_token_ids)}")
+        request_id = self._new_request_id(request_id)
+        token_ids = self._validate_prompt(prompt_token_ids, params)
+        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
+        seq.append_token(first_token_id)
+        hashes = list(kv.block_hashes)
+        if not self.block_manager.can_import(seq, hashes, kv.num_tokens):
+            return False
+        to_copy = self.block_manager.allocate_imported(seq, hashes, kv.num_tokens)
+        if to_copy and to_copy[0] < kv.first_block:
+            self.block_manager.free(seq)
+            raise ValueError(
+                f"KV handoff starts at block {kv.first_block} but this engine lacks block {to_copy[0]}"
+            )
+        local = [i - kv.first_block for i in to_copy]
+        if local:
+            self.kv_cache.import_blocks([seq.block_table[i] for i in to_copy], kv.blocks[:, :, local])
+        self.block_manager.cache_computed_blocks(seq)
+        seq.num_cached_tokens = 0
+        self._register(seq)
+        detokenizer = self._detokenizers.get(request_id)
+        if detokenizer is not None:
+            detokenizer.add(seq.output_token_ids)
+        self.scheduler.add_running(seq)
+        return True
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return request_id
+
+    def _validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        capacity = self.block_manager.num_blocks * self.block_size
+        if len(token_ids) + params.max_tokens > capacity:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV pool "
+                f"({capacity} tokens); raise num_kv_blocks"
+            )
+        return token_ids
+
+    def _new_sequence(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, num_draws_done: int = 0
+    ) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed)
+            # A request continued from another worker resumes the same random stream.
+            if not params.is_greedy:
+                for _ in range(num_draws_done):
+                    torch.empty(self.vocab_size).exponential_(generator=generator)
+        return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator)
+
+    def _register(self, seq: Sequence) -> None:
+        self._requests[seq.request_id] = seq
+        if self.tokenizer is not None:
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def _output(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=detokenizer.text if detokenizer is not None else "",
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a valid torch device") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return resolved
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # Half precision is slow or unsupported for CPU matmuls; bf16 is the GPU norm.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def _build_model(hf_config: object, max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    cls = model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            # Rotary tables are built in float32 explicitly; weights in `dtype`.
+            return cls(hf_config, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _load_tokenizer(path: Path) -> object | None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / name).is_file() for name in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,163 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2) over a flattened token batch and a paged KV cache.
+
+Parameter names match Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
+so checkpoints load by name. Every forward works on the tokens of one engine
+step flattened into a single dimension: no padding, no batch dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionBackend
+from engine.models.rope import RotaryEmbedding
+
+_ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the model dtype, as the reference does.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (num_tokens, hidden)
+        positions: torch.Tensor,  # (num_tokens,)
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q = self.q_proj(hidden).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (n, heads, head_dim)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), positions, rotary, kv_cache, backend, attn_metadata
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, max_positions: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, o_bias, mlp_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama family: GQA, RoPE (default or llama3 scaling), tied or untied embeddings."""
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "attention_bias", False))
+        self._build(config, max_positions, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    def _build(self, config: Any, max_positions: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        self.config = config
+        self.model = DecoderModel(config, max_positions, qkv_bias, o_bias, mlp_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # (num_tokens, hidden)
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(hidden, positions, rotary, kv_cache, backend, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Only the rows that are sampled reach here: (num_sampled, hidden) -> (num_sampled, vocab)
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: biases on q/k/v (not on o), usually tied embeddings."""
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        nn.Module.__init__(self)
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen2 checkpoints with use_sliding_window=True are not supported")
+        self._build(config, max_positions, qkv_bias=True, o_bias=False, mlp_bias=False)

@@ -1,0 +1,36 @@
+"""What the engine hands back to its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities around one generated token (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    # The N most likely tokens at that position, most likely first.
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its tokens so far, and why it finished if it has.
+
+    ``token_ids`` and ``text`` are cumulative. ``num_cached_tokens`` counts the
+    prompt tokens served from the prefix cache when the request was admitted.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

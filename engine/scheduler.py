@@ -1,0 +1,158 @@
+"""Continuous batching: which tokens of which sequences run in the next step.
+
+Every step mixes the decode tokens of running sequences with (chunked) prefill
+tokens of waiting ones, under a token budget and a sequence limit. Running
+sequences go first, oldest first, so admitted work always progresses; when the
+pool runs dry the newest running sequence is preempted (its blocks freed, its
+tokens recomputed later). A sequence's "tokens to compute" is simply
+``num_tokens - num_computed_tokens``, which covers prompt chunks, decodes and
+recomputation after preemption with one rule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: ``num_new_tokens`` tokens from ``start``."""
+
+    seq: Sequence
+    start: int  # num_computed_tokens when scheduled
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The decision of one step, handed to the model runner as one object."""
+
+    scheduled: tuple[ScheduledSequence, ...]
+    preempted: tuple[str, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; asks the block manager before every allocation."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out -----------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence that already holds blocks (imported KV) to the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` now (stop, length or abort) and free its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        # A waiting sequence stays in the deque and is skipped lazily: removal
+        # from the middle of a deque is O(n), skipping is O(1).
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for seq in self.waiting if not seq.is_finished)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or any(not seq.is_finished for seq in self.waiting)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                start = seq.num_computed_tokens
+                self.block_manager.append(seq, num_new)
+                scheduled.append(ScheduledSequence(seq, start, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+
+        # Admitting while preempting would only thrash the pool.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(
+            tuple(scheduled), tuple(preempted), self.config.max_num_batched_tokens - budget
+        )
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.is_finished:
+                self.waiting.popleft()
+                continue
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            # First come, first served: a request that does not fit blocks the ones
+            # behind it, so long prompts are not starved by a stream of short ones.
+            if not self.block_manager.can_allocate(seq, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new, computed_blocks)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSequence(seq, num_cached, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def complete_step(self, output: SchedulerOutput) -> None:
+        """Record that the step ran: advance computed counts and cache newly full blocks."""
+        for item in output.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_computed_blocks(item.seq)

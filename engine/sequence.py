@@ -1,0 +1,92 @@
+"""One request as the scheduler sees it: its tokens, its blocks, its progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from engine.hashing import BlockHash, hash_block
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids, KV block table and progress of one request.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache. A
+    sequence is prefilling while it is below ``num_prompt_tokens`` and decoding
+    afterwards; after preemption it drops to zero and the same code path
+    recomputes prompt and output alike.
+    """
+
+    _arrival_counter = itertools.count()
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        model_id: str,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.model_id = model_id
+        self.generator = generator
+        self.arrival = next(Sequence._arrival_counter)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first admission; kept
+        # across preemption so the user sees what the first admission saved.
+        self.num_cached_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._block_hashes: list[BlockHash] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def block_hashes(self) -> list[BlockHash]:
+        """Hashes of every full block of the token ids so far, computed as tokens arrive."""
+        bs = self.block_size
+        while (len(self._block_hashes) + 1) * bs <= len(self.token_ids):
+            i = len(self._block_hashes)
+            parent = self._block_hashes[-1] if i else None
+            self._block_hashes.append(hash_block(parent, self.token_ids[i * bs : (i + 1) * bs], self.model_id))
+        return self._block_hashes
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,129 @@
+"""Shared fixtures: tiny random checkpoints built at test time, and transformers as the oracle."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB_SIZE = 512
+EOS_TOKEN_ID = 7
+
+
+def _tiny_llama_config() -> object:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        # Llama 3.1-style scaled RoPE, so the scaling code is exercised too.
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        # Larger than the usual 0.02 so greedy argmax is not decided by float noise.
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_qwen2_config() -> object:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
+    """Save a random model of ``config`` as a Hugging Face folder (config, safetensors, generation config)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-llama"), _tiny_llama_config())
+
+
+@pytest.fixture(scope="session")
+def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), _tiny_qwen2_config())
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+class Oracle:
+    """transformers' greedy ``generate``, one prompt at a time, memoised per prompt."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self._memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in self._memo:
+            input_ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.model.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            self._memo[key] = out[0, len(prompt) :].tolist()
+        return self._memo[key]
+
+
+_ORACLES: dict[Path, Oracle] = {}
+
+
+@pytest.fixture
+def oracle(checkpoint: Path) -> Oracle:
+    if checkpoint not in _ORACLES:
+        _ORACLES[checkpoint] = Oracle(checkpoint)
+    return _ORACLES[checkpoint]
+
+
+def random_prompts(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
+    """Seeded random prompts that avoid the EOS id (EOS in a prompt is legal, just confusing to read)."""
+    rng = random.Random(seed)
+    choices = [t for t in range(2, vocab_size) if t != EOS_TOKEN_ID]
+    return [[rng.choice(choices) for _ in range(n)] for n in lengths]

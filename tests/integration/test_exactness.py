@@ -1,0 +1,171 @@
+"""Greedy float32 output equals transformers' generate, token for token, through every engine path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from tests.conftest import Oracle, random_prompts
+
+# Mixed lengths from 1 to 300 tokens, around block boundaries (block size 16) too.
+PROMPT_LENGTHS = [1, 5, 16, 17, 40, 95, 160, 300]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def _llm(path: Path, **kwargs: object) -> LLM:
+    return LLM(model=str(path), dtype="float32", **kwargs)
+
+
+def _assert_matches_oracle(outputs: list, prompts: list[list[int]], oracle: Oracle) -> None:
+    for prompt, out in zip(prompts, outputs):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == oracle.generate(prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
+
+
+def _assert_no_block_held(llm: LLM) -> None:
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks))
+
+
+def test_batched_greedy_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    llm = _llm(checkpoint, num_kv_blocks=256)
+    outputs = llm.generate(prompts, GREEDY)
+    _assert_matches_oracle(outputs, prompts, oracle)
+    assert [o.finish_reason for o in outputs] == [
+        "stop" if o.token_ids[-1] == 7 and len(o.token_ids) < MAX_TOKENS else "length" for o in outputs
+    ]
+    _assert_no_block_held(llm)
+
+
+def test_chunked_prefill_under_small_token_budget_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    prompts = random_prompts(PROMPT_LENGTHS, seed=2)
+    # 32 tokens per step: the 300-token prompt takes ten chunks, mixed with decodes.
+    llm = _llm(checkpoint, num_kv_blocks=256, max_num_batched_tokens=32)
+    outputs = llm.generate(prompts, GREEDY)
+    _assert_matches_oracle(outputs, prompts, oracle)
+    _assert_no_block_held(llm)
+
+
+def test_prefix_cache_hits_equal_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    shared = random_prompts([70], seed=3)[0]
+    suffixes = random_prompts([1, 9, 16, 30, 50, 3, 17, 120], seed=4)
+    prompts = [shared + suffix for suffix in suffixes]
+    llm = _llm(checkpoint, num_kv_blocks=512, block_size=16)
+    first = llm.generate(prompts, GREEDY)
+    _assert_matches_oracle(first, prompts, oracle)
+    # All admitted in one step: nothing was cached yet when they started.
+    assert [o.num_cached_tokens for o in first] == [0] * len(prompts)
+
+    second = llm.generate(prompts, GREEDY)
+    _assert_matches_oracle(second, prompts, oracle)
+    # Every full prompt block is now cached, except that one token is always computed.
+    assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // 16 * 16 for p in prompts]
+
+    # A new prompt with the shared prefix hits the shared prefix's 4 full blocks.
+    new_prompt = shared + random_prompts([11], seed=5)[0]
+    (third,) = llm.generate([new_prompt], GREEDY)
+    assert third.num_cached_tokens == 64
+    assert third.token_ids == oracle.generate(new_prompt, MAX_TOKENS)
+    _assert_no_block_held(llm)
+
+
+def test_preemption_by_tiny_pool_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 200], seed=6)
+    # 21 blocks of 16 tokens: the first six prompts fill 14 at admission, then
+    # their decodes need 8 more, so the newest running sequence is preempted.
+    llm = _llm(checkpoint, num_kv_blocks=21, block_size=16, enable_prefix_caching=False)
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_matches_oracle(outputs, prompts, oracle)
+    _assert_no_block_held(llm)
+
+
+def test_preemption_with_prefix_caching_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 200], seed=7)
+    llm = _llm(checkpoint, num_kv_blocks=21, block_size=16, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_matches_oracle(outputs, prompts, oracle)
+    _assert_no_block_held(llm)
+
+
+def test_requests_added_mid_run_equal_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    prompts = random_prompts(PROMPT_LENGTHS, seed=8)
+    llm = _llm(checkpoint, num_kv_blocks=256, max_num_batched_tokens=128)
+    engine: LLMEngine = llm.engine
+    finished: dict[str, list[int]] = {}
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    steps = 0
+    pending = list(prompts[3:])
+    while engine.has_unfinished_requests() or pending:
+        # One new request every third step, while others are mid-prefill or decoding.
+        if pending and steps % 3 == 0:
+            ids.append(engine.add_request(pending.pop(0), GREEDY))
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+        steps += 1
+    for request_id, prompt in zip(ids, prompts):
+        assert finished[request_id] == oracle.generate(prompt, MAX_TOKENS)
+    _assert_no_block_held(llm)
+
+
+def test_abort_frees_blocks_at_once(llama_checkpoint: Path) -> None:
+    llm = _llm(llama_checkpoint, num_kv_blocks=64)
+    engine = llm.engine
+    prompts = random_prompts([40, 100], seed=9)
+    a = engine.add_request(prompts[0], GREEDY)
+    b = engine.add_request(prompts[1], GREEDY)
+    engine.step()
+    assert engine.block_manager.num_used_blocks == 3 + 7
+    out = engine.abort_request(a)
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.block_manager.num_used_blocks == 7
+    engine.abort_request(b)
+    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert engine.abort_request("unknown") is None
+
+
+def test_kv_export_import_between_engines_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    prompts = random_prompts([1, 16, 37, 150], seed=10)
+    prefill = _llm(checkpoint, num_kv_blocks=64).engine
+    decode = _llm(checkpoint, num_kv_blocks=64).engine
+    for prompt in prompts:
+        request_id = prefill.add_request(prompt, GREEDY)
+        (first,) = prefill.step()
+        kv = prefill.export_kv(request_id)
+        prefill.abort_request(request_id)
+        assert decode.import_request(request_id, prompt, first.token_ids[0], GREEDY, kv)
+    outputs: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"req-{i}"] == oracle.generate(prompt, MAX_TOKENS)
+    assert decode.block_manager.num_used_blocks == 0
+
+
+def test_kv_import_copies_only_blocks_the_decoder_lacks(llama_checkpoint: Path) -> None:
+    prefill = _llm(llama_checkpoint, num_kv_blocks=64).engine
+    decode = _llm(llama_checkpoint, num_kv_blocks=64).engine
+    prompt = random_prompts([70], seed=11)[0]
+    # The decoder computes the same prompt itself first, caching its 4 full blocks.
+    decode.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while decode.has_unfinished_requests():
+        decode.step()
+    request_id = prefill.add_request(prompt, GREEDY)
+    (first,) = prefill.step()
+    hashes = prefill.export_kv(request_id).block_hashes
+    skip = decode.num_cached_prefix_blocks(list(hashes))
+    assert skip == 4
+    kv = prefill.export_kv(request_id, first_block=skip)
+    assert kv.blocks.shape[2] == 1  # only the partial fifth block travels
+    assert decode.import_request("moved", prompt, first.token_ids[0], GREEDY, kv)
