@@ -15,15 +15,17 @@ class CacheConfig:
     # None: size the pool from available memory (see kv_cache.size_kv_pool).
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
-    # Share of the memory available after loading the model that the pool may take.
-    kv_memory_fraction: float = 0.25
+    # Share of the memory available after loading the model that the pool may
+    # take; None: 0.8 of free GPU memory, 0.1 of available host memory on CPU
+    # (where a 2-core machine saturates long before a large pool fills).
+    kv_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be None or an integer >= 1, got {self.num_kv_blocks!r}")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
+        if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
 
 

@@ -34,7 +34,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         attention_backend: str = "auto",
-        kv_memory_fraction: float = 0.25,
+        kv_memory_fraction: float | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(

@@ -79,9 +79,8 @@ class LLMEngine:
         num_layers = int(hf_config.num_hidden_layers)
         block_bytes = bytes_per_block(num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype)
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
-        num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(
-            block_bytes, cache_cfg.kv_memory_fraction, self.device, max_useful
-        )
+        fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
+        num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
         self.kv_cache = KVCache(
             num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
         )

@@ -26,11 +26,12 @@ class ScheduledSequence:
     seq: Sequence
     start: int  # num_computed_tokens when scheduled
     num_new_tokens: int
+    # Whether this step reaches the sequence's last token, so a new token is sampled.
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, start: int, num_new_tokens: int) -> ScheduledSequence:
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens)
 
     @property
     def is_decode(self) -> bool:
@@ -110,7 +111,7 @@ class Scheduler:
             else:
                 start = seq.num_computed_tokens
                 self.block_manager.append(seq, num_new)
-                scheduled.append(ScheduledSequence(seq, start, num_new))
+                scheduled.append(ScheduledSequence.of(seq, start, num_new))
                 budget -= num_new
                 index += 1
                 continue
@@ -141,7 +142,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSequence(seq, num_cached, num_new))
+            scheduled.append(ScheduledSequence.of(seq, num_cached, num_new))
             budget -= num_new
         return budget
 

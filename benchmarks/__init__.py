@@ -1,0 +1,1 @@
+"""Benchmarks that compare pdserve with Hugging Face transformers and with the machine's limits."""

@@ -1,0 +1,1 @@
+"""pdserve: the command-line entry point and, later, the local-cluster launcher."""

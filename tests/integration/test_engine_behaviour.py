@@ -1,0 +1,163 @@
+"""Stopping rules, argument validation, seeded sampling and logprobs through the whole engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import random_prompts
+
+
+def _llm(path: Path, **kwargs: object) -> LLM:
+    return LLM(model=str(path), dtype="float32", num_kv_blocks=128, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(llama_checkpoint: Path) -> LLM:
+    return _llm(llama_checkpoint)
+
+
+def _greedy_tokens(llm: LLM, prompt: list[int], n: int) -> list[int]:
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return out.token_ids
+
+
+def test_eos_comes_from_the_generation_config_and_ignore_eos_overrides_it(
+    llama_checkpoint: Path, tmp_path: Path, tiny_llm: LLM
+) -> None:
+    prompt = random_prompts([12], seed=20)[0]
+    free_run = _greedy_tokens(tiny_llm, prompt, 10)
+    eos = free_run[3]
+    assert eos not in free_run[:3]
+    # Same weights, but the generation config names another EOS id (a list, as in Llama 3).
+    copy = tmp_path / "eos-copy"
+    shutil.copytree(llama_checkpoint, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 99999 % 512]}))
+    llm = _llm(copy)
+    (stopped,) = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))
+    assert stopped.token_ids == free_run[:4]
+    assert stopped.finish_reason == "stop"
+    (ignored,) = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert ignored.token_ids == free_run
+    assert ignored.finish_reason == "length"
+
+
+def test_stop_token_ids_and_max_tokens_finish_requests(tiny_llm: LLM) -> None:
+    prompt = random_prompts([20], seed=21)[0]
+    free_run = _greedy_tokens(tiny_llm, prompt, 12)
+    stop_id = free_run[5]
+    first = free_run.index(stop_id)
+    (out,) = tiny_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))
+    assert out.token_ids == free_run[: first + 1]
+    assert out.finish_reason == "stop"
+    (short,) = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert short.token_ids == free_run[:3]
+    assert short.finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_exactly_whatever_else_is_in_the_batch(tiny_llm: LLM) -> None:
+    prompts = random_prompts([8, 30, 50], seed=22)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = tiny_llm.generate([prompts[0]], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True), SamplingParams(max_tokens=16, temperature=0.0)]
+    crowded = tiny_llm.generate(prompts, [seeded, *others])[0].token_ids
+    assert crowded == alone
+    other_seed = tiny_llm.generate([prompts[0]], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_logprobs_match_the_reference_distribution(llama_checkpoint: Path, tiny_llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = random_prompts([25], seed=23)[0]
+    (out,) = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, logprobs=4, ignore_eos=True))
+    reference = AutoModelForCausalLM.from_pretrained(llama_checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + out.token_ids])).logits[0]
+    expected = torch.log_softmax(logits[len(prompt) - 1 :], dim=-1)
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    for step, entry in enumerate(out.logprobs):
+        top = torch.topk(expected[step], 4)
+        assert entry.token_id == out.token_ids[step] == top.indices[0].item()
+        assert [token for token, _ in entry.top] == top.indices.tolist()
+        assert entry.logprob == pytest.approx(expected[step, entry.token_id].item(), abs=1e-4)
+        assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"max_model_len": 5000}, "max_model_len"),
+        ({"attention_backend": "xformers"}, "attention_backend"),
+    ],
+)
+def test_invalid_engine_arguments_raise_value_error_naming_them(
+    llama_checkpoint: Path, kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(llama_checkpoint), **kwargs)
+
+
+def test_request_larger_than_the_kv_pool_is_rejected_up_front(llama_checkpoint: Path) -> None:
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="KV pool"):
+        llm.generate([[3] * 60], SamplingParams(max_tokens=10))
+    (out,) = llm.generate([[3] * 54], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(out.token_ids) == 10
+
+
+def test_unknown_model_folder_raises_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model"):
+        LLM(model=str(tmp_path / "no-such-model-here"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_invalid_sampling_params_raise_value_error_naming_them(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_prompts_raise_value_error_and_leave_the_engine_clean(tiny_llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        tiny_llm.generate([[]], greedy)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny_llm.generate([[1, 2, 512]], greedy)
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_llm.generate([[3] * 1020], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="tokenizer"):
+        tiny_llm.generate(["text needs a tokenizer"], greedy)
+    with pytest.raises(ValueError, match="sampling_params has 2 entries"):
+        tiny_llm.generate([[1, 2]], [greedy, greedy])
+    # A bad prompt in a batch rejects the batch; nothing is left queued or held.
+    with pytest.raises(ValueError):
+        tiny_llm.generate([[5, 6, 8], [1, 9999]], greedy)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    assert tiny_llm.engine.block_manager.num_used_blocks == 0
+    (ok,) = tiny_llm.generate([[5, 6, 8]], greedy)
+    assert len(ok.token_ids) >= 1
