@@ -33,6 +33,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """A load snapshot, for routing and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_held: int  # finished requests whose blocks are pinned for export
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
 class KVExport:
     """A sequence's computed KV blocks, as they leave one engine for another.
 
@@ -89,6 +102,9 @@ class LLMEngine:
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, Sampler(model_cfg.seed), self.device)
         self._requests: dict[str, Sequence] = {}
+        # Requests whose blocks stay pinned after they finish, until release_kv.
+        self._hold_on_finish: set[str] = set()
+        self._held: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
 
@@ -104,13 +120,25 @@ class LLMEngine:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        hold_kv: bool = False,
     ) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument."""
+        """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument.
+
+        ``hold_kv``: when the request finishes, its blocks stay pinned (for
+        ``export_kv``) until ``release_kv`` — what a prefill worker does while a
+        decode worker fetches them.
+        """
         request_id = self._new_request_id(request_id)
         token_ids = self._validate_prompt(prompt, params)
         seq = self._new_sequence(request_id, token_ids, params)
         self._register(seq)
+        if hold_kv:
+            self._hold_on_finish.add(request_id)
         self.scheduler.add(seq)
         return request_id
 
@@ -118,9 +146,35 @@ class LLMEngine:
         """Finish ``request_id`` with reason "abort" and free its blocks now; None if unknown."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
+            self.release_kv(request_id)
             return None
+        self._hold_on_finish.discard(request_id)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Unpin the blocks of a finished ``hold_kv`` request; False if none are held."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return list(self._held)
+
+    def stats(self) -> EngineStats:
+        scheduler, manager = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=scheduler.num_waiting,
+            num_queued_tokens=scheduler.num_queued_tokens,
+            num_free_blocks=manager.num_free_blocks,
+            num_total_blocks=manager.num_blocks,
+            num_held=len(self._held),
+            num_preemptions=scheduler.num_preemptions,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -162,7 +216,11 @@ class LLMEngine:
             detokenizer = self._detokenizers.get(seq.request_id)
             reason = self._finish_reason(seq, token_id, detokenizer)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                hold = seq.request_id in self._hold_on_finish
+                self.scheduler.finish(seq, reason, free_blocks=not hold)
+                if hold:
+                    self._hold_on_finish.discard(seq.request_id)
+                    self._held[seq.request_id] = seq
                 self._requests.pop(seq.request_id, None)
                 self._detokenizers.pop(seq.request_id, None)
             outputs.append(self._output(seq, detokenizer))
@@ -188,8 +246,8 @@ class LLMEngine:
     # ---- KV export / import (what the KV transfer moves) ---------------------------------
 
     def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
-        """Copy of the computed KV of a running request, from block ``first_block`` on."""
-        seq = self._requests.get(request_id)
+        """Copy of the computed KV of a running or held request, from block ``first_block`` on."""
+        seq = self._held.get(request_id) or self._requests.get(request_id)
         if seq is None or not seq.block_table:
             raise KeyError(f"request {request_id!r} holds no KV blocks")
         num_tokens = seq.num_computed_tokens

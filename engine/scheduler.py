@@ -11,6 +11,7 @@ recomputation after preemption with one rule.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -72,8 +73,8 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End ``seq`` now (stop, length or abort) and free its blocks at once."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """End ``seq`` now (stop, length or abort); its blocks are freed at once unless the caller holds them."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -82,11 +83,18 @@ class Scheduler:
         # from the middle of a deque is O(n), skipping is O(1).
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
 
     @property
     def num_waiting(self) -> int:
         return sum(1 for seq in self.waiting if not seq.is_finished)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens admitted or queued but not computed yet: the prefill work ahead."""
+        pending = itertools.chain(self.running, (seq for seq in self.waiting if not seq.is_finished))
+        return sum(seq.num_tokens - seq.num_computed_tokens for seq in pending)
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or any(not seq.is_finished for seq in self.waiting)

@@ -73,7 +73,10 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        # In place: at prefill sizes the (tokens, intermediate) temporaries are
+        # large, and fresh allocations cost page faults on CPU.
+        hidden = self.act(self.gate_proj(x), inplace=True)
+        return self.down_proj(hidden.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

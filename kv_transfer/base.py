@@ -1,0 +1,150 @@
+"""The one interface of KV transfer: a source and a stager on the prefill side, a receiver on the decode side.
+
+A prefill worker owns a ``KVSource`` (its held requests) and serves FetchKV and
+StageKV through ``kv_transfer.sender.KVSenderServicer``, which hands staged
+transports to a ``KVStager`` each. A decode worker builds one ``KVReceiver``
+per transport name with ``make_receiver`` and calls ``fetch``. Transports are
+imported on first use, so a CPU machine never touches the CUDA-only ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import ClassVar, Protocol
+
+import torch
+
+from kv_transfer.config import STAGED_TRANSPORTS, TRANSPORTS, TransferConfig, check_transport
+from kv_transfer.descriptor import KVHandoff
+from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed after it started, or the two sides disagree on what moved."""
+
+
+class KVSource(Protocol):
+    """The prefill side's held requests, as the transports see them."""
+
+    def export(self, request_id: str, first_block: int) -> torch.Tensor:
+        """The request's blocks from ``first_block`` on: (num_layers, 2, n, block_size, num_kv_heads, head_dim).
+
+        Must return a tensor the caller owns (a copy, as ``KVCache.export_blocks``
+        makes): transports read it after the call returns. Called from a worker
+        thread, not the event loop. Raises ``KeyError`` when the request is not
+        held (unknown, released, lease expired) and ``ValueError`` when
+        ``first_block`` is past its blocks.
+        """
+        ...
+
+
+class KVStager(ABC):
+    """The sending half of a staged transport (shm, torch_dist, cuda_ipc).
+
+    ``stage`` places the blocks where the receiver will read them and returns
+    the handle to put in ``StageKVResponse.handle``; anything it keeps for an
+    unconsumed transfer is freed by ``release`` (lease end) or ``close``
+    (shutdown), so nothing outlives a receiver that died.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    async def stage(self, request_id: str, blocks: torch.Tensor, peer_address: str) -> bytes: ...
+
+    def release(self, request_id: str) -> None:
+        """Free what was staged for ``request_id`` and not yet consumed; idempotent."""
+
+    def close(self) -> None:
+        """Free everything staged; the stager is not used afterwards."""
+
+
+class KVReceiver(ABC):
+    """The decode side of one transport: fetches the blocks a decode worker lacks.
+
+    ``fetch`` returns the handoff's blocks from ``first_block`` on, as a tensor
+    of ``handoff.layout.tensor_shape(n)`` with ``n = handoff.num_blocks -
+    first_block``, on the CPU or, for GPU transports, on ``config.device``.
+    RPC failures propagate as ``grpc.aio.AioRpcError`` (NOT_FOUND: the prefill
+    worker no longer holds the request); a transfer that breaks or disagrees
+    with the handoff raises ``KVTransferError``.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+
+    async def fetch(
+        self, handoff: KVHandoff, first_block: int, stub: worker_pb2_grpc.PrefillWorkerStub
+    ) -> torch.Tensor:
+        if not 0 <= first_block <= handoff.num_blocks:
+            raise ValueError(f"first_block must be in [0, {handoff.num_blocks}], got {first_block}")
+        num_blocks = handoff.num_blocks - first_block
+        if num_blocks == 0:
+            # Everything is cached here already: nothing to ask the prefill worker for.
+            return torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
+        blocks = await self._fetch(handoff, first_block, num_blocks, stub)
+        expected = handoff.layout.tensor_shape(num_blocks)
+        if tuple(blocks.shape) != expected or blocks.dtype != handoff.layout.torch_dtype:
+            raise KVTransferError(
+                f"{self.name} transfer of {handoff.request_id!r} gave {tuple(blocks.shape)} {blocks.dtype}, "
+                f"expected {expected} {handoff.layout.torch_dtype}"
+            )
+        return blocks
+
+    @abstractmethod
+    async def _fetch(
+        self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
+    ) -> torch.Tensor:
+        """Move ``num_blocks`` (> 0) blocks; ``fetch`` has validated the range and checks the result."""
+
+    async def close(self) -> None:
+        """Free the receiver's own resources (rendezvous stores, process groups)."""
+
+
+def check_staged(
+    response: worker_pb2.StageKVResponse, handoff: KVHandoff, num_blocks: int, transport: str
+) -> None:
+    """Raise ``KVTransferError`` unless the sender staged exactly the blocks asked for."""
+    expected_bytes = num_blocks * handoff.layout.bytes_per_block
+    if response.num_blocks != num_blocks or response.total_bytes != expected_bytes:
+        raise KVTransferError(
+            f"{transport} staging of {handoff.request_id!r} holds {response.num_blocks} blocks / "
+            f"{response.total_bytes} bytes, expected {num_blocks} / {expected_bytes}: layouts disagree"
+        )
+
+
+# Imported on first use: cuda_ipc and nccl need CUDA, torch_dist pulls in torch.distributed.
+_RECEIVERS: dict[str, str] = {
+    "grpc": "kv_transfer.grpc_stream:GrpcReceiver",
+    "shm": "kv_transfer.shm:ShmReceiver",
+    "torch_dist": "kv_transfer.torch_dist:TorchDistReceiver",
+    "cuda_ipc": "kv_transfer.cuda_ipc:CudaIpcReceiver",
+}
+_STAGERS: dict[str, str] = {
+    "shm": "kv_transfer.shm:ShmStager",
+    "torch_dist": "kv_transfer.torch_dist:TorchDistStager",
+    "cuda_ipc": "kv_transfer.cuda_ipc:CudaIpcStager",
+}
+
+
+def _load(path: str) -> type:
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def make_receiver(name: str, config: TransferConfig | None = None) -> KVReceiver:
+    """The receiver of transport ``name`` (grpc, shm, torch_dist, cuda_ipc); ValueError for others."""
+    check_transport(name, TRANSPORTS)
+    return _load(_RECEIVERS[name])(config or TransferConfig())
+
+
+def make_stager(name: str, config: TransferConfig | None = None) -> KVStager:
+    """The stager of staged transport ``name`` (shm, torch_dist, cuda_ipc); ValueError for others."""
+    check_transport(name, STAGED_TRANSPORTS)
+    return _load(_STAGERS[name])(config or TransferConfig())

@@ -1,0 +1,178 @@
+from protos.pdserve.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KVHandoff(_message.Message):
+    __slots__ = ("request_id", "model_id", "layout", "block_hashes", "num_tokens", "first_token_id", "transport", "address", "lease_deadline_ms", "worker_id", "epoch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    layout: KVLayout
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: int
+    first_token_id: int
+    transport: str
+    address: str
+    lease_deadline_ms: int
+    worker_id: str
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: _generation_pb2.SamplingParams
+    transport: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "text", "logprobs", "finish_reason", "cached_prompt_tokens", "handoff")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    text: str
+    logprobs: _generation_pb2.TokenLogprobs
+    finish_reason: _generation_pb2.FinishReason
+    cached_prompt_tokens: int
+    handoff: KVHandoff
+    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("request_id", "first_block")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_block: int
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("data", "offset", "total_bytes", "num_blocks")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    offset: int
+    total_bytes: int
+    num_blocks: int
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class StageKVRequest(_message.Message):
+    __slots__ = ("request_id", "first_block", "transport", "peer_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_block: int
+    transport: str
+    peer_address: str
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., transport: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class StageKVResponse(_message.Message):
+    __slots__ = ("handle", "total_bytes", "num_blocks")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    total_bytes: int
+    num_blocks: int
+    def __init__(self, handle: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ReleaseKVRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseKVResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: _generation_pb2.SamplingParams
+    handoff: KVHandoff
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    finish_reason: _generation_pb2.FinishReason
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    epoch: int
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    model_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...

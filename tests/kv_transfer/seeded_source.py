@@ -1,0 +1,32 @@
+"""A deterministic KVSource shared by the test sender process and the tests that check what arrived."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from kv_transfer.descriptor import KVLayout
+
+# 32 KiB per block: a few blocks stay small, BIG_REQUEST spans several 1 MiB chunks.
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, block_size=16, dtype="float32")
+SMALL_REQUEST, BIG_REQUEST = "small", "big"
+NUM_BLOCKS = {SMALL_REQUEST: 3, BIG_REQUEST: 80}  # big: 2.5 MiB
+
+
+def full_blocks(request_id: str) -> torch.Tensor:
+    """Every block of ``request_id``, from a seed derived from its name (the same in every process)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
+    shape = LAYOUT.tensor_shape(NUM_BLOCKS[request_id])
+    return torch.randn(shape, generator=generator, dtype=LAYOUT.torch_dtype)
+
+
+class SeededSource:
+    """Holds the requests of ``NUM_BLOCKS``; anything else is not held (KeyError)."""
+
+    def export(self, request_id: str, first_block: int) -> torch.Tensor:
+        if request_id not in NUM_BLOCKS:
+            raise KeyError(f"request {request_id!r} is not held")
+        if not 0 <= first_block <= NUM_BLOCKS[request_id]:
+            raise ValueError(f"first_block {first_block} is past the {NUM_BLOCKS[request_id]} blocks held")
+        return full_blocks(request_id)[:, :, first_block:].clone()
