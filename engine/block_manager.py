@@ -81,6 +81,10 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the prefix cache holds now (to rebuild an index from scratch)."""
+        return list(self._cached)
+
     def cached_block_id(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 

@@ -29,6 +29,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
+class MissingKVBlocksError(ValueError):
+    """A handoff skipped blocks this engine was expected to cache, and they are gone (evicted)."""
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -134,7 +138,7 @@ class LLMEngine:
         decode worker fetches them.
         """
         request_id = self._new_request_id(request_id)
-        token_ids = self._validate_prompt(prompt, params)
+        token_ids = self.validate_request(prompt, params)
         seq = self._new_sequence(request_id, token_ids, params)
         self._register(seq)
         if hold_kv:
@@ -264,6 +268,13 @@ class LLMEngine:
             blocks=self.kv_cache.export_blocks(block_ids),
         )
 
+    def export_hashes(self, request_id: str) -> list[BlockHash]:
+        """Hashes of the full blocks of a running or held request's prompt."""
+        seq = self._held.get(request_id) or self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not known here")
+        return seq.block_hashes()[: seq.num_prompt_tokens // self.block_size]
+
     def num_cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
         """How many leading blocks of a handoff this engine already holds (need not travel)."""
         return len(self.block_manager.lookup_prefix(block_hashes))
@@ -275,8 +286,8 @@ class LLMEngine:
         first_token_id: int,
         params: SamplingParams,
         kv: KVExport,
-    ) -> bool:
-        """Join a request prefilled elsewhere to the running batch; False when its blocks don't fit now."""
+    ) -> RequestOutput | None:
+        """Join a request prefilled elsewhere to the running batch; its state, or None when its blocks don't fit now."""
         if kv.model_id != self.model_id or kv.block_size != self.block_size:
             raise ValueError(
                 f"KV handoff for model {kv.model_id!r} block size {kv.block_size} does not match "
@@ -285,16 +296,16 @@ class LLMEngine:
         if kv.num_tokens != len(prompt_token_ids):
             raise ValueError(f"KV handoff covers {kv.num_tokens} tokens, the prompt has {len(prompt_token_ids)}")
         request_id = self._new_request_id(request_id)
-        token_ids = self._validate_prompt(prompt_token_ids, params)
+        token_ids = self.validate_request(prompt_token_ids, params)
         seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
         seq.append_token(first_token_id)
         hashes = list(kv.block_hashes)
         if not self.block_manager.can_import(seq, hashes, kv.num_tokens):
-            return False
+            return None
         to_copy = self.block_manager.allocate_imported(seq, hashes, kv.num_tokens)
         if to_copy and to_copy[0] < kv.first_block:
             self.block_manager.free(seq)
-            raise ValueError(
+            raise MissingKVBlocksError(
                 f"KV handoff starts at block {kv.first_block} but this engine lacks block {to_copy[0]}"
             )
         local = [i - kv.first_block for i in to_copy]
@@ -307,7 +318,7 @@ class LLMEngine:
         if detokenizer is not None:
             detokenizer.add(seq.output_token_ids)
         self.scheduler.add_running(seq)
-        return True
+        return self._output(seq, detokenizer)
 
     # ---- internals -------------------------------------------------------------------
 
@@ -320,7 +331,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
-    def _validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ``ValueError`` naming what makes the request unservable here."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):

@@ -114,8 +114,9 @@ def check_staged(
     expected_bytes = num_blocks * handoff.layout.bytes_per_block
     if response.num_blocks != num_blocks or response.total_bytes != expected_bytes:
         raise KVTransferError(
-            f"{transport} staging of {handoff.request_id!r} holds {response.num_blocks} blocks / "
-            f"{response.total_bytes} bytes, expected {num_blocks} / {expected_bytes}: layouts disagree"
+            f"{transport} staging of {handoff.request_id!r} holds {response.num_blocks} blocks "
+            f"({response.total_bytes} bytes), expected {num_blocks} blocks ({expected_bytes} bytes): "
+            "the handoff and the sender disagree"
         )
 
 

@@ -3,6 +3,11 @@
 The prefill service's servicer delegates those two RPCs here and calls
 ``release`` when a lease ends (ReleaseKV, expiry, abort) and ``close`` at
 shutdown. Exceptions become gRPC status codes in ``_abort_for`` only.
+
+Delegate FetchKV by binding (``self.FetchKV = kv_sender.FetchKV``) or by
+re-yielding from an ``async def ... yield`` method: grpc.aio recognises a
+streaming handler by being an async generator function, and a plain ``def``
+returning the generator fails with UNKNOWN.
 """
 
 from __future__ import annotations

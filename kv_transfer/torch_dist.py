@@ -30,10 +30,9 @@ import itertools
 import logging
 import socket
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
     _PairGroup = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _SENDER_RANK, _RECEIVER_RANK = 0, 1
 _STORE_PREFIX = "pdserve_kv_pair/"
@@ -107,6 +107,38 @@ def _wait(work: dist.Work, tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
+def _in_daemon_thread(name: str, function: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """Run a blocking join, send or recv on its own daemon thread; its result as an awaitable.
+
+    Not an executor: a gloo wait cannot be interrupted (abort() does not wake it),
+    and executor threads are joined at exit, so one stale transfer would hold a
+    shutting-down worker for the whole timeout.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # the awaiting side was cancelled
+            return
+        if error is None:
+            future.set_result(result)  # type: ignore[arg-type]
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome: tuple[T | None, BaseException | None] = (function(*args), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 @dataclass(eq=False)
 class _SenderPair:
     """The sender's side of one pair; ``lock`` orders its join and its posted sends."""
@@ -129,9 +161,6 @@ class TorchDistStager(KVStager):
         # one again would meet stale rendezvous keys, so the receiver is told to start afresh.
         self._broken_addresses: dict[str, None] = {}
         self._lock = threading.Lock()
-        # Joins and sends block for up to the timeout; keep them off the default executor.
-        self._executor = ThreadPoolExecutor(thread_name_prefix="kv-torch-dist-send")
-        self._transfers: set[asyncio.Future[None]] = set()
 
     async def stage(self, request_id: str, blocks: torch.Tensor, peer_address: str) -> bytes:
         if not peer_address:
@@ -148,11 +177,8 @@ class TorchDistStager(KVStager):
         # next() on itertools.count is atomic under the GIL; 2**31 transfers per pair before a tag repeats.
         tag = (next(pair.tags) - 1) % _MAX_TAG + 1
         # Returned before the send is posted: the receiver joins and receives only once it has the tag.
-        transfer = asyncio.get_running_loop().run_in_executor(
-            self._executor, self._send, peer_address, pair, tag, blocks
-        )
-        self._transfers.add(transfer)
-        transfer.add_done_callback(self._transfers.discard)
+        # _send settles its own failures; the future is not awaited.
+        _in_daemon_thread("kv-torch-dist-send", self._send, peer_address, pair, tag, blocks)
         return str(tag).encode("ascii")
 
     def _send(self, peer_address: str, pair: _SenderPair, tag: int, blocks: torch.Tensor) -> None:
@@ -204,7 +230,6 @@ class TorchDistStager(KVStager):
     def close(self) -> None:
         with self._lock:
             self._pairs.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(eq=False)
@@ -217,7 +242,7 @@ class _ReceiverPair:
     group: _PairGroup | None = None
 
     def reset(self) -> None:
-        # A join or recv still running holds its own references; it ends at its timeout.
+        # A join or recv still running holds its own references (on its daemon thread) until its timeout.
         self.store, self.peer_address, self.group = None, "", None
 
 
@@ -229,7 +254,6 @@ class TorchDistReceiver(KVReceiver):
         # Keyed by the prefill worker's address and epoch (a restarted worker is a new peer),
         # least recently used first, so pairs with departed workers age out.
         self._pairs: dict[tuple[str, str, int], _ReceiverPair] = {}
-        self._executor = ThreadPoolExecutor(thread_name_prefix="kv-torch-dist-recv")
 
     async def _fetch(
         self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
@@ -260,14 +284,13 @@ class TorchDistReceiver(KVReceiver):
                 blocks = torch.empty(
                     handoff.layout.tensor_shape(num_blocks), dtype=handoff.layout.torch_dtype, device=device
                 )
-                loop = asyncio.get_running_loop()
                 if pair.group is None:
                     assert pair.store is not None
                     host, _ = _split_host_port(pair.peer_address)
-                    pair.group = await loop.run_in_executor(
-                        self._executor, _new_group, pair.store, _RECEIVER_RANK, self.config, host
+                    pair.group = await _in_daemon_thread(
+                        "kv-torch-dist-join", _new_group, pair.store, _RECEIVER_RANK, self.config, host
                     )
-                await loop.run_in_executor(self._executor, self._recv, pair.group, blocks, tag)
+                await _in_daemon_thread("kv-torch-dist-recv", self._recv, pair.group, blocks, tag)
                 return blocks
             except BaseException as exc:
                 pair.reset()
@@ -306,4 +329,3 @@ class TorchDistReceiver(KVReceiver):
         for pair in self._pairs.values():
             pair.reset()
         self._pairs.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -21,6 +21,7 @@ from tests.kv_transfer.seeded_source import SeededSource
 class _PrefillStandIn(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, kv: KVSenderServicer) -> None:
         self.kv = kv
+        # Bound, not wrapped: grpc.aio needs FetchKV to be an async generator function itself.
         self.FetchKV = kv.FetchKV
         self.StageKV = kv.StageKV
 

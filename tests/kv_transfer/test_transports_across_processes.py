@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer import INTERNAL_GRPC_OPTIONS, MAX_CHUNK_BYTES, TransferConfig, make_receiver
+from kv_transfer import INTERNAL_GRPC_OPTIONS, MAX_CHUNK_BYTES, KVTransferError, TransferConfig, make_receiver
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.kv_transfer.seeded_source import BIG_REQUEST, LAYOUT, NUM_BLOCKS, SMALL_REQUEST, full_blocks
 from tests.kv_transfer.sender_harness import SenderProcess, handoff, running_sender, shm_segments
@@ -191,3 +191,23 @@ async def test_torch_dist_pairs_past_the_cap_age_out_and_a_restarted_peer_gets_a
             assert [key[2] for key in receiver._pairs] == [epoch]  # type: ignore[attr-defined]
     await receiver.close()
     assert all(torch.equal(blocks, expected) for blocks in results)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+async def test_a_handoff_that_disagrees_with_the_sender_fails_cleanly_and_the_next_fetch_works(
+    sender: SenderProcess, transport: str
+) -> None:
+    receiver = make_receiver(transport, CONFIG)
+    # The sender holds 3 blocks of SMALL_REQUEST; this handoff claims 2.
+    wrong = dataclasses.replace(handoff(SMALL_REQUEST, sender, transport), num_tokens=2 * LAYOUT.block_size)
+    async with _channel(sender) as channel:
+        stub = _stub(channel)
+        with pytest.raises(KVTransferError, match=r"expected .*\b2 blocks"):
+            await receiver.fetch(wrong, 0, stub)
+        blocks = await receiver.fetch(handoff(SMALL_REQUEST, sender, transport), 1, stub)
+        # An shm segment staged for the refused transfer stays until the lease ends.
+        await stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=SMALL_REQUEST))
+    await receiver.close()
+    assert torch.equal(blocks, full_blocks(SMALL_REQUEST)[:, :, 1:])
+    assert shm_segments(SHM_PREFIX) == []

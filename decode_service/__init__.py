@@ -1,0 +1,1 @@
+"""The decode worker: imports handed-off KV and generates with continuous batching."""

@@ -1,0 +1,163 @@
+"""The decode worker's gRPC service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import torch
+
+from engine.llm_engine import KVExport, MissingKVBlocksError
+from kv_transfer.base import KVReceiver, make_receiver
+from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
+from kv_transfer.descriptor import KVHandoff
+from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
+from service_common.errors import grpc_errors
+from service_common.server import Server, ServerConfig
+from service_common.worker import WorkerConfig, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """Fetches only the blocks it lacks, imports them, and streams every token after the first."""
+
+    def __init__(self, runtime: WorkerRuntime, transfer: TransferConfig) -> None:
+        self.runtime = runtime
+        self.engine = runtime.async_engine
+        self.transfer = transfer
+        self._receivers: dict[str, KVReceiver] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.PrefillWorkerStub]] = {}
+        self._background: set[asyncio.Task[object]] = set()
+
+    @grpc_errors
+    async def Decode(  # noqa: N802 - the gRPC method name
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ):
+        params = sampling_params_from_proto(request.sampling_params)
+        handoff = KVHandoff.from_proto(request.handoff)
+        prompt = list(request.prompt_token_ids)
+        self._check_handoff(handoff, prompt)
+        stub = self._stub(handoff.address)
+        kv = await self._fetch(handoff, stub, use_local_prefix=True)
+        try:
+            stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
+            first = await anext(stream)
+        except MissingKVBlocksError:
+            # Our cached prefix was evicted between the lookup and the import: take every block.
+            kv = await self._fetch(handoff, stub, use_local_prefix=False)
+            stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
+            first = await anext(stream)
+        finally:
+            self._release_lease(handoff, stub)
+        num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
+        async for output in stream:
+            response = worker_pb2.DecodeResponse(
+                token_ids=output.token_ids[num_sent:],
+                text=output.text[text_sent:],
+                finish_reason=finish_reason_to_proto(output.finish_reason),
+            )
+            if output.logprobs:
+                response.logprobs.extend(logprobs_to_proto(output.logprobs[logprobs_sent:]))
+            num_sent, text_sent = len(output.token_ids), len(output.text)
+            logprobs_sent = len(output.logprobs or [])
+            yield response
+
+    @grpc_errors
+    async def Load(  # noqa: N802
+        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadReport:
+        return self.runtime.load_report()
+
+    def _check_handoff(self, handoff: KVHandoff, prompt: list[int]) -> None:
+        engine = self.runtime.engine
+        if handoff.model_id != engine.model_id:
+            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {engine.model_id!r}")
+        if handoff.layout.block_size != engine.block_size:
+            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {engine.block_size}")
+        if handoff.num_tokens != len(prompt):
+            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt)}")
+
+    async def _fetch(
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, use_local_prefix: bool
+    ) -> KVExport:
+        first_block = 0
+        if use_local_prefix:
+            cached = await self.engine.call(lambda engine: engine.num_cached_prefix_blocks(list(handoff.block_hashes)))
+            # An import reuses only full prompt blocks; the partial last one always travels.
+            first_block = min(cached, handoff.num_tokens // handoff.layout.block_size)
+        if first_block < handoff.num_blocks:
+            blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub)
+        else:
+            blocks = torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
+        return KVExport(
+            request_id=handoff.request_id,
+            model_id=handoff.model_id,
+            block_size=handoff.layout.block_size,
+            num_tokens=handoff.num_tokens,
+            block_hashes=handoff.block_hashes,
+            first_block=first_block,
+            blocks=blocks,
+        )
+
+    def _receiver(self, transport: str) -> KVReceiver:
+        if transport not in self._receivers:
+            self._receivers[transport] = make_receiver(transport, self.transfer)
+        return self._receivers[transport]
+
+    def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        if address not in self._channels:
+            channel = grpc.aio.insecure_channel(address, options=list(INTERNAL_GRPC_OPTIONS))
+            self._channels[address] = (channel, worker_pb2_grpc.PrefillWorkerStub(channel))
+        return self._channels[address][1]
+
+    def _release_lease(self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub) -> None:
+        async def release() -> None:
+            try:
+                await stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=handoff.request_id), timeout=5)
+            except grpc.aio.AioRpcError as error:
+                # The lease expires on its own; this only frees the blocks sooner.
+                log.warning("ReleaseKV for %s failed: %s", handoff.request_id, error.code())
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            await asyncio.gather(task, return_exceptions=True)
+        for channel, _ in self._channels.values():
+            await channel.close()
+
+
+class DecodeServer:
+    """A decode worker: engine thread, gRPC server, registry entry."""
+
+    def __init__(
+        self,
+        engine,
+        server_config: ServerConfig,
+        worker_config: WorkerConfig,
+        transfer: TransferConfig | None = None,
+        advertise_host: str | None = None,
+    ) -> None:
+        self.runtime = WorkerRuntime(engine, worker_config)
+        self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig())
+        self.server = Server(server_config, [SERVICE_NAME])
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.server.grpc_server)
+        self.advertise_host = advertise_host or server_config.host
+
+    async def start(self) -> int:
+        port = await self.server.start()
+        await self.runtime.start(f"{self.advertise_host}:{port}")
+        log.info("decode worker %s serving on %s", self.runtime.config.worker_id, self.runtime.address)
+        return port
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        await self.servicer.close()
+        await self.runtime.stop()

@@ -1,0 +1,187 @@
+"""The public Generation service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import grpc
+
+from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
+from gateway.router import NoWorkerAvailable, Router
+from gateway.workers import WorkerHandle, WorkerPool
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from protos.pdserve.v1.internal import worker_pb2
+from service_common.errors import Unavailable, grpc_errors
+from service_common.server import Server, ServerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Tokenize, route, prefill (first token streamed at once), then relay the decode stream."""
+
+    def __init__(self, router: Router, tokenizer: Any, transport: str) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @grpc_errors
+    async def Generate(  # noqa: N802 - the gRPC method name
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
+        token_ids = self._prompt_token_ids(request)
+        request_id = request.request_id or f"gw-{uuid.uuid4().hex}"
+        try:
+            choice = await self.router.choose_prefill(token_ids)
+            decode = self.router.choose_decode()
+        except NoWorkerAvailable as error:
+            raise Unavailable(str(error)) from error
+        prefill = choice.worker
+        prefill_request = worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            transport=self.transport,
+        )
+        with _inflight(prefill, len(token_ids)):
+            prefill_response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
+        usage = generation_pb2.Usage(
+            prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
+        )
+        first = generation_pb2.GenerateResponse(
+            request_id=request_id, token_ids=[prefill_response.first_token_id], text=prefill_response.text
+        )
+        if prefill_response.HasField("logprobs"):
+            first.logprobs.append(prefill_response.logprobs)
+        if prefill_response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            first.finish_reason = prefill_response.finish_reason
+            first.usage.CopyFrom(usage)
+            yield first
+            return
+
+        decode_request = worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            handoff=prefill_response.handoff,
+        )
+        # Open the decode stream (it starts fetching the KV) before the first
+        # token goes out, so the two overlap; the client never waits for it.
+        call = decode.stub.Decode(decode_request, timeout=context.time_remaining())
+        finished = False
+        with _inflight(decode, 0):
+            try:
+                yield first
+                async for piece in call:
+                    usage.completion_tokens += len(piece.token_ids)
+                    response = generation_pb2.GenerateResponse(
+                        request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
+                    )
+                    if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                        response.finish_reason = piece.finish_reason
+                        response.usage.CopyFrom(usage)
+                        finished = True
+                    yield response
+            finally:
+                if not finished:
+                    # Client cancel, deadline or a failed decode: stop the decode
+                    # worker's request and free the prefill worker's pinned blocks.
+                    call.cancel()
+                    self._release_prefill(prefill, request_id)
+
+    @grpc_errors
+    async def ModelInfo(  # noqa: N802
+        self, request: generation_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelInfoResponse:
+        workers = self.router.pool.healthy("prefill") + self.router.pool.healthy("decode")
+        report = next((w.report for w in workers if w.report is not None), None)
+        if report is None:
+            raise Unavailable("no worker is available to describe the model")
+        return generation_pb2.ModelInfoResponse(
+            model_id=report.model_id,
+            max_context_length=report.max_model_len,
+            block_size=report.block_size,
+            vocab_size=report.vocab_size,
+            eos_token_ids=report.eos_token_ids,
+        )
+
+    def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        if request.prompt and request.prompt_token_ids:
+            raise ValueError("set exactly one of prompt and prompt_token_ids, not both")
+        if request.prompt:
+            if self.tokenizer is None:
+                raise ValueError("prompt (text) needs a tokenizer; send prompt_token_ids")
+            token_ids = list(self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
+        else:
+            token_ids = list(request.prompt_token_ids)
+        if not token_ids:
+            raise ValueError("prompt must not be empty: set prompt or prompt_token_ids")
+        return token_ids
+
+    def _release_prefill(self, prefill: WorkerHandle, request_id: str) -> None:
+        async def release() -> None:
+            try:
+                await prefill.stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass  # the lease expires on its own
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _inflight:
+    """Counts a request against a worker while this gateway waits on it."""
+
+    def __init__(self, worker: WorkerHandle, tokens: int) -> None:
+        self.worker, self.tokens = worker, tokens
+
+    def __enter__(self) -> None:
+        self.worker.inflight_requests += 1
+        self.worker.inflight_tokens += self.tokens
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.inflight_requests -= 1
+        self.worker.inflight_tokens -= self.tokens
+
+
+class GatewayServer:
+    """The gateway process: worker pool, router, public server."""
+
+    def __init__(
+        self,
+        server_config: ServerConfig,
+        tokenizer: Any,
+        prefill_addresses: list[str] = (),  # type: ignore[assignment]
+        decode_addresses: list[str] = (),  # type: ignore[assignment]
+        redis_url: str | None = None,
+        redis_prefix: str = "pdserve",
+        transport: str = "grpc",
+        poll_s: float = 0.5,
+    ) -> None:
+        self._redis = connect(redis_url) if redis_url else None
+        registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
+        lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
+        self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s)
+        self.router = Router(self.pool, lookup)
+        self.servicer = GenerationServicer(self.router, tokenizer, transport)
+        self.server = Server(server_config, [SERVICE_NAME])
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server.grpc_server)
+
+    async def start(self) -> int:
+        await self.pool.start()
+        port = await self.server.start()
+        log.info("gateway serving on %s:%d", self.server.config.host, port)
+        return port
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        await self.pool.stop()
+        if self._redis is not None:
+            await self._redis.aclose()

@@ -1,0 +1,156 @@
+"""The prefill worker's gRPC service."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import grpc
+import torch
+
+from engine.llm_engine import LLMEngine
+from kv_transfer.config import TransferConfig
+from kv_transfer.descriptor import KVHandoff, KVLayout
+from kv_transfer.sender import KVSenderServicer
+from prefill_service.leases import LeaseTable
+from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
+from service_common.errors import grpc_errors
+from service_common.server import Server, ServerConfig
+from service_common.worker import WorkerConfig, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    """Prefill with ``max_tokens=1`` and ``hold_kv``: the first token comes back, the blocks stay pinned."""
+
+    def __init__(self, runtime: WorkerRuntime, lease_s: float, transfer: TransferConfig) -> None:
+        self.runtime = runtime
+        self.engine = runtime.async_engine
+        self.leases = LeaseTable(lease_s, self._end_lease)
+        self.sender = KVSenderServicer(self, transfer)
+        engine = runtime.engine
+        self.layout = KVLayout(
+            num_layers=int(engine.hf_config.num_hidden_layers),
+            num_kv_heads=engine.model.num_kv_heads,
+            head_dim=engine.model.head_dim,
+            block_size=engine.block_size,
+            dtype=str(engine.dtype).removeprefix("torch."),
+        )
+
+    # KVSource, called by the transports from a worker thread.
+    def export(self, request_id: str, first_block: int) -> torch.Tensor:
+        return self.engine.call_blocking(lambda engine: _export_held(engine, request_id, first_block), timeout_s=30)
+
+    @grpc_errors
+    async def Prefill(  # noqa: N802 - the gRPC method name
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        params = sampling_params_from_proto(request.sampling_params)
+        prompt = list(request.prompt_token_ids)
+        # Checked with the client's max_tokens, not the capped one used below.
+        await self.engine.call(lambda engine: engine.validate_request(prompt, params))
+        final = None
+        # The first token only; cancelling this RPC aborts the request and frees its blocks.
+        async for output in self.engine.generate(
+            prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True
+        ):
+            final = output
+        assert final is not None and final.token_ids
+        response = worker_pb2.PrefillResponse(
+            first_token_id=final.token_ids[0],
+            text=final.text,
+            cached_prompt_tokens=final.num_cached_tokens,
+        )
+        if final.logprobs:
+            response.logprobs.CopyFrom(logprobs_to_proto(final.logprobs)[0])
+        if final.finish_reason == "stop" or params.max_tokens == 1:
+            # The first token already ends the request: nothing to hand off.
+            response.finish_reason = finish_reason_to_proto(final.finish_reason)
+            await self.engine.call(lambda engine: engine.release_kv(request.request_id))
+            return response
+        deadline_ms = self.leases.grant(request.request_id)
+        block_hashes = await self.engine.call(lambda engine: tuple(engine.export_hashes(request.request_id)))
+        handoff = KVHandoff(
+            request_id=request.request_id,
+            model_id=self.runtime.engine.model_id,
+            layout=self.layout,
+            block_hashes=block_hashes,
+            num_tokens=len(prompt),
+            first_token_id=final.token_ids[0],
+            transport=request.transport or "grpc",
+            address=self.runtime.address,
+            lease_deadline_ms=deadline_ms,
+            worker_id=self.runtime.config.worker_id,
+            epoch=self.runtime.epoch,
+        )
+        response.handoff.CopyFrom(handoff.to_proto())
+        return response
+
+    async def FetchKV(self, request: worker_pb2.FetchKVRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        async for chunk in self.sender.FetchKV(request, context):
+            yield chunk
+
+    async def StageKV(  # noqa: N802
+        self, request: worker_pb2.StageKVRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.StageKVResponse:
+        return await self.sender.StageKV(request, context)
+
+    @grpc_errors
+    async def ReleaseKV(  # noqa: N802
+        self, request: worker_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseKVResponse:
+        self.leases.release(request.request_id)
+        return worker_pb2.ReleaseKVResponse()
+
+    @grpc_errors
+    async def Load(  # noqa: N802
+        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadReport:
+        return self.runtime.load_report()
+
+    def _end_lease(self, request_id: str) -> None:
+        self.sender.release(request_id)
+        if self.engine.is_alive:
+            asyncio.get_running_loop().create_task(self.engine.call(lambda engine: engine.release_kv(request_id)))
+
+
+def _export_held(engine: LLMEngine, request_id: str, first_block: int) -> torch.Tensor:
+    if request_id not in engine.held_request_ids:
+        raise KeyError(f"request {request_id!r} holds no KV here (unknown, released or lease expired)")
+    return engine.export_kv(request_id, first_block).blocks
+
+
+class PrefillServer:
+    """A prefill worker: engine thread, gRPC server, registry entry."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        server_config: ServerConfig,
+        worker_config: WorkerConfig,
+        lease_s: float = 30.0,
+        transfer: TransferConfig | None = None,
+        advertise_host: str | None = None,
+    ) -> None:
+        self.runtime = WorkerRuntime(engine, worker_config)
+        self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig())
+        self.server = Server(server_config, [SERVICE_NAME])
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.server.grpc_server)
+        self.advertise_host = advertise_host or server_config.host
+
+    async def start(self) -> int:
+        port = await self.server.start()
+        await self.runtime.start(f"{self.advertise_host}:{port}")
+        log.info("prefill worker %s serving on %s", self.runtime.config.worker_id, self.runtime.address)
+        return port
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        self.servicer.leases.release_all()
+        self.servicer.sender.close()
+        await self.runtime.stop()

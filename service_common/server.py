@@ -1,0 +1,95 @@
+"""Building and running a grpc.aio server the way every pdserve process does."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Internal messages carry KV chunks of at most 1 MiB plus framing; public ones
+# carry prompts. Both limits are explicit so a bad peer cannot make us buffer more.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a server listens and how large a message it accepts."""
+
+    host: str = "127.0.0.1"  # loopback unless configured otherwise
+    port: int = 0  # 0: an ephemeral port
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 5.0
+
+    @property
+    def options(self) -> list[tuple[str, int]]:
+        return channel_options(self.max_message_bytes)
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def install_uvloop() -> bool:
+    """Use uvloop's event loop policy when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+class Server:
+    """A grpc.aio server with health and reflection, bound to one port."""
+
+    def __init__(self, config: ServerConfig, service_names: Sequence[str]) -> None:
+        self.config = config
+        self.grpc_server = grpc.aio.server(options=config.options)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.grpc_server)
+        self._service_names = list(service_names)
+        self.port = 0
+
+    async def start(self) -> int:
+        self.port = self.grpc_server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await self.grpc_server.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._service_names]:
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def stop(self) -> None:
+        """Refuse new calls, let running ones finish within the grace period, then stop."""
+        await self.set_serving(False)
+        await self.grpc_server.stop(self.config.grace_s)
+
+
+async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
+    """Wait for SIGINT or SIGTERM, then run ``stop``."""
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopped.set)
+    await stopped.wait()
+    log.info("shutting down")
+    await stop()

@@ -1,0 +1,151 @@
+"""A worker process's runtime: its engine thread, its registry entry and its prefix-index publishing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from cluster_index import (
+    BlockEventBatch,
+    Heartbeat,
+    PrefixIndexPublisher,
+    WorkerInfo,
+    WorkerRegistry,
+    connect,
+)
+from engine.async_engine import AsyncEngine
+from engine.block_manager import BlockEvent, BlockStored
+from engine.llm_engine import LLMEngine
+from protos.pdserve.v1.internal import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Identity of a worker in the cluster and where its index lives."""
+
+    role: str  # "prefill" or "decode"
+    worker_id: str
+    redis_url: str | None = None  # None: no registry, no prefix index (static routing)
+    redis_prefix: str = "pdserve"
+    heartbeat_ttl_s: float = 10.0
+
+
+class WorkerRuntime:
+    """Owns the engine thread; registers the worker and publishes its prefix blocks when Redis is configured."""
+
+    def __init__(self, engine: LLMEngine, config: WorkerConfig) -> None:
+        self.config = config
+        self.engine = engine
+        self.epoch = time.time_ns()
+        self.async_engine = AsyncEngine(engine, on_block_events=self._on_block_events)
+        self.address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batch = BlockEventBatch()
+        self._events_ready = asyncio.Event()
+        self._publisher: PrefixIndexPublisher | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._publish_task: asyncio.Task[None] | None = None
+        self._redis = None
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.config.worker_id,
+            role=self.config.role,  # type: ignore[arg-type]
+            address=self.address,
+            epoch=self.epoch,
+            model_id=self.engine.model_id,
+            block_size=self.engine.block_size,
+        )
+
+    async def start(self, address: str) -> None:
+        self.address = address
+        self._loop = asyncio.get_running_loop()
+        self._events_ready = asyncio.Event()
+        self.async_engine.start()
+        if self.config.redis_url is None:
+            return
+        self._redis = connect(self.config.redis_url)
+        registry = WorkerRegistry(self._redis, self.config.redis_prefix, ttl_s=self.config.heartbeat_ttl_s)
+        self._publisher = PrefixIndexPublisher(self._redis, self.config.redis_prefix, self.info)
+        await self._publisher.reset()
+        await self._resync()
+        self._heartbeat = Heartbeat(registry, self.info, load_provider=self.load_fields, on_reregistered=self._resync)
+        self._heartbeat.start()
+        self._publish_task = asyncio.create_task(self._publish_loop(), name="prefix-index-publisher")
+
+    async def stop(self) -> None:
+        if self._publish_task is not None:
+            self._publish_task.cancel()
+            await asyncio.gather(self._publish_task, return_exceptions=True)
+        if self._heartbeat is not None:
+            await self._heartbeat.stop(deregister=True)
+        if self._publisher is not None:
+            await self._publisher.clear()
+        if self._redis is not None:
+            await self._redis.aclose()
+        await self.async_engine.stop()
+
+    def load_fields(self) -> dict[str, float]:
+        stats = self.async_engine.latest_stats
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_queued_tokens": stats.num_queued_tokens,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_total_blocks": stats.num_total_blocks,
+        }
+
+    def load_report(self) -> worker_pb2.LoadReport:
+        stats = self.async_engine.latest_stats
+        return worker_pb2.LoadReport(
+            worker_id=self.config.worker_id,
+            role=self.config.role,
+            epoch=self.epoch,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_queued_tokens=stats.num_queued_tokens,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            model_id=self.engine.model_id,
+            block_size=self.engine.block_size,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            eos_token_ids=sorted(self.engine.eos_token_ids),
+        )
+
+    # ---- prefix index -----------------------------------------------------------------
+
+    def _on_block_events(self, events: list[BlockEvent]) -> None:
+        # Engine thread: hand the events to the loop, in order.
+        loop = self._loop
+        if loop is None or self._publisher is None:
+            return
+        loop.call_soon_threadsafe(self._queue_events, events)
+
+    def _queue_events(self, events: list[BlockEvent]) -> None:
+        for event in events:
+            self._batch.add(isinstance(event, BlockStored), event.block_hashes)
+        self._events_ready.set()
+
+    async def _publish_loop(self) -> None:
+        assert self._publisher is not None
+        while True:
+            await self._events_ready.wait()
+            self._events_ready.clear()
+            changes = self._batch.drain()
+            if changes.stored or changes.removed:
+                await self._publisher.publish(changes.stored, changes.removed)
+            if not self._publisher.in_sync:
+                await self._resync()
+
+    async def _resync(self) -> None:
+        """Rewrite this worker's index entries from the block manager's truth."""
+        if self._publisher is None:
+            return
+        hashes = await self.async_engine.call(lambda engine: engine.block_manager.cached_hashes())
+        await self._publisher.resync(hashes)
