@@ -55,6 +55,13 @@ class LLM:
         )
         self.engine = LLMEngine(config)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` from a full engine configuration (what the CLI builds)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -1,11 +1,16 @@
-"""The ``pdserve`` console script."""
+"""The ``pdserve`` console script: offline generation, each service role, a local cluster, a client."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
@@ -13,6 +18,10 @@ DEMO_QUESTIONS = (
     "Explain in one sentence what a KV cache is.",
     "List three primary colours.",
 )
+TRANSPORTS = ("grpc", "shm", "torch_dist", "cuda_ipc")
+
+
+# ---- arguments ---------------------------------------------------------------------------
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -23,41 +32,33 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
 
 
-def _run_offline(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=default_port, help="0 picks an ephemeral port")
+    parser.add_argument("--redis-url", default=None, help="Redis for the worker registry and prefix index (default: none)")
+    parser.add_argument("--redis-prefix", default="pdserve", help="namespace of every Redis key")
+    parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
+    parser.add_argument("--ready-file", default=None, help="write host:port here once serving")
+    parser.add_argument("--log-level", default="INFO")
 
-    start = time.perf_counter()
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
-    print(f"loaded {llm.engine.model_id} in {time.perf_counter() - start:.1f} s "
-          f"({llm.engine.dtype}, {llm.engine.device}, {llm.engine.block_manager.num_blocks} KV blocks)")
-    questions = args.prompt or list(DEMO_QUESTIONS)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    conversations = [[{"role": "user", "content": q}] for q in questions]
-    start = time.perf_counter()
-    outputs = llm.chat(conversations, params)
-    elapsed = time.perf_counter() - start
-    for question, out in zip(questions, outputs):
-        print(f"\n>>> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
-    total = sum(len(o.token_ids) for o in outputs)
-    print(f"\n{len(outputs)} completions, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
-    return 0
+
+def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: int) -> None:
+    _add_engine_args(parser)
+    _add_server_args(parser, default_port)
+    parser.add_argument("--advertise-host", default=None,
+                        help="host other processes use to reach this worker (default: --host, or this "
+                        "machine's address when binding 0.0.0.0)")
+    parser.add_argument("--worker-id", default=None, help=f"stable id (default: {role}-<hostname>-<pid>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     commands = parser.add_subparsers(dest="command", required=True)
+
     offline = commands.add_parser("offline", help="generate chat completions in this process and print them")
     _add_engine_args(offline)
     offline.add_argument("prompt", nargs="*", help="user messages (default: a few demo questions)")
@@ -65,6 +66,47 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--temperature", type=float, default=0.0)
     offline.add_argument("--seed", type=int, default=None)
     offline.set_defaults(func=_run_offline)
+
+    prefill = commands.add_parser("prefill", help="run a prefill worker")
+    _add_worker_args(prefill, "prefill", 50061)
+    prefill.add_argument("--lease-seconds", type=float, default=30.0, help="how long held KV waits for its decode worker")
+    prefill.set_defaults(func=_run_prefill)
+
+    decode = commands.add_parser("decode", help="run a decode worker")
+    _add_worker_args(decode, "decode", 50071)
+    decode.set_defaults(func=_run_decode)
+
+    gateway = commands.add_parser("gateway", help="run the public gateway")
+    _add_server_args(gateway, 50051)
+    gateway.add_argument("--model", default=None, help="model whose tokenizer serves text prompts (default: embedded)")
+    gateway.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeatable)")
+    gateway.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeatable)")
+    gateway.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
+    gateway.add_argument("--wait-for-workers", type=float, default=60.0, help="seconds to wait for workers at start")
+    gateway.set_defaults(func=_run_gateway)
+
+    up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
+    up.add_argument("--model", default=None)
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    up.add_argument("--device", default="auto")
+    up.add_argument("--prefill-workers", type=int, default=1)
+    up.add_argument("--decode-workers", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    up.add_argument("--redis-prefix", default="pdserve")
+    up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
+    up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
+    up.set_defaults(func=_run_up)
+
+    generate = commands.add_parser("generate", help="stream a completion from a running gateway")
+    generate.add_argument("prompt")
+    generate.add_argument("--target", default="127.0.0.1:50051")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--timeout", type=float, default=120.0)
+    generate.set_defaults(func=_run_generate)
     return parser
 
 
@@ -75,6 +117,212 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"pdserve: error: {error}", file=sys.stderr)
         return 2
+
+
+# ---- offline -----------------------------------------------------------------------------
+
+
+def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len),
+        cache=CacheConfig(
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def _run_offline(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM.from_config(_engine_config(args))
+    engine = llm.engine
+    print(f"loaded {engine.model_id} in {time.perf_counter() - start:.1f} s "
+          f"({engine.dtype}, {engine.device}, {engine.block_manager.num_blocks} KV blocks)")
+    questions = args.prompt or list(DEMO_QUESTIONS)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in questions], params)
+    elapsed = time.perf_counter() - start
+    for question, out in zip(questions, outputs):
+        print(f"\n>>> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    total = sum(len(o.token_ids) for o in outputs)
+    print(f"\n{len(outputs)} completions, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+    return 0
+
+
+# ---- services ------------------------------------------------------------------------------
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _write_ready(path: str | None, address: str) -> None:
+    if path:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(address)
+        os.replace(tmp, path)  # the launcher never reads a half-written file
+
+
+def _advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "::", ""):
+        # In a container the hostname resolves to the address peers can reach.
+        return socket.gethostbyname(socket.gethostname())
+    return args.host
+
+
+def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
+    from service_common.server import install_uvloop, run_until_signal
+
+    install_uvloop()
+
+    async def run() -> None:
+        server = make_server()
+        port = await server.start()
+        host = getattr(server, "advertise_host", args.host)
+        _write_ready(args.ready_file, f"{host}:{port}")
+        await run_until_signal(server.stop)
+
+    asyncio.run(run())
+    return 0
+
+
+def _run_worker(args: argparse.Namespace, role: str) -> int:
+    from engine.llm_engine import LLMEngine
+    from service_common.server import ServerConfig
+    from service_common.worker import WorkerConfig
+
+    _setup_logging(args.log_level)
+    engine = LLMEngine(_engine_config(args))
+    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
+    worker_config = WorkerConfig(
+        role=role,
+        worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix,
+    )
+    advertise = _advertise_host(args)
+    if role == "prefill":
+        from prefill_service.server import PrefillServer
+
+        return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
+                                            advertise_host=advertise), args)
+    from decode_service.server import DecodeServer
+
+    return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise), args)
+
+
+def _run_prefill(args: argparse.Namespace) -> int:
+    return _run_worker(args, "prefill")
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    return _run_worker(args, "decode")
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import GatewayServer
+    from gateway.tokenizer import load_tokenizer
+    from service_common.server import ServerConfig
+
+    _setup_logging(args.log_level)
+    if not args.prefill and not args.decode and not args.redis_url:
+        raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
+    tokenizer = load_tokenizer(args.model)
+    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
+
+    class _Gateway(GatewayServer):
+        advertise_host = args.host
+
+        async def start(self) -> int:
+            port = await super().start()
+            if not await self.pool.wait_ready(args.wait_for_workers):
+                logging.getLogger("pdserve").warning("no prefill and decode worker answered yet; serving anyway")
+            return port
+
+    return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
+                                   args.redis_prefix, args.kv_transport), args)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from pdserve.launcher import ClusterConfig, LocalCluster
+
+    logging.basicConfig(level="INFO", format="%(message)s")
+    engine_args = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
+    config = ClusterConfig(
+        model=args.model, dtype=args.dtype, device=args.device, prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
+    )
+    stop = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    cluster = LocalCluster(config)
+    try:
+        endpoint = cluster.start()
+        print(f"pdserve is serving {args.model or 'the default model'} on {endpoint} "
+              f"({args.prefill_workers} prefill, {args.decode_workers} decode, transport {args.kv_transport}); "
+              f"try: pdserve generate 'Hello' --target {endpoint}", flush=True)
+        while not stop:
+            for name, process in cluster.processes:
+                if process.poll() is not None:
+                    print(f"{name} exited with status {process.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        cluster.stop()
+        print("pdserve stopped", flush=True)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    from service_common.server import channel_options
+
+    params = generation_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        params.seed = args.seed
+
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(args.target, options=channel_options()) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(prompt=args.prompt, sampling_params=params)
+            start = time.perf_counter()
+            first_at = None
+            usage, reason = None, "unfinished"
+            try:
+                async for response in stub.Generate(request, timeout=args.timeout):
+                    first_at = first_at or time.perf_counter()
+                    print(response.text, end="", flush=True)
+                    if response.HasField("usage"):
+                        usage, reason = response.usage, generation_pb2.FinishReason.Name(response.finish_reason)
+            except grpc.aio.AioRpcError as error:
+                print(f"\npdserve: {error.code().name}: {error.details()}", file=sys.stderr)
+                return 1
+            elapsed = time.perf_counter() - start
+            if usage is None or first_at is None:
+                print("\npdserve: the stream ended without a final response", file=sys.stderr)
+                return 1
+            print(f"\n[{usage.completion_tokens} tokens, {reason}, prompt {usage.prompt_tokens} "
+                  f"({usage.cached_prompt_tokens} cached), TTFT {(first_at - start) * 1000:.0f} ms, {elapsed:.2f} s]")
+            return 0
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":
