@@ -6,11 +6,15 @@ from pathlib import Path
 from typing import Any
 
 
-def load_tokenizer(model: str | None) -> Any:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model: str | None) -> Any | None:
     """AutoTokenizer for ``model`` (a local folder, a hub id, or None for the embedded default).
 
-    The default model's folder is produced by the workers' first start; the
-    locator imports neither torch nor the model code.
+    None for a local folder without tokenizer files: the gateway then serves
+    token-id prompts only. The default model's folder is produced by the
+    workers' first start; its locator imports neither torch nor the model code.
     """
     from transformers import AutoTokenizer
 
@@ -19,4 +23,6 @@ def load_tokenizer(model: str | None) -> Any:
 
         return AutoTokenizer.from_pretrained(str(ensure_default_model()))
     path = Path(model).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
     return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else model)

@@ -53,7 +53,13 @@ class WorkerPool:
     ) -> None:
         self.registry = registry
         self.poll_s = poll_s
-        self._options = channel_options(max_message_bytes)
+        # Reconnect quickly to a restarted worker: grpc's default backoff grows to minutes.
+        self._options = [
+            *channel_options(max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self.workers: dict[str, WorkerHandle] = {}
         for address in prefill_addresses:
             self._add(address, "prefill", static=True)

