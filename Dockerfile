@@ -48,7 +48,8 @@ COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PDSERVE_CACHE_DIR=/var/cache/pdserve
-USER pdserve
+# Numeric, so an orchestrator can verify the user is not root (Kubernetes' runAsNonRoot).
+USER 10001:10001
 WORKDIR /home/pdserve
 
 # gateway, prefill, decode: the CLI's default ports.

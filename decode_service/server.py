@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import torch
@@ -33,6 +34,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._receivers: dict[str, KVReceiver] = {}
         self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.PrefillWorkerStub]] = {}
         self._background: set[asyncio.Task[object]] = set()
+        self.kv_bytes_received = 0
+        self.kv_receive_seconds = 0.0
+        self.kv_transfers = 0
 
     @grpc_errors
     async def Decode(  # noqa: N802 - the gRPC method name
@@ -71,7 +75,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Load(  # noqa: N802
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadReport:
-        return self.runtime.load_report()
+        report = self.runtime.load_report()
+        report.kv_bytes_received = self.kv_bytes_received
+        report.kv_receive_seconds = self.kv_receive_seconds
+        report.kv_transfers = self.kv_transfers
+        return report
 
     def _check_handoff(self, handoff: KVHandoff, prompt: list[int]) -> None:
         engine = self.runtime.engine
@@ -87,11 +95,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> KVExport:
         first_block = 0
         if use_local_prefix:
-            cached = await self.engine.call(lambda engine: engine.num_cached_prefix_blocks(list(handoff.block_hashes)))
+            # Read from this thread, not queued behind a step: dict lookups only, and a
+            # stale answer is caught at import (MissingKVBlocksError) and refetched.
+            cached = self.runtime.engine.num_cached_prefix_blocks(list(handoff.block_hashes))
             # An import reuses only full prompt blocks; the partial last one always travels.
             first_block = min(cached, handoff.num_tokens // handoff.layout.block_size)
         if first_block < handoff.num_blocks:
+            started = time.perf_counter()
             blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub)
+            self.kv_receive_seconds += time.perf_counter() - started
+            self.kv_bytes_received += blocks.numel() * blocks.element_size()
+            self.kv_transfers += 1
         else:
             blocks = torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
         return KVExport(

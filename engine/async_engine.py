@@ -123,13 +123,35 @@ class AsyncEngine:
             raise box["error"]
         return box["result"]
 
+    def submit(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run ``fn(engine)`` on the engine thread between steps, without waiting for it."""
+        self._check_alive()
+        self._commands.put(lambda: fn(self.engine))
+
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, *, hold_kv: bool = False
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        hold_kv: bool = False,
+        validate_as: SamplingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes. Raises ``ValueError`` on bad input."""
+        """Add a request and yield its outputs until it finishes. Raises ``ValueError`` on bad input.
+
+        ``validate_as``: check the request against these parameters rather than
+        ``params`` (a prefill worker runs one token of a longer request).
+        """
         stream = self._open_stream(request_id)
+
+        def add(engine: LLMEngine) -> None:
+            # One command, so admission costs one trip to the engine thread, not two.
+            if validate_as is not None:
+                engine.validate_request(prompt, validate_as)
+            engine.add_request(prompt, params, request_id, hold_kv=hold_kv)
+
         try:
-            await self.call(lambda engine: engine.add_request(prompt, params, request_id, hold_kv=hold_kv))
+            await self.call(add)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

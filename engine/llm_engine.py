@@ -268,13 +268,6 @@ class LLMEngine:
             blocks=self.kv_cache.export_blocks(block_ids),
         )
 
-    def export_hashes(self, request_id: str) -> list[BlockHash]:
-        """Hashes of the full blocks of a running or held request's prompt."""
-        seq = self._held.get(request_id) or self._requests.get(request_id)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} is not known here")
-        return seq.block_hashes()[: seq.num_prompt_tokens // self.block_size]
-
     def num_cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
         """How many leading blocks of a handoff this engine already holds (need not travel)."""
         return len(self.block_manager.lookup_prefix(block_hashes))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 
 import grpc
 import torch
 
+from engine.hashing import hash_prompt_blocks
 from engine.llm_engine import LLMEngine
 from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import KVHandoff, KVLayout
@@ -52,12 +52,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
-        # Checked with the client's max_tokens, not the capped one used below.
-        await self.engine.call(lambda engine: engine.validate_request(prompt, params))
         final = None
-        # The first token only; cancelling this RPC aborts the request and frees its blocks.
+        # The first token only, checked against the client's max_tokens; cancelling
+        # this RPC aborts the request and frees its blocks.
         async for output in self.engine.generate(
-            prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True
+            prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True, validate_as=params
         ):
             final = output
         assert final is not None and final.token_ids
@@ -71,10 +70,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if final.finish_reason == "stop" or params.max_tokens == 1:
             # The first token already ends the request: nothing to hand off.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
-            await self.engine.call(lambda engine: engine.release_kv(request.request_id))
+            self.engine.submit(lambda engine: engine.release_kv(request.request_id))
             return response
         deadline_ms = self.leases.grant(request.request_id)
-        block_hashes = await self.engine.call(lambda engine: tuple(engine.export_hashes(request.request_id)))
+        # Computed here rather than asked of the engine thread, which is busy stepping.
+        block_hashes = tuple(hash_prompt_blocks(prompt, self.layout.block_size, self.runtime.engine.model_id))
         handoff = KVHandoff(
             request_id=request.request_id,
             model_id=self.runtime.engine.model_id,
@@ -116,7 +116,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _end_lease(self, request_id: str) -> None:
         self.sender.release(request_id)
         if self.engine.is_alive:
-            asyncio.get_running_loop().create_task(self.engine.call(lambda engine: engine.release_kv(request_id)))
+            self.engine.submit(lambda engine: engine.release_kv(request_id))
 
 
 def _export_held(engine: LLMEngine, request_id: str, first_block: int) -> torch.Tensor:

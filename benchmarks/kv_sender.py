@@ -1,0 +1,60 @@
+"""A stand-in prefill worker for the transfer benchmark: serves one held request of a given layout.
+
+``python -m benchmarks.kv_sender NUM_LAYERS KV_HEADS HEAD_DIM BLOCK_SIZE NUM_BLOCKS`` prints its port,
+serves FetchKV / StageKV / ReleaseKV on 127.0.0.1 until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import grpc
+import torch
+
+from kv_transfer import INTERNAL_GRPC_OPTIONS, KVSenderServicer, TransferConfig
+from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+
+REQUEST_ID = "bench"
+
+
+class _HeldBlocks:
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks
+
+    def export(self, request_id: str, first_block: int) -> torch.Tensor:
+        if request_id != REQUEST_ID:
+            raise KeyError(request_id)
+        # A copy, as the engine's export makes one: part of the real cost.
+        return self.blocks[:, :, first_block:].clone()
+
+
+class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, kv: KVSenderServicer) -> None:
+        self.kv = kv
+        self.FetchKV = kv.FetchKV
+        self.StageKV = kv.StageKV
+
+    async def ReleaseKV(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.kv.release(request.request_id)
+        return worker_pb2.ReleaseKVResponse()
+
+
+async def serve(layers: int, heads: int, head_dim: int, block_size: int, num_blocks: int) -> None:
+    blocks = torch.randn(layers, 2, num_blocks, block_size, heads, head_dim, generator=torch.Generator().manual_seed(0))
+    kv = KVSenderServicer(_HeldBlocks(blocks), TransferConfig(shm_prefix="pdserve_bench_"))
+    server = grpc.aio.server(options=INTERNAL_GRPC_OPTIONS)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(kv), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(port, flush=True)
+    await stop.wait()
+    await server.stop(grace=1.0)
+    kv.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(*(int(a) for a in sys.argv[1:6])))
