@@ -53,6 +53,8 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="host other processes use to reach this worker (default: --host, or this "
                         "machine's address when binding 0.0.0.0)")
     parser.add_argument("--worker-id", default=None, help=f"stable id (default: {role}-<hostname>-<pid>)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's; `pdserve up` splits the cores between workers)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +201,10 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     from service_common.worker import WorkerConfig
 
     _setup_logging(args.log_level)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     engine = LLMEngine(_engine_config(args))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
     worker_config = WorkerConfig(

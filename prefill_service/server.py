@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import grpc
 import torch
@@ -32,6 +33,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.runtime = runtime
         self.engine = runtime.async_engine
         self.leases = LeaseTable(lease_s, self._end_lease)
+        # Exports read held blocks from a transport thread while the engine thread
+        # steps: never during or after a release, hence the lock and the leased set.
+        self._export_lock = threading.Lock()
+        self._leased: set[str] = set()
         self.sender = KVSenderServicer(self, transfer)
         engine = runtime.engine
         self.layout = KVLayout(
@@ -44,7 +49,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     # KVSource, called by the transports from a worker thread.
     def export(self, request_id: str, first_block: int) -> torch.Tensor:
-        return self.engine.call_blocking(lambda engine: _export_held(engine, request_id, first_block), timeout_s=30)
+        """Copy a leased request's blocks without queueing behind a step (a prefill step takes seconds).
+
+        Safe off the engine thread: pinned blocks are neither freed nor written
+        while leased, and the lease cannot end while the copy runs.
+        """
+        with self._export_lock:
+            if request_id not in self._leased:
+                raise KeyError(f"request {request_id!r} holds no KV here (unknown, released or lease expired)")
+            return self.runtime.engine.export_kv(request_id, first_block).blocks
 
     @grpc_errors
     async def Prefill(  # noqa: N802 - the gRPC method name
@@ -72,6 +85,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
             self.engine.submit(lambda engine: engine.release_kv(request.request_id))
             return response
+        with self._export_lock:
+            self._leased.add(request.request_id)
         deadline_ms = self.leases.grant(request.request_id)
         # Computed here rather than asked of the engine thread, which is busy stepping.
         block_hashes = tuple(hash_prompt_blocks(prompt, self.layout.block_size, self.runtime.engine.model_id))
@@ -114,15 +129,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.runtime.load_report()
 
     def _end_lease(self, request_id: str) -> None:
+        with self._export_lock:
+            self._leased.discard(request_id)
         self.sender.release(request_id)
         if self.engine.is_alive:
             self.engine.submit(lambda engine: engine.release_kv(request_id))
-
-
-def _export_held(engine: LLMEngine, request_id: str, first_block: int) -> torch.Tensor:
-    if request_id not in engine.held_request_ids:
-        raise KeyError(f"request {request_id!r} holds no KV here (unknown, released or lease expired)")
-    return engine.export_kv(request_id, first_block).blocks
 
 
 class PrefillServer:

@@ -77,3 +77,53 @@ async def test_cluster_in_process_equals_transformers(llama_checkpoint: Path) ->
     finally:
         for server in reversed(servers):
             await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_gateway_serves_health_and_reflection_and_rejects_bad_prompts(llama_checkpoint: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    prefill = PrefillServer(_engine(llama_checkpoint, 32), ServerConfig(), WorkerConfig("prefill", "p0"))
+    decode = DecodeServer(_engine(llama_checkpoint, 32), ServerConfig(), WorkerConfig("decode", "d0"))
+    servers: list = []
+    try:
+        p_port = await prefill.start()
+        servers.append(prefill)
+        d_port = await decode.start()
+        servers.append(decode)
+        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"])
+        g_port = await gateway.start()
+        servers.append(gateway)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="pdserve.v1.Generation")
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            responses = [
+                r async for r in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            ]
+            names = sorted(s.name for s in responses[0].list_services_response.service)
+            assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "pdserve.v1.Generation"]
+
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            params = generation_pb2.SamplingParams(max_tokens=4)
+            bad = [
+                (generation_pb2.GenerateRequest(sampling_params=params), "prompt must not be empty"),
+                (generation_pb2.GenerateRequest(prompt="x", prompt_token_ids=[1], sampling_params=params), "exactly one"),
+                (generation_pb2.GenerateRequest(prompt="text", sampling_params=params), "tokenizer"),
+                (generation_pb2.GenerateRequest(prompt_token_ids=[1, 600], sampling_params=params), "outside the vocabulary"),
+                (generation_pb2.GenerateRequest(prompt_token_ids=[1], sampling_params=generation_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+                (generation_pb2.GenerateRequest(prompt_token_ids=[1], sampling_params=generation_pb2.SamplingParams(top_p=1.5)), "top_p"),
+            ]
+            for request, message in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await _collect(stub, request)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert message in caught.value.details()
+            tokens, _ = await _collect(stub, generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params))
+            assert len(tokens) == 4 or tokens[-1] == 7
+    finally:
+        for server in reversed(servers):
+            await server.stop()
