@@ -9,15 +9,15 @@ import time
 import grpc
 import torch
 
-from engine.llm_engine import KVExport, MissingKVBlocksError
+from engine.llm_engine import KVExport, LLMEngine, MissingKVBlocksError
 from kv_transfer.base import KVReceiver, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import KVHandoff
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import grpc_errors
-from service_common.server import Server, ServerConfig
-from service_common.worker import WorkerConfig, WorkerRuntime
+from service_common.server import ServerConfig
+from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
 log = logging.getLogger(__name__)
 
@@ -148,30 +148,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await channel.close()
 
 
-class DecodeServer:
+class DecodeServer(WorkerServer):
     """A decode worker: engine thread, gRPC server, registry entry."""
 
     def __init__(
         self,
-        engine,
+        engine: LLMEngine,
         server_config: ServerConfig,
         worker_config: WorkerConfig,
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
     ) -> None:
-        self.runtime = WorkerRuntime(engine, worker_config)
+        super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
         self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig())
-        self.server = Server(server_config, [SERVICE_NAME])
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.server.grpc_server)
-        self.advertise_host = advertise_host or server_config.host
 
-    async def start(self) -> int:
-        port = await self.server.start()
-        await self.runtime.start(f"{self.advertise_host}:{port}")
-        log.info("decode worker %s serving on %s", self.runtime.config.worker_id, self.runtime.address)
-        return port
-
-    async def stop(self) -> None:
-        await self.server.stop()
+    async def close_servicer(self) -> None:
         await self.servicer.close()
-        await self.runtime.stop()

@@ -34,17 +34,25 @@ class NoWorkerAvailable(RuntimeError):
 class Router:
     """Stateless apart from round-robin tie-breaking; load lives in the pool's handles."""
 
-    def __init__(self, pool: WorkerPool, lookup: PrefixIndexLookup | None) -> None:
+    POLICIES = ("prefix", "round_robin")
+
+    def __init__(self, pool: WorkerPool, lookup: PrefixIndexLookup | None, policy: str = "prefix") -> None:
+        if policy not in self.POLICIES:
+            raise ValueError(f"routing policy must be one of {self.POLICIES}, got {policy!r}")
         self.pool = pool
         self.lookup = lookup
+        self.policy = policy
         self._tiebreak = itertools.count()
 
     async def choose_prefill(self, token_ids: list[int]) -> PrefillChoice:
         workers = self.pool.healthy("prefill")
         if not workers:
             raise NoWorkerAvailable("no prefill worker is available")
-        cached_blocks = await self._cached_blocks(workers, token_ids)
         turn = next(self._tiebreak)
+        if self.policy == "round_robin":
+            # The baseline prefix-aware routing is measured against: ignores caches and load.
+            return PrefillChoice(workers[turn % len(workers)], 0)
+        cached_blocks = await self._cached_blocks(workers, token_ids)
         best: tuple[tuple[int, int, int], WorkerHandle, int] | None = None
         for index, worker in enumerate(workers):
             block_size = worker.report.block_size if worker.report else 16

@@ -164,12 +164,13 @@ class GatewayServer:
         redis_prefix: str = "pdserve",
         transport: str = "grpc",
         poll_s: float = 0.5,
+        routing: str = "prefix",
     ) -> None:
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
         lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
         self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s)
-        self.router = Router(self.pool, lookup)
+        self.router = Router(self.pool, lookup, routing)
         self.servicer = GenerationServicer(self.router, tokenizer, transport)
         self.server = Server(server_config, [SERVICE_NAME])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server.grpc_server)

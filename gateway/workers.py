@@ -102,7 +102,7 @@ class WorkerPool:
         channel = grpc.aio.insecure_channel(address, options=self._options)
         stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         handle = WorkerHandle(address, role, channel, stub_class(channel), static=static)
-        self.workers[address] = handle
+        self.workers[f"{role}@{address}"] = handle
         return handle
 
     async def _sync_registry(self) -> None:
@@ -113,14 +113,15 @@ class WorkerPool:
             return  # keep the workers we know; Redis is only an index
         listed = set()
         for info in live:
-            listed.add(info.address)
-            if info.address not in self.workers:
+            key = f"{info.role}@{info.address}"
+            listed.add(key)
+            if key not in self.workers:
                 self._add(info.address, info.role, static=False)
                 log.info("discovered %s worker %s at %s", info.role, info.worker_id, info.address)
-        for address, worker in list(self.workers.items()):
-            if not worker.static and address not in listed:
+        for key, worker in list(self.workers.items()):
+            if not worker.static and key not in listed:
                 # Its registry entry expired: the worker is gone.
-                del self.workers[address]
+                del self.workers[key]
                 await worker.channel.close()
 
     async def _poll(self, worker: WorkerHandle) -> None:
@@ -136,7 +137,8 @@ class WorkerPool:
             log.info("%s worker at %s restarted (epoch %d)", worker.role, worker.address, report.epoch)
             worker.inflight_requests = worker.inflight_tokens = 0
         worker.report = report
-        worker.healthy = report.role == worker.role
+        # A colocated worker serves both roles from one engine.
+        worker.healthy = report.role in (worker.role, "colocated")
         worker._failures = 0
 
     async def _poll_loop(self) -> None:

@@ -78,12 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker_args(decode, "decode", 50071)
     decode.set_defaults(func=_run_decode)
 
+    colocated = commands.add_parser("colocated", help="run a worker doing prefill and decode on one engine")
+    _add_worker_args(colocated, "colocated", 50081)
+    colocated.add_argument("--lease-seconds", type=float, default=30.0)
+    colocated.set_defaults(func=_run_colocated)
+
     gateway = commands.add_parser("gateway", help="run the public gateway")
     _add_server_args(gateway, 50051)
     gateway.add_argument("--model", default=None, help="model whose tokenizer serves text prompts (default: embedded)")
     gateway.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeatable)")
     gateway.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeatable)")
     gateway.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
+    gateway.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"],
+                         help="prefill choice: longest cached prefix weighed against load, or round-robin")
     gateway.add_argument("--wait-for-workers", type=float, default=60.0, help="seconds to wait for workers at start")
     gateway.set_defaults(func=_run_gateway)
 
@@ -93,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="auto")
     up.add_argument("--prefill-workers", type=int, default=1)
     up.add_argument("--decode-workers", type=int, default=1)
+    up.add_argument("--colocated-workers", type=int, default=0,
+                    help="run N workers doing both prefill and decode instead of separate ones")
+    up.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"])
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
@@ -219,6 +229,11 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
 
         return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
                                             advertise_host=advertise), args)
+    if role == "colocated":
+        from decode_service.colocated import ColocatedServer
+
+        return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
+                                              advertise_host=advertise), args)
     from decode_service.server import DecodeServer
 
     return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise), args)
@@ -230,6 +245,10 @@ def _run_prefill(args: argparse.Namespace) -> int:
 
 def _run_decode(args: argparse.Namespace) -> int:
     return _run_worker(args, "decode")
+
+
+def _run_colocated(args: argparse.Namespace) -> int:
+    return _run_worker(args, "colocated")
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
@@ -253,7 +272,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
             return port
 
     return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
-                                   args.redis_prefix, args.kv_transport), args)
+                                   args.redis_prefix, args.kv_transport, routing=args.routing), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -267,6 +286,7 @@ def _run_up(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
+        colocated_workers=args.colocated_workers, routing=args.routing,
     )
     stop = False
 
@@ -279,8 +299,10 @@ def _run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(config)
     try:
         endpoint = cluster.start()
+        layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
+                  else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
         print(f"pdserve is serving {args.model or 'the default model'} on {endpoint} "
-              f"({args.prefill_workers} prefill, {args.decode_workers} decode, transport {args.kv_transport}); "
+              f"({layout}, transport {args.kv_transport}); "
               f"try: pdserve generate 'Hello' --target {endpoint}", flush=True)
         while not stop:
             for name, process in cluster.processes:

@@ -38,6 +38,8 @@ class ClusterConfig:
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
+    colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
+    routing: str = "prefix"  # or "round_robin"
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
     start_timeout_s: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -87,7 +89,12 @@ class LocalCluster:
         if config.model:
             common += ["--model", config.model]
         pending = []
-        for role, count in (("prefill", config.prefill_workers), ("decode", config.decode_workers)):
+        roles = (
+            (("colocated", config.colocated_workers),)
+            if config.colocated_workers
+            else (("prefill", config.prefill_workers), ("decode", config.decode_workers))
+        )
+        for role, count in roles:
             for index in range(count):
                 name = f"{role}-{index}"
                 ready = self._tmp / f"{name}.ready"
@@ -96,10 +103,14 @@ class LocalCluster:
         for role, ready in pending:
             address = self._wait_ready(ready)
             self.addresses[ready.stem] = address
-            (self.prefill_addresses if role == "prefill" else self.decode_addresses).append(address)
+            if role in ("prefill", "colocated"):
+                self.prefill_addresses.append(address)
+            if role in ("decode", "colocated"):
+                self.decode_addresses.append(address)
         gateway_ready = self._tmp / "gateway.ready"
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
-                        "--kv-transport", config.kv_transport, "--ready-file", str(gateway_ready)]
+                        "--kv-transport", config.kv_transport, "--routing", config.routing,
+                        "--ready-file", str(gateway_ready)]
         if config.model:
             gateway_args += ["--model", config.model]
         for address in self.prefill_addresses:

@@ -18,8 +18,8 @@ from prefill_service.leases import LeaseTable
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import grpc_errors
-from service_common.server import Server, ServerConfig
-from service_common.worker import WorkerConfig, WorkerRuntime
+from service_common.server import ServerConfig
+from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.engine.submit(lambda engine: engine.release_kv(request_id))
 
 
-class PrefillServer:
+class PrefillServer(WorkerServer):
     """A prefill worker: engine thread, gRPC server, registry entry."""
 
     def __init__(
@@ -148,20 +148,10 @@ class PrefillServer:
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
     ) -> None:
-        self.runtime = WorkerRuntime(engine, worker_config)
+        super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
         self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig())
-        self.server = Server(server_config, [SERVICE_NAME])
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.server.grpc_server)
-        self.advertise_host = advertise_host or server_config.host
 
-    async def start(self) -> int:
-        port = await self.server.start()
-        await self.runtime.start(f"{self.advertise_host}:{port}")
-        log.info("prefill worker %s serving on %s", self.runtime.config.worker_id, self.runtime.address)
-        return port
-
-    async def stop(self) -> None:
-        await self.server.stop()
+    async def close_servicer(self) -> None:
         self.servicer.leases.release_all()
         self.servicer.sender.close()
-        await self.runtime.stop()

@@ -19,6 +19,7 @@ from engine.async_engine import AsyncEngine
 from engine.block_manager import BlockEvent, BlockStored
 from engine.llm_engine import LLMEngine
 from protos.pdserve.v1.internal import worker_pb2
+from service_common.server import Server, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class WorkerConfig:
     """Identity of a worker in the cluster and where its index lives."""
 
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "colocated" (both, on one engine)
     worker_id: str
     redis_url: str | None = None  # None: no registry, no prefix index (static routing)
     redis_prefix: str = "pdserve"
@@ -53,9 +54,11 @@ class WorkerRuntime:
 
     @property
     def info(self) -> WorkerInfo:
+        # A colocated worker is indexed as a prefill worker: that is where prefix hits matter.
+        role = "prefill" if self.config.role == "colocated" else self.config.role
         return WorkerInfo(
             worker_id=self.config.worker_id,
-            role=self.config.role,  # type: ignore[arg-type]
+            role=role,  # type: ignore[arg-type]
             address=self.address,
             epoch=self.epoch,
             model_id=self.engine.model_id,
@@ -149,3 +152,28 @@ class WorkerRuntime:
             return
         hashes = await self.async_engine.call(lambda engine: engine.block_manager.cached_hashes())
         await self._publisher.resync(hashes)
+
+
+class WorkerServer:
+    """A worker's gRPC server around its runtime: start binds then registers; stop drains then deregisters."""
+
+    def __init__(
+        self, runtime: WorkerRuntime, server_config: ServerConfig, service_names: list[str], advertise_host: str | None
+    ) -> None:
+        self.runtime = runtime
+        self.server = Server(server_config, service_names)
+        self.advertise_host = advertise_host or server_config.host
+
+    async def start(self) -> int:
+        port = await self.server.start()
+        await self.runtime.start(f"{self.advertise_host}:{port}")
+        log.info("%s worker %s serving on %s", self.runtime.config.role, self.runtime.config.worker_id, self.runtime.address)
+        return port
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        await self.close_servicer()
+        await self.runtime.stop()
+
+    async def close_servicer(self) -> None:
+        """Free what the role's servicer holds (leases, channels), after the server stopped."""

@@ -50,6 +50,22 @@ class AttentionBackend(abc.ABC):
         """Store ``key``/``value`` at the batch's slots, then return causal attention output."""
 
 
+def write_to_cache(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store each new token's K/V at its slot; returns the caches viewed as (slots, kv_heads, head_dim)."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, slot_mapping, key)
+    flat_v.index_copy_(0, slot_mapping, value)
+    return flat_k, flat_v
+
+
 def flash_attn_available() -> bool:
     try:
         import flash_attn  # noqa: F401

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionBatch
+from engine.attention.backend import AttentionBackend, AttentionBatch, write_to_cache
 
 _PAGED_KV_PAGE_MULTIPLE = 256
 
@@ -90,11 +90,7 @@ class FlashAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: FlashMetadata,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, metadata.slot_mapping, key)
-        flat_v.index_copy_(0, metadata.slot_mapping, value)
+        flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
         out = torch.empty_like(query)
         if metadata.paged_decode:

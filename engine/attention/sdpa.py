@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionBatch
+from engine.attention.backend import AttentionBackend, AttentionBatch, write_to_cache
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,8 @@ class SdpaBackend(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: SdpaMetadata,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, metadata.slot_mapping, key)
-        flat_v.index_copy_(0, metadata.slot_mapping, value)
+        _, _, num_kv_heads, head_dim = key_cache.shape
+        flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
         out = torch.empty_like(query)
         nd = metadata.num_decodes

@@ -84,3 +84,26 @@ async def test_client_cancel_and_deadline_free_blocks_on_both_workers(llama_chec
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         prefill, decode = await _wait_idle(cluster)
         assert (decode.num_running, decode.num_free_blocks, prefill.num_free_blocks) == (0, 256, 256)
+
+
+@pytest.mark.asyncio
+async def test_colocated_worker_equals_transformers_and_moves_only_the_partial_block(
+    llama_checkpoint: Path, start_cluster
+) -> None:
+    cluster = start_cluster(cluster_config(llama_checkpoint, colocated_workers=1))
+    assert cluster.prefill_addresses == cluster.decode_addresses
+    prompts = random_prompts(LENGTHS[:8], seed=52)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = await asyncio.gather(
+        *(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)) for p in prompts)
+    )
+    oracle = Oracle(llama_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS)
+    report = await load(cluster.decode_addresses[0], "decode")
+    assert report.role == "colocated"
+    # Full prompt blocks come from the worker's own prefix cache; only partial last blocks travel.
+    partial = sum(1 for p in prompts if len(p) % 16)
+    assert report.kv_transfers == partial
+    block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # layers x (k, v) x block x kv heads x head dim x float32
+    assert report.kv_bytes_received == partial * block_bytes

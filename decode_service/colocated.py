@@ -1,0 +1,44 @@
+"""A colocated worker: prefill and decode on one engine, behind both worker services.
+
+The baseline disaggregation is measured against. The gateway sends a request's
+Prefill and Decode to the same process; the decode side finds the prompt's
+full blocks in its own prefix cache (the prefill just computed them), so only
+the partial last block travels, over loopback.
+"""
+
+from __future__ import annotations
+
+from engine.llm_engine import LLMEngine
+from decode_service.server import SERVICE_NAME as DECODE_SERVICE
+from decode_service.server import DecodeServicer
+from kv_transfer.config import TransferConfig
+from prefill_service.server import SERVICE_NAME as PREFILL_SERVICE
+from prefill_service.server import PrefillServicer
+from protos.pdserve.v1.internal import worker_pb2_grpc
+from service_common.server import ServerConfig
+from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
+
+
+class ColocatedServer(WorkerServer):
+    """One engine serving PrefillWorker and DecodeWorker."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        server_config: ServerConfig,
+        worker_config: WorkerConfig,
+        lease_s: float = 30.0,
+        transfer: TransferConfig | None = None,
+        advertise_host: str | None = None,
+    ) -> None:
+        super().__init__(WorkerRuntime(engine, worker_config), server_config, [PREFILL_SERVICE, DECODE_SERVICE], advertise_host)
+        transfer = transfer or TransferConfig()
+        self.prefill = PrefillServicer(self.runtime, lease_s, transfer)
+        self.decode = DecodeServicer(self.runtime, transfer)
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.prefill, self.server.grpc_server)
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.decode, self.server.grpc_server)
+
+    async def close_servicer(self) -> None:
+        self.prefill.leases.release_all()
+        self.prefill.sender.close()
+        await self.decode.close()
