@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
     up.set_defaults(func=_run_up)
 
+    from pdserve.bench import add_bench_arguments, run_bench
+
+    bench = commands.add_parser("bench", help="drive a running gateway with streamed requests; report serving metrics")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
+
     generate = commands.add_parser("generate", help="stream a completion from a running gateway")
     generate.add_argument("prompt")
     generate.add_argument("--target", default="127.0.0.1:50051")

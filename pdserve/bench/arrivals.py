@@ -11,6 +11,10 @@ import math
 
 import numpy as np
 
+# Arrivals draw from their own stream of --seed, so the gaps do not echo the
+# workload's lengths and ids, which are drawn from the plain seed.
+ARRIVAL_STREAM = 2
+
 
 def inter_arrival_gaps(count: int, request_rate: float, burstiness: float, seed: int) -> tuple[float, ...]:
     """``count`` gaps in seconds; all zero for an infinite rate (every request at once)."""
@@ -22,7 +26,7 @@ def inter_arrival_gaps(count: int, request_rate: float, burstiness: float, seed:
         raise ValueError(f"burstiness must be a positive finite number, got {burstiness}")
     if math.isinf(request_rate):
         return (0.0,) * count
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, ARRIVAL_STREAM])
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=count)
     return tuple(float(gap) for gap in gaps)
 

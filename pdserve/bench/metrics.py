@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -110,8 +111,7 @@ def tpot_s(record: RequestRecord) -> float | None:
 
 
 def itls_s(record: RequestRecord) -> list[float]:
-    times = record.chunk_times
-    return [later - earlier for earlier, later in zip(times, times[1:])]
+    return [later - earlier for earlier, later in pairwise(record.chunk_times)]
 
 
 def latency_samples(records: Sequence[RequestRecord]) -> LatencySamples:

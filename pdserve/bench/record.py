@@ -35,7 +35,9 @@ class RequestRecord:
 
     def __post_init__(self) -> None:
         if len(self.chunk_times) != len(self.chunk_tokens):
-            raise ValueError(f"request {self.index}: {len(self.chunk_times)} chunk times for {len(self.chunk_tokens)} chunks")
+            raise ValueError(
+                f"request {self.index}: {len(self.chunk_times)} chunk times for {len(self.chunk_tokens)} chunks"
+            )
         if self.error is None and not self.chunk_times:
             # Every latency figure starts at the first token; a success without one is a runner bug.
             raise ValueError(f"request {self.index} succeeded without a single token")
