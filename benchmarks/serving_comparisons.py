@@ -111,7 +111,7 @@ def _plot(sweep: dict[str, list[dict[str, Any]]], path: Path) -> None:
     figure = Figure(figsize=(11, 3.6))
     FigureCanvasAgg(figure)
     panels = [("output_throughput", "output tokens/s"), ("goodput", "goodput (req/s)"),
-              (("ttft", "median"), "TTFT median (ms)"), (("tpot", "median"), "TPOT median (ms)")]
+              (("ttft", "median_ms"), "TTFT median (ms)"), (("tpot", "median_ms"), "TPOT median (ms)")]
     for index, (key, label) in enumerate(panels):
         axes = figure.add_subplot(1, len(panels), index + 1)
         for name, rows in sweep.items():
