@@ -1,0 +1,84 @@
+"""The gateway's routing decisions on hand-made worker states (no servers, no Redis)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.router import NoWorkerAvailable, Router
+from gateway.workers import WorkerHandle, WorkerPool
+from protos.pdserve.v1.internal import worker_pb2
+
+
+class _FakeLookup:
+    """Stands in for the Redis index: a fixed number of cached leading blocks per worker id."""
+
+    def __init__(self, blocks: dict[str, int]) -> None:
+        self.blocks = blocks
+        self.calls: list[dict[str, int]] = []
+
+    async def longest_prefix(self, block_hashes: list[bytes], live: dict[str, int]) -> dict[str, int]:
+        self.calls.append(dict(live))
+        return {worker: self.blocks.get(worker, 0) for worker in live}
+
+
+def _pool(workers: list[tuple[str, str, int, int, int]]) -> WorkerPool:
+    """(role, worker_id, queued_tokens, running, free_blocks) per worker."""
+    pool = WorkerPool([], [])
+    for index, (role, worker_id, queued, running, free) in enumerate(workers):
+        report = worker_pb2.LoadReport(
+            worker_id=worker_id, role=role, epoch=index + 1, num_queued_tokens=queued, num_running=running,
+            num_free_blocks=free, block_size=16, model_id="m",
+        )
+        pool.workers[f"{role}@{worker_id}"] = WorkerHandle(
+            address=f"127.0.0.1:{index + 1}", role=role, channel=None, stub=None, report=report, healthy=True  # type: ignore[arg-type]
+        )
+    return pool
+
+
+@pytest.mark.asyncio
+async def test_prefill_goes_to_the_worker_holding_the_prefix_when_queues_are_equal() -> None:
+    pool = _pool([("prefill", "a", 0, 0, 100), ("prefill", "b", 0, 0, 100)])
+    lookup = _FakeLookup({"b": 6})
+    choice = await Router(pool, lookup).choose_prefill(list(range(100)))  # type: ignore[arg-type]
+    assert (choice.worker.worker_id, choice.expected_cached_tokens) == ("b", 96)
+    assert lookup.calls == [{"a": 1, "b": 2}]
+
+
+@pytest.mark.asyncio
+async def test_a_long_queue_outweighs_a_cached_prefix() -> None:
+    # b caches 96 of 100 tokens (4 to compute) but has 200 queued; a computes 100 with nothing queued.
+    pool = _pool([("prefill", "a", 0, 0, 100), ("prefill", "b", 200, 0, 100)])
+    choice = await Router(pool, _FakeLookup({"b": 6})).choose_prefill(list(range(100)))  # type: ignore[arg-type]
+    assert choice.worker.worker_id == "a"
+
+
+@pytest.mark.asyncio
+async def test_a_fully_cached_prompt_still_counts_its_last_block_as_work() -> None:
+    pool = _pool([("prefill", "a", 0, 0, 100)])
+    choice = await Router(pool, _FakeLookup({"a": 2})).choose_prefill(list(range(32)))  # type: ignore[arg-type]
+    assert choice.expected_cached_tokens == 16
+
+
+@pytest.mark.asyncio
+async def test_round_robin_ignores_caches_and_load() -> None:
+    pool = _pool([("prefill", "a", 500, 0, 100), ("prefill", "b", 0, 0, 100)])
+    router = Router(pool, _FakeLookup({"a": 6}), policy="round_robin")  # type: ignore[arg-type]
+    picks = [(await router.choose_prefill(list(range(100)))).worker.worker_id for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_decode_prefers_fewer_running_then_more_free_blocks() -> None:
+    pool = _pool([("decode", "x", 0, 3, 900), ("decode", "y", 0, 1, 100), ("decode", "z", 0, 1, 500)])
+    assert Router(pool, None).choose_decode().worker_id == "z"
+
+
+@pytest.mark.asyncio
+async def test_no_healthy_worker_raises() -> None:
+    pool = _pool([("prefill", "a", 0, 0, 100)])
+    pool.workers["prefill@a"].healthy = False
+    with pytest.raises(NoWorkerAvailable):
+        await Router(pool, None).choose_prefill([1, 2, 3])
+    with pytest.raises(NoWorkerAvailable):
+        Router(pool, None).choose_decode()
+    with pytest.raises(ValueError, match="routing policy"):
+        Router(pool, None, policy="random")
