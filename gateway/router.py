@@ -1,8 +1,9 @@
 """Choosing the prefill and decode worker of each request.
 
 Prefill: the worker with the least work before this prompt's first token —
-tokens already queued there plus the prompt tokens it would have to compute,
-which is the prompt minus the longest prefix it caches (per the Redis index).
+tokens already queued there (uncached tokens only: a queued request that hits
+the cache costs little) plus the prompt tokens it would have to compute, which
+is the prompt minus the longest prefix it caches (per the Redis index).
 A hot prefix therefore attracts traffic until its holder's queue costs more
 than recomputing the prefix elsewhere. Decode: the fewest running sequences,
 then the most free KV blocks.
@@ -42,13 +43,15 @@ class Router:
         self.pool = pool
         self.lookup = lookup
         self.policy = policy
-        self._tiebreak = itertools.count()
+        # One counter per choice: sharing one would make round-robin skip workers.
+        self._prefill_turns = itertools.count()
+        self._decode_turns = itertools.count()
 
     async def choose_prefill(self, token_ids: list[int]) -> PrefillChoice:
         workers = self.pool.healthy("prefill")
         if not workers:
             raise NoWorkerAvailable("no prefill worker is available")
-        turn = next(self._tiebreak)
+        turn = next(self._prefill_turns)
         if self.policy == "round_robin":
             # The baseline prefix-aware routing is measured against: ignores caches and load.
             return PrefillChoice(workers[turn % len(workers)], 0)
@@ -70,7 +73,7 @@ class Router:
         workers = self.pool.healthy("decode")
         if not workers:
             raise NoWorkerAvailable("no decode worker is available")
-        turn = next(self._tiebreak)
+        turn = next(self._decode_turns)
 
         def key(item: tuple[int, WorkerHandle]) -> tuple[int, int, int]:
             index, worker = item

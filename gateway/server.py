@@ -49,7 +49,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sampling_params=request.sampling_params,
             transport=self.transport,
         )
-        with _inflight(prefill, len(token_ids)):
+        # Count the work this adds there: the tokens its cache does not already hold.
+        with _inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
             prefill_response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
         usage = generation_pb2.Usage(
             prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens

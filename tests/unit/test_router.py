@@ -61,9 +61,13 @@ async def test_a_fully_cached_prompt_still_counts_its_last_block_as_work() -> No
 
 @pytest.mark.asyncio
 async def test_round_robin_ignores_caches_and_load() -> None:
-    pool = _pool([("prefill", "a", 500, 0, 100), ("prefill", "b", 0, 0, 100)])
+    pool = _pool([("prefill", "a", 500, 0, 100), ("prefill", "b", 0, 0, 100), ("decode", "d", 0, 0, 100)])
     router = Router(pool, _FakeLookup({"a": 6}), policy="round_robin")  # type: ignore[arg-type]
-    picks = [(await router.choose_prefill(list(range(100)))).worker.worker_id for _ in range(4)]
+    picks = []
+    for _ in range(4):
+        # As the gateway does: a prefill and a decode choice per request.
+        picks.append((await router.choose_prefill(list(range(100)))).worker.worker_id)
+        router.choose_decode()
     assert picks == ["a", "b", "a", "b"]
 
 
