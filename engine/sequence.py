@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 
 import torch
 
@@ -27,8 +26,6 @@ class Sequence:
     recomputes prompt and output alike.
     """
 
-    _arrival_counter = itertools.count()
-
     def __init__(
         self,
         request_id: str,
@@ -45,7 +42,6 @@ class Sequence:
         self.block_size = block_size
         self.model_id = model_id
         self.generator = generator
-        self.arrival = next(Sequence._arrival_counter)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

@@ -50,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             transport=self.transport,
         )
         # Count the work this adds there: the tokens its cache does not already hold.
-        with _inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
+        with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
             prefill_response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
         usage = generation_pb2.Usage(
             prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
@@ -76,7 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # token goes out, so the two overlap; the client never waits for it.
         call = decode.stub.Decode(decode_request, timeout=context.time_remaining())
         finished = False
-        with _inflight(decode, 0):
+        with _Inflight(decode, 0):
             try:
                 yield first
                 async for piece in call:
@@ -137,7 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         task.add_done_callback(self._background.discard)
 
 
-class _inflight:
+class _Inflight:
     """Counts a request against a worker while this gateway waits on it."""
 
     def __init__(self, worker: WorkerHandle, tokens: int) -> None:

@@ -169,3 +169,20 @@ def test_kv_import_copies_only_blocks_the_decoder_lacks(llama_checkpoint: Path) 
     kv = prefill.export_kv(request_id, first_block=skip)
     assert kv.blocks.shape[2] == 1  # only the partial fifth block travels
     assert decode.import_request("moved", prompt, first.token_ids[0], GREEDY, kv)
+
+
+def test_seeded_sampling_continues_the_same_stream_across_a_kv_handoff(llama_checkpoint: Path) -> None:
+    prompt = random_prompts([37], seed=12)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=77, ignore_eos=True)
+    (reference,) = _llm(llama_checkpoint, num_kv_blocks=64).generate([prompt], params)
+    prefill = _llm(llama_checkpoint, num_kv_blocks=64).engine
+    decode = _llm(llama_checkpoint, num_kv_blocks=64).engine
+    request_id = prefill.add_request(prompt, params, hold_kv=True)
+    (first,) = prefill.step()
+    assert decode.import_request("moved", prompt, first.token_ids[0], params, prefill.export_kv(request_id))
+    tokens: list[int] = []
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens = out.token_ids
+    # The decode side skips the draw the prefill side made for the first token.
+    assert tokens == reference.token_ids
