@@ -11,6 +11,7 @@ import grpc
 
 from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from gateway.router import NoWorkerAvailable, Router
+from gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from gateway.workers import WorkerHandle, WorkerPool
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.pdserve.v1.internal import worker_pb2
@@ -23,12 +24,13 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Tokenize, route, prefill (first token streamed at once), then relay the decode stream."""
+    """Tokenize, validate, route, prefill (first token streamed at once), then relay the decode stream."""
 
-    def __init__(self, router: Router, tokenizer: Any, transport: str) -> None:
+    def __init__(self, router: Router, tokenizer: Any, transport: str, limits: RequestLimits | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.transport = transport
+        self.limits = limits or RequestLimits()
         self._background: set[asyncio.Task[Any]] = set()
 
     @grpc_errors
@@ -36,6 +38,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         token_ids = self._prompt_token_ids(request)
+        validate_generate_request(request, token_ids, self._request_limits())
+        assert token_ids is not None  # validation rejects a prompt it could not tokenize
         request_id = request.request_id or f"gw-{uuid.uuid4().hex}"
         try:
             choice = await self.router.choose_prefill(token_ids)
@@ -112,18 +116,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=report.eos_token_ids,
         )
 
-    def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
-        if request.prompt and request.prompt_token_ids:
-            raise ValueError("set exactly one of prompt and prompt_token_ids, not both")
-        if request.prompt:
-            if self.tokenizer is None:
-                raise ValueError("prompt (text) needs a tokenizer; send prompt_token_ids")
-            token_ids = list(self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
-        else:
-            token_ids = list(request.prompt_token_ids)
-        if not token_ids:
-            raise ValueError("prompt must not be empty: set prompt or prompt_token_ids")
-        return token_ids
+    def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | None:
+        """The prompt as token ids; None for a text prompt this gateway cannot tokenize.
+
+        Which of prompt and prompt_token_ids must be set is checked by validation.
+        """
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        if request.prompt and self.tokenizer is not None:
+            return list(self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
+        return None if request.prompt else []
+
+    def _request_limits(self) -> RequestLimits:
+        """The configured limits plus the model's, once a worker has reported them.
+
+        The smallest reported values: a request must fit its prefill and its decode worker.
+        """
+        workers = self.router.pool.healthy("prefill") + self.router.pool.healthy("decode")
+        reports = [w.report for w in workers if w.report is not None]
+        if not reports:
+            return self.limits
+        return self.limits.for_model(min(r.vocab_size for r in reports), min(r.max_model_len for r in reports))
 
     def _release_prefill(self, prefill: WorkerHandle, request_id: str) -> None:
         async def release() -> None:
@@ -166,13 +179,14 @@ class GatewayServer:
         transport: str = "grpc",
         poll_s: float = 0.5,
         routing: str = "prefix",
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
         lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
         self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s)
         self.router = Router(self.pool, lookup, routing)
-        self.servicer = GenerationServicer(self.router, tokenizer, transport)
+        self.servicer = GenerationServicer(self.router, tokenizer, transport, RequestLimits(max_logprobs=max_logprobs))
         self.server = Server(server_config, [SERVICE_NAME])
         generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server.grpc_server)
 
