@@ -124,9 +124,20 @@ class AsyncEngine:
         return box["result"]
 
     def submit(self, fn: Callable[[LLMEngine], object]) -> None:
-        """Run ``fn(engine)`` on the engine thread between steps, without waiting for it."""
+        """Run ``fn(engine)`` on the engine thread between steps, without waiting for it.
+
+        Nobody waits for the result, so a failure is logged, not raised into the
+        engine loop (where it would stop the engine for every request).
+        """
         self._check_alive()
-        self._commands.put(lambda: fn(self.engine))
+
+        def run() -> None:
+            try:
+                fn(self.engine)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("a submitted engine command failed")
+
+        self._commands.put(run)
 
     async def generate(
         self,

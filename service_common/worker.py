@@ -15,7 +15,7 @@ from cluster_index import (
     WorkerRegistry,
     connect,
 )
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.block_manager import BlockEvent, BlockStored
 from engine.llm_engine import LLMEngine
 from protos.pdserve.v1.internal import worker_pb2
@@ -104,6 +104,9 @@ class WorkerRuntime:
         }
 
     def load_report(self) -> worker_pb2.LoadReport:
+        if not self.async_engine.is_alive:
+            # The gateway polls Load: an error here takes this worker out of rotation.
+            raise EngineDeadError(f"the engine of worker {self.config.worker_id} is not running")
         stats = self.async_engine.latest_stats
         return worker_pb2.LoadReport(
             worker_id=self.config.worker_id,
@@ -158,22 +161,41 @@ class WorkerServer:
     """A worker's gRPC server around its runtime: start binds then registers; stop drains then deregisters."""
 
     def __init__(
-        self, runtime: WorkerRuntime, server_config: ServerConfig, service_names: list[str], advertise_host: str | None
+        self,
+        runtime: WorkerRuntime,
+        server_config: ServerConfig,
+        service_names: list[str],
+        advertise_host: str | None,
+        watchdog_s: float = 0.5,
     ) -> None:
         self.runtime = runtime
         self.server = Server(server_config, service_names)
         self.advertise_host = advertise_host or server_config.host
+        self.watchdog_s = watchdog_s
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         port = await self.server.start()
         await self.runtime.start(f"{self.advertise_host}:{port}")
+        self._watchdog = asyncio.create_task(self._watch_engine(), name="engine-watchdog")
         log.info("%s worker %s serving on %s", self.runtime.config.role, self.runtime.config.worker_id, self.runtime.address)
         return port
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         await self.server.stop()
         await self.close_servicer()
         await self.runtime.stop()
+
+    async def _watch_engine(self) -> None:
+        """Health follows the engine thread: a dead engine makes the worker NOT_SERVING."""
+        while self.runtime.async_engine.is_alive:
+            await asyncio.sleep(self.watchdog_s)
+        log.error("engine of worker %s stopped: %r; health is NOT_SERVING", self.runtime.config.worker_id,
+                  self.runtime.async_engine.error)
+        await self.server.set_serving(False)
 
     async def close_servicer(self) -> None:
         """Free what the role's servicer holds (leases, channels), after the server stopped."""

@@ -127,3 +127,41 @@ async def test_gateway_serves_health_and_reflection_and_rejects_bad_prompts(llam
     finally:
         for server in reversed(servers):
             await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_dead_engine_thread_fails_requests_and_turns_health_to_not_serving(llama_checkpoint: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+
+    engine = _engine(llama_checkpoint, 32)
+    prefill = PrefillServer(engine, ServerConfig(), WorkerConfig("prefill", "p0"))
+    port = await prefill.start()
+    try:
+        def broken_step() -> list:
+            raise RuntimeError("simulated engine failure")
+
+        engine.step = broken_step  # type: ignore[method-assign]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            request = worker_pb2.PrefillRequest(
+                request_id="r1", prompt_token_ids=[1, 2, 3], sampling_params=generation_pb2.SamplingParams(max_tokens=4)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Prefill(request, timeout=20)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "simulated engine failure" in caught.value.details()
+            health = health_pb2_grpc.HealthStub(channel)
+            status = None
+            for _ in range(100):  # the watchdog looks every 0.5 s
+                status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Load(worker_pb2.LoadRequest(), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await prefill.stop()
