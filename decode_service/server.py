@@ -47,17 +47,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         self._check_handoff(handoff, prompt)
         stub = self._stub(handoff.address)
-        kv = await self._fetch(handoff, stub, use_local_prefix=True)
-        try:
-            stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
-            first = await anext(stream)
-        except MissingKVBlocksError:
-            # Our cached prefix was evicted between the lookup and the import: take every block.
-            kv = await self._fetch(handoff, stub, use_local_prefix=False)
-            stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
-            first = await anext(stream)
-        finally:
-            self._release_lease(handoff, stub)
+        # Counted while the KV is fetched and the import may wait for free blocks.
+        with self.runtime.admit(0):
+            try:
+                kv = await self._fetch(handoff, stub, use_local_prefix=True)
+                try:
+                    stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
+                    first = await anext(stream)
+                except MissingKVBlocksError:
+                    # Our cached prefix was evicted between the lookup and the import: take every block.
+                    kv = await self._fetch(handoff, stub, use_local_prefix=False)
+                    stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
+                    first = await anext(stream)
+            finally:
+                self._release_lease(handoff, stub)
         num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
         async for output in stream:
             response = worker_pb2.DecodeResponse(

@@ -53,6 +53,10 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="host other processes use to reach this worker (default: --host, or this "
                         "machine's address when binding 0.0.0.0)")
     parser.add_argument("--worker-id", default=None, help=f"stable id (default: {role}-<hostname>-<pid>)")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="admission limit: requests queued here before new ones get RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-queued-tokens", type=int, default=65536,
+                        help="admission limit: prompt tokens queued here before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's; `pdserve up` splits the cores between workers)")
 
@@ -228,6 +232,8 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
         redis_url=args.redis_url,
         redis_prefix=args.redis_prefix,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
     )
     advertise = _advertise_host(args)
     if role == "prefill":

@@ -68,10 +68,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         final = None
         # The first token only, checked against the client's max_tokens; cancelling
         # this RPC aborts the request and frees its blocks.
-        async for output in self.engine.generate(
-            prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True, validate_as=params
-        ):
-            final = output
+        with self.runtime.admit(len(prompt)):
+            async for output in self.engine.generate(
+                prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True, validate_as=params
+            ):
+                final = output
         assert final is not None and final.token_ids
         response = worker_pb2.PrefillResponse(
             first_token_id=final.token_ids[0],

@@ -19,6 +19,13 @@ class Unavailable(RuntimeError):
     """A worker or peer this request needs cannot be reached or has no capacity."""
 
 
+class Overloaded(RuntimeError):
+    """Admitting this request would exceed a configured queue limit: refused at once, not queued."""
+
+
+_MAPPED = (ValueError, KeyError, EngineDeadError, Unavailable, Overloaded, ConnectionError, TimeoutError)
+
+
 def status_for(error: BaseException) -> grpc.StatusCode:
     if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -28,6 +35,8 @@ def status_for(error: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(error, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
 
 
@@ -58,7 +67,7 @@ def grpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
                     yield item
             except grpc.aio.AioRpcError as error:
                 await context.abort(error.code(), error.details() or "")
-            except (ValueError, KeyError, EngineDeadError, Unavailable, ConnectionError, TimeoutError) as error:
+            except _MAPPED as error:
                 await _abort(context, error)
 
         return stream_wrapper
@@ -69,7 +78,7 @@ def grpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
             return await handler(self, request, context)
         except grpc.aio.AioRpcError as error:
             await context.abort(error.code(), error.details() or "")
-        except (ValueError, KeyError, EngineDeadError, Unavailable, ConnectionError, TimeoutError) as error:
+        except _MAPPED as error:
             await _abort(context, error)
 
     return unary_wrapper

@@ -16,6 +16,7 @@ from cluster_index import (
     connect,
 )
 from engine.async_engine import AsyncEngine, EngineDeadError
+from service_common.errors import Overloaded
 from engine.block_manager import BlockEvent, BlockStored
 from engine.llm_engine import LLMEngine
 from protos.pdserve.v1.internal import worker_pb2
@@ -33,6 +34,10 @@ class WorkerConfig:
     redis_url: str | None = None  # None: no registry, no prefix index (static routing)
     redis_prefix: str = "pdserve"
     heartbeat_ttl_s: float = 10.0
+    # Admission limits: past them a request gets RESOURCE_EXHAUSTED at once
+    # instead of waiting in an unbounded queue. An idle worker admits any request.
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 65536
 
 
 class WorkerRuntime:
@@ -51,6 +56,26 @@ class WorkerRuntime:
         self._heartbeat: Heartbeat | None = None
         self._publish_task: asyncio.Task[None] | None = None
         self._redis = None
+        # Requests admitted and not answered yet, and their tokens (event-loop thread only).
+        self._queued = (0, 0)
+
+    def admit(self, num_tokens: int) -> AdmissionTicket:
+        """Count a request against the queue limits, or raise ``Overloaded``; release the ticket when done."""
+        queued_requests, queued_tokens = self._queued
+        if queued_requests and (
+            queued_requests + 1 > self.config.max_queued_requests
+            or queued_tokens + num_tokens > self.config.max_queued_tokens
+        ):
+            raise Overloaded(
+                f"worker {self.config.worker_id} is over its admission limit ({queued_requests} requests, "
+                f"{queued_tokens} tokens queued); retry later"
+            )
+        self._queued = (queued_requests + 1, queued_tokens + num_tokens)
+        return AdmissionTicket(self, num_tokens)
+
+    def _release(self, num_tokens: int) -> None:
+        queued_requests, queued_tokens = self._queued
+        self._queued = (queued_requests - 1, queued_tokens - num_tokens)
 
     @property
     def info(self) -> WorkerInfo:
@@ -155,6 +180,19 @@ class WorkerRuntime:
             return
         hashes = await self.async_engine.call(lambda engine: engine.block_manager.cached_hashes())
         await self._publisher.resync(hashes)
+
+
+class AdmissionTicket:
+    """Holds one request's place in a worker's admission count until the context exits."""
+
+    def __init__(self, runtime: WorkerRuntime, num_tokens: int) -> None:
+        self._runtime, self._num_tokens = runtime, num_tokens
+
+    def __enter__(self) -> AdmissionTicket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._runtime._release(self._num_tokens)
 
 
 class WorkerServer:

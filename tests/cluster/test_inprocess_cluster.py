@@ -165,3 +165,34 @@ async def test_a_dead_engine_thread_fails_requests_and_turns_health_to_not_servi
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await prefill.stop()
+
+
+@pytest.mark.asyncio
+async def test_over_the_admission_limit_a_prefill_gets_resource_exhausted_at_once(llama_checkpoint: Path) -> None:
+    from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+
+    config = WorkerConfig("prefill", "p0", max_queued_requests=8, max_queued_tokens=400)
+    prefill = PrefillServer(_engine(llama_checkpoint, 256), ServerConfig(), config)
+    port = await prefill.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            params = generation_pb2.SamplingParams(max_tokens=1)
+            prompts = random_prompts([300] * 4, seed=41)
+
+            async def prefill_one(index: int) -> grpc.StatusCode:
+                request = worker_pb2.PrefillRequest(request_id=f"r{index}", prompt_token_ids=prompts[index], sampling_params=params)
+                try:
+                    await stub.Prefill(request, timeout=30)
+                except grpc.aio.AioRpcError as error:
+                    assert "admission limit" in (error.details() or "")
+                    return error.code()
+                return grpc.StatusCode.OK
+
+            codes = await asyncio.gather(*(prefill_one(i) for i in range(4)))
+            # Whichever arrives first fits the empty queue; 300 more tokens would exceed 400.
+            assert sorted(code.value[0] for code in codes) == [0, 8, 8, 8]  # OK, then RESOURCE_EXHAUSTED x3
+            # Once the queue drains, requests are admitted again.
+            assert await prefill_one(1) == grpc.StatusCode.OK
+    finally:
+        await prefill.stop()
