@@ -64,7 +64,9 @@ def _check_request_id(request_id: str, limits: RequestLimits) -> None:
     for index, char in enumerate(request_id):
         # Ids go into logs and metric labels: no control, format or line-separator characters.
         if not char.isprintable():
-            raise ValueError(f"request_id must hold printable characters only; found U+{ord(char):04X} at index {index}")
+            raise ValueError(
+                f"request_id must hold printable characters only; found U+{ord(char):04X} at index {index}"
+            )
 
 
 def _check_prompt(request: generation_pb2.GenerateRequest, token_ids: list[int] | None) -> list[int]:
@@ -94,13 +96,16 @@ def _check_sampling_params(params: generation_pb2.SamplingParams, limits: Reques
     if params.HasField("logprobs") and not 0 <= params.logprobs <= limits.max_logprobs:
         raise ValueError(f"sampling_params.logprobs must be in [0, {limits.max_logprobs}], got {params.logprobs}")
     if len(params.stop) > limits.max_stop_strings:
-        raise ValueError(f"sampling_params.stop holds {len(params.stop)} strings; the limit is {limits.max_stop_strings}")
+        raise ValueError(
+            f"sampling_params.stop holds {len(params.stop)} strings; the limit is {limits.max_stop_strings}"
+        )
     for index, stop in enumerate(params.stop):
         if not stop:
             raise ValueError(f"sampling_params.stop[{index}] must not be empty")
         if len(stop) > limits.max_stop_string_len:
             raise ValueError(
-                f"sampling_params.stop[{index}] is {len(stop)} characters long; the limit is {limits.max_stop_string_len}"
+                f"sampling_params.stop[{index}] is {len(stop)} characters long; "
+                f"the limit is {limits.max_stop_string_len}"
             )
     if len(params.stop_token_ids) > limits.max_stop_token_ids:
         raise ValueError(
@@ -130,6 +135,4 @@ def _check_model_fit(
             # max() first: one pass in C for the common, valid case.
             if ids and max(ids) >= vocab_size:
                 index = next(i for i, token_id in enumerate(ids) if token_id >= vocab_size)
-                raise ValueError(
-                    f"{field}[{index}] = {ids[index]} is outside the vocabulary [0, {vocab_size})"
-                )
+                raise ValueError(f"{field}[{index}] = {ids[index]} is outside the vocabulary [0, {vocab_size})")

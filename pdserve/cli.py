@@ -43,6 +43,8 @@ def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--redis-prefix", default="pdserve", help="namespace of every Redis key")
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument("--ready-file", default=None, help="write host:port here once serving")
+    parser.add_argument("--drain-seconds", type=float, default=30.0,
+                        help="on SIGTERM: refuse new calls, let running ones finish for this long, then exit")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -226,7 +228,8 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
 
         torch.set_num_threads(args.torch_threads)
     engine = LLMEngine(_engine_config(args))
-    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
+    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                                 grace_s=args.drain_seconds)
     worker_config = WorkerConfig(
         role=role,
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
@@ -272,7 +275,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
     if not args.prefill and not args.decode and not args.redis_url:
         raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
     tokenizer = load_tokenizer(args.model)
-    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
+    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                                 grace_s=args.drain_seconds)
 
     class _Gateway(GatewayServer):
         advertise_host = args.host

@@ -50,3 +50,28 @@ async def test_killed_decode_worker_fails_its_streams_with_unavailable_and_traff
     for prompt in prompts:
         responses = await generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=short))
         assert sum(len(r.token_ids) for r in responses) == 8
+
+
+@pytest.mark.asyncio
+async def test_sigterm_drains_in_flight_requests_then_exits_zero(llama_checkpoint: Path, start_cluster) -> None:
+    import signal
+
+    cluster = start_cluster(cluster_config(llama_checkpoint))
+    prompt = random_prompts([50], seed=71)[0]
+    params = generation_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    async with grpc.aio.insecure_channel(cluster.endpoint, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params), timeout=60)
+        received = len((await call.read()).token_ids) + len((await call.read()).token_ids)
+        decode = cluster.process("decode-0")
+        decode.send_signal(signal.SIGTERM)
+        # The running stream finishes in full while the worker drains...
+        while (response := await call.read()) is not grpc.aio.EOF:
+            received += len(response.token_ids)
+        assert received == 400
+        assert await call.code() == grpc.StatusCode.OK
+    # ...then the worker exits cleanly, and the gateway has no decode worker left.
+    assert await asyncio.to_thread(decode.wait, 30) == 0
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -30,9 +30,8 @@ CLIENT_OPTIONS = [
 
 
 def _engine(checkpoint: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=ModelConfig(model=str(checkpoint), dtype="float32"), cache=CacheConfig(num_kv_blocks=NUM_KV_BLOCKS))
-    )
+    model = ModelConfig(model=str(checkpoint), dtype="float32")
+    return LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=NUM_KV_BLOCKS)))
 
 
 class InProcessCluster:

@@ -1,4 +1,4 @@
-"""A corpus of bad requests: each gets its exact status and a message naming the field, and the cluster stays healthy."""
+"""A corpus of bad requests: each gets its exact status and a message naming the field; the cluster stays healthy."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ CORPUS = [
     _bad("one_bad_token_among_many", _ids(*range(2, 300), 100_000), "prompt_token_ids[298]"),
     # Prompt plus max_tokens against the context (1024).
     _bad("prompt_fills_context", _ids(*[5] * MAX_CONTEXT, max_tokens=1), "prompt_token_ids (1024 tokens)"),
-    _bad("default_max_tokens_overflows", _ids(*[5] * (MAX_CONTEXT - 15)), "sampling_params.max_tokens (16, the default)"),
+    _bad("default_max_tokens_overflows", _ids(*[5] * (MAX_CONTEXT - 15)), "max_tokens (16, the default)"),
     _bad("max_tokens_one_past_context", _ids(1, max_tokens=MAX_CONTEXT), "sampling_params.max_tokens (1024)"),
     _bad("max_tokens_int32_max", _params(max_tokens=2**31 - 1), "sampling_params.max_tokens"),
     _bad("million_token_prompt", _ids(*[300] * 1_000_000), "prompt_token_ids (1000000 tokens)"),
@@ -105,7 +105,7 @@ CORPUS = [
     # request_id.
     _bad("request_id_too_long", GenerateRequest(request_id="r" * 257, prompt_token_ids=[1]), "request_id is 257"),
     _bad("request_id_huge", GenerateRequest(request_id="r" * 100_000, prompt_token_ids=[1]), "request_id"),
-    _bad("request_id_nul", GenerateRequest(request_id="a\x00b", prompt_token_ids=[1]), "request_id must hold printable"),
+    _bad("request_id_nul", GenerateRequest(request_id="a\x00b", prompt_token_ids=[1]), "request_id must hold"),
     _bad("request_id_newline", GenerateRequest(request_id="a\nlevel=error", prompt_token_ids=[1]), "request_id"),
     _bad("request_id_ansi_escape", GenerateRequest(request_id="\x1b[31mred", prompt_token_ids=[1]), "request_id"),
     _bad("request_id_line_separator", GenerateRequest(request_id="a\u2028b", prompt_token_ids=[1]), "request_id"),
@@ -183,7 +183,8 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
         tokens = [token for response in responses for token in response.token_ids]
         last = responses[-1]
         # Stop token 7 may be sampled before max_tokens.
-        assert last.finish_reason == (generation_pb2.FINISH_REASON_STOP if 7 in tokens else generation_pb2.FINISH_REASON_LENGTH)
+        stopped = 7 in tokens
+        assert last.finish_reason == (generation_pb2.FINISH_REASON_STOP if stopped else generation_pb2.FINISH_REASON_LENGTH)
         assert last.usage.prompt_tokens == len(request.prompt_token_ids)
         assert last.usage.completion_tokens == len(tokens) <= request.sampling_params.max_tokens
     assert [len(entry.top_token_ids) for response in responses for entry in response.logprobs] == [20] * len(tokens)

@@ -56,7 +56,9 @@ REQUEST = st.fixed_dictionaries(
     optional={
         "prompt": st.text(max_size=2000),
         "request_id": st.one_of(
-            st.from_regex(r"[A-Za-z0-9_.:-]{1,40}", fullmatch=True), st.text(max_size=40), st.text(min_size=250, max_size=300)
+            st.from_regex(r"[A-Za-z0-9_.:-]{1,40}", fullmatch=True),
+            st.text(max_size=40),
+            st.text(min_size=250, max_size=300),
         ),
     },
 )
