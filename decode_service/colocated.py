@@ -30,13 +30,14 @@ class ColocatedServer(WorkerServer):
         lease_s: float = 30.0,
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
+        kv_failure_policy: str = "recompute",
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [PREFILL_SERVICE, DECODE_SERVICE], advertise_host)
         transfer = transfer or TransferConfig()
         self.prefill = PrefillServicer(self.runtime, lease_s, transfer)
-        self.decode = DecodeServicer(self.runtime, transfer)
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.prefill, self.server.grpc_server)
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.decode, self.server.grpc_server)
+        self.decode = DecodeServicer(self.runtime, transfer, kv_failure_policy)
+        self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.prefill)
+        self.server.add_servicer(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.decode)
 
     async def close_servicer(self) -> None:
         self.prefill.leases.release_all()

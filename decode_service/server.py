@@ -10,12 +10,12 @@ import grpc
 import torch
 
 from engine.llm_engine import KVExport, LLMEngine, MissingKVBlocksError
-from kv_transfer.base import KVReceiver, make_receiver
+from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import KVHandoff
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
-from service_common.errors import grpc_errors
+from service_common.errors import Unavailable, grpc_errors
 from service_common.server import ServerConfig
 from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
@@ -27,7 +27,13 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """Fetches only the blocks it lacks, imports them, and streams every token after the first."""
 
-    def __init__(self, runtime: WorkerRuntime, transfer: TransferConfig) -> None:
+    FAILURE_POLICIES = ("recompute", "fail")
+
+    def __init__(self, runtime: WorkerRuntime, transfer: TransferConfig, kv_failure_policy: str = "recompute") -> None:
+        if kv_failure_policy not in self.FAILURE_POLICIES:
+            raise ValueError(f"kv_failure_policy must be one of {self.FAILURE_POLICIES}, got {kv_failure_policy!r}")
+        self.kv_failure_policy = kv_failure_policy
+        self.kv_recomputes = 0
         self.runtime = runtime
         self.engine = runtime.async_engine
         self.transfer = transfer
@@ -50,15 +56,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Counted while the KV is fetched and the import may wait for free blocks.
         with self.runtime.admit(0):
             try:
-                kv = await self._fetch(handoff, stub, use_local_prefix=True)
-                try:
-                    stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
-                    first = await anext(stream)
-                except MissingKVBlocksError:
-                    # Our cached prefix was evicted between the lookup and the import: take every block.
-                    kv = await self._fetch(handoff, stub, use_local_prefix=False)
-                    stream = self.engine.import_request(handoff.request_id, prompt, handoff.first_token_id, params, kv)
-                    first = await anext(stream)
+                stream = await self._fetch_and_import(handoff, prompt, params, stub)
+                first = await anext(stream)
             finally:
                 self._release_lease(handoff, stub)
         num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
@@ -74,6 +73,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             logprobs_sent = len(output.logprobs or [])
             yield response
 
+    async def _fetch_and_import(
+        self, handoff: KVHandoff, prompt: list[int], params, stub: worker_pb2_grpc.PrefillWorkerStub  # noqa: ANN001
+    ):  # noqa: ANN202 - an async generator of RequestOutput
+        """The request's output stream: imported KV, or per policy a local recompute when the KV cannot be had."""
+        # Its own engine id: in a colocated worker the prefill side still holds the
+        # request's KV under the client's id until the lease ends.
+        request_id, first_token = f"{handoff.request_id}/decode", handoff.first_token_id
+        try:
+            kv = await self._fetch(handoff, stub, use_local_prefix=True)
+        except (grpc.aio.AioRpcError, KVTransferError) as error:
+            detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+            if self.kv_failure_policy == "fail":
+                raise Unavailable(f"KV transfer from {handoff.address} failed: {detail}") from error
+            # Never a truncated or corrupted answer: recompute the prompt here instead.
+            log.warning("KV transfer for %s failed (%s); recomputing its prompt here", request_id, detail)
+            self.kv_recomputes += 1
+            return self.engine.resume_request(request_id, prompt, first_token, params)
+        try:
+            stream = self.engine.import_request(request_id, prompt, first_token, params, kv)
+            first = await anext(stream)
+        except MissingKVBlocksError:
+            # Our cached prefix was evicted between the lookup and the import: take every block.
+            kv = await self._fetch(handoff, stub, use_local_prefix=False)
+            stream = self.engine.import_request(request_id, prompt, first_token, params, kv)
+            first = await anext(stream)
+        return _prepend(first, stream)
+
     @grpc_errors
     async def Load(  # noqa: N802
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
@@ -82,6 +108,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         report.kv_bytes_received = self.kv_bytes_received
         report.kv_receive_seconds = self.kv_receive_seconds
         report.kv_transfers = self.kv_transfers
+        report.kv_recomputes = self.kv_recomputes
         return report
 
     def _check_handoff(self, handoff: KVHandoff, prompt: list[int]) -> None:
@@ -151,6 +178,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await channel.close()
 
 
+async def _prepend(first, stream):  # noqa: ANN001, ANN202
+    try:
+        yield first
+        async for item in stream:
+            yield item
+    finally:
+        # Closing the inner stream now (not at garbage collection) aborts an
+        # unfinished request at once when the RPC is cancelled.
+        await stream.aclose()
+
+
 class DecodeServer(WorkerServer):
     """A decode worker: engine thread, gRPC server, registry entry."""
 
@@ -161,10 +199,11 @@ class DecodeServer(WorkerServer):
         worker_config: WorkerConfig,
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
+        kv_failure_policy: str = "recompute",
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
-        self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig())
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self.servicer, self.server.grpc_server)
+        self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig(), kv_failure_policy)
+        self.server.add_servicer(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer)
 
     async def close_servicer(self) -> None:
         await self.servicer.close()

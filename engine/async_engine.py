@@ -186,6 +186,23 @@ class AsyncEngine:
         async for output in self._drain(request_id, stream):
             yield output
 
+    async def resume_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """``LLMEngine.resume_request`` from asyncio; the first output is the state with the first token."""
+        stream = self._open_stream(request_id)
+
+        def resume(engine: LLMEngine) -> None:
+            self._deliver(request_id, engine.resume_request(request_id, prompt_token_ids, first_token_id, params))
+
+        try:
+            await self.call(resume)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for output in self._drain(request_id, stream):
+            yield output
+
     async def abort(self, request_id: str) -> None:
         if self.is_alive:
             await self.call(lambda engine: self._abort_on_thread(request_id))

@@ -313,6 +313,27 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         return self._output(seq, detokenizer)
 
+    def resume_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> RequestOutput:
+        """Continue a request whose first token was sampled elsewhere but whose KV never arrived.
+
+        The prompt and the first token are recomputed here (the path a preempted
+        sequence takes), then decoding goes on; a seeded request resumes its
+        random stream after the first token's draw.
+        """
+        request_id = self._new_request_id(request_id)
+        token_ids = self.validate_request(prompt_token_ids, params)
+        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
+        seq.append_token(first_token_id)
+        seq.num_cached_tokens = 0
+        self._register(seq)
+        detokenizer = self._detokenizers.get(request_id)
+        if detokenizer is not None:
+            detokenizer.add(seq.output_token_ids)
+        self.scheduler.add(seq)
+        return self._output(seq, detokenizer)
+
     # ---- internals -------------------------------------------------------------------
 
     def _new_request_id(self, request_id: str | None) -> str:
@@ -320,7 +341,8 @@ class LLMEngine:
             request_id = f"req-{next(self._request_counter)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
+        # A finished request whose KV is still held counts: reusing its id would orphan its blocks.
+        if request_id in self._requests or request_id in self._held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 

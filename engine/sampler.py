@@ -136,6 +136,8 @@ class Sampler:
         mass_before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0), value=0.0)
         # top_p == 1 must keep every token, even when float cumsum reaches 1 early.
         nucleus_drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        # The top token always stays, also when a tiny top_p rounds to 0 in float32.
+        nucleus_drop[:, 0] = False
         drop |= nucleus_drop
 
         keep = torch.empty_like(drop)

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -59,4 +62,6 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing logits by the temperature overflows float32 to NaN;
+        # the distribution is a point mass on the argmax anyway (vLLM does the same).
+        return self.temperature < _GREEDY_BELOW

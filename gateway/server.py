@@ -188,7 +188,7 @@ class GatewayServer:
         self.router = Router(self.pool, lookup, routing)
         self.servicer = GenerationServicer(self.router, tokenizer, transport, RequestLimits(max_logprobs=max_logprobs))
         self.server = Server(server_config, [SERVICE_NAME])
-        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.server.grpc_server)
+        self.server.add_servicer(generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer)
 
     async def start(self) -> int:
         await self.pool.start()

@@ -82,11 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     decode = commands.add_parser("decode", help="run a decode worker")
     _add_worker_args(decode, "decode", 50071)
+    decode.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
+                        help="when a handoff's KV cannot be fetched: recompute the prompt here, or fail with UNAVAILABLE")
     decode.set_defaults(func=_run_decode)
 
     colocated = commands.add_parser("colocated", help="run a worker doing prefill and decode on one engine")
     _add_worker_args(colocated, "colocated", 50081)
     colocated.add_argument("--lease-seconds", type=float, default=30.0)
+    colocated.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
     colocated.set_defaults(func=_run_colocated)
 
     gateway = commands.add_parser("gateway", help="run the public gateway")
@@ -248,10 +251,11 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from decode_service.colocated import ColocatedServer
 
         return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
-                                              advertise_host=advertise), args)
+                                              advertise_host=advertise, kv_failure_policy=args.kv_failure_policy), args)
     from decode_service.server import DecodeServer
 
-    return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise), args)
+    return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise,
+                                       kv_failure_policy=args.kv_failure_policy), args)
 
 
 def _run_prefill(args: argparse.Namespace) -> int:

@@ -107,10 +107,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response.handoff.CopyFrom(handoff.to_proto())
         return response
 
+    @grpc_errors
     async def FetchKV(self, request: worker_pb2.FetchKVRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         async for chunk in self.sender.FetchKV(request, context):
             yield chunk
 
+    @grpc_errors
     async def StageKV(  # noqa: N802
         self, request: worker_pb2.StageKVRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.StageKVResponse:
@@ -151,7 +153,7 @@ class PrefillServer(WorkerServer):
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
         self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig())
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self.servicer, self.server.grpc_server)
+        self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer)
 
     async def close_servicer(self) -> None:
         self.servicer.leases.release_all()

@@ -26,6 +26,22 @@ class Overloaded(RuntimeError):
 _MAPPED = (ValueError, KeyError, EngineDeadError, Unavailable, Overloaded, ConnectionError, TimeoutError)
 
 
+class Unparsable:
+    """Stands in for a request whose bytes do not parse, so the handler can answer INVALID_ARGUMENT.
+
+    grpc's own deserialization failure ends the call with UNKNOWN before any
+    handler runs; ``Server.add_servicer`` installs deserializers that return this instead.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+async def _reject_unparsable(request: object, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Unparsable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}")
+
+
 def status_for(error: BaseException) -> grpc.StatusCode:
     if isinstance(error, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -62,6 +78,7 @@ def grpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(handler)
         async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await _reject_unparsable(request, context)
             try:
                 async for item in handler(self, request, context):
                     yield item
@@ -74,6 +91,7 @@ def grpc_errors(handler: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(handler)
     async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _reject_unparsable(request, context)
         try:
             return await handler(self, request, context)
         except grpc.aio.AioRpcError as error:

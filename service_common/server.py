@@ -7,10 +7,13 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from service_common.errors import Unparsable
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,22 @@ class Server:
         self._service_names = list(service_names)
         self.port = 0
 
+    def add_servicer(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
+        """Register a servicer through its generated ``add_*_to_server``, with lenient request parsing.
+
+        A request that does not parse reaches the handler as ``Unparsable``
+        (answered INVALID_ARGUMENT by ``grpc_errors``) instead of ending as UNKNOWN.
+        """
+        capture = _HandlerCapture()
+        add_to_server(servicer, capture)
+        for service, handlers in capture.services:
+            lenient = {
+                name: handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+                for name, handler in handlers.items()
+            }
+            self.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, lenient),))
+            self.grpc_server.add_registered_method_handlers(service, lenient)
+
     async def start(self) -> int:
         self.port = self.grpc_server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
@@ -82,6 +101,29 @@ class Server:
         """Refuse new calls, let running ones finish within the grace period, then stop."""
         await self.set_serving(False)
         await self.grpc_server.stop(self.config.grace_s)
+
+
+class _HandlerCapture:
+    """Quacks like a server for a generated ``add_*_to_server``: records the method handlers."""
+
+    def __init__(self) -> None:
+        self.services: list[tuple[str, dict[str, Any]]] = []
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers arrive through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.services.append((service, handlers))
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # noqa: BLE001 - DecodeError and friends, answered by the handler
+            return Unparsable(error)
+
+    return parse
 
 
 async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:

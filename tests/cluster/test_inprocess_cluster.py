@@ -196,3 +196,46 @@ async def test_over_the_admission_limit_a_prefill_gets_resource_exhausted_at_onc
             assert await prefill_one(1) == grpc.StatusCode.OK
     finally:
         await prefill.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(llama_checkpoint: Path, policy: str) -> None:
+    import socket
+
+    from kv_transfer.descriptor import KVHandoff, KVLayout
+    from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+
+    with socket.socket() as probe:  # a loopback port nobody listens on: the prefill worker is gone
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    decode = DecodeServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("decode", "d0"), kv_failure_policy=policy)
+    port = await decode.start()
+    try:
+        prompt = random_prompts([45], seed=42)[0]
+        expected = Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+        handoff = KVHandoff(
+            request_id="orphan", model_id=str(llama_checkpoint), layout=KVLayout(3, 2, 16, 16, "float32"),
+            block_hashes=(), num_tokens=len(prompt), first_token_id=expected[0], transport="grpc", address=dead,
+            lease_deadline_ms=2**40, worker_id="gone", epoch=1,
+        )
+        request = worker_pb2.DecodeRequest(
+            request_id="orphan", prompt_token_ids=prompt, handoff=handoff.to_proto(),
+            sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            if policy == "fail":
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    [r async for r in stub.Decode(request, timeout=30)]
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert dead in caught.value.details()
+            else:
+                tokens = [t async for r in stub.Decode(request, timeout=30) for t in r.token_ids]
+                # Never truncated or corrupted: exactly what the model gives after the first token.
+                assert tokens == expected[1:]
+            report = await stub.Load(worker_pb2.LoadRequest(), timeout=5)
+            assert report.kv_recomputes == (1 if policy == "recompute" else 0)
+            assert (report.num_running, report.num_free_blocks) == (0, 64)
+    finally:
+        await decode.stop()

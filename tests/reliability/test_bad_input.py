@@ -144,12 +144,6 @@ async def test_bad_request_gets_its_status_and_a_message_naming_the_field(
 
 
 @pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="bug: grpc answers a request that does not parse (bad UTF-8, corrupt wire format) with UNKNOWN "
-    "before any handler runs; needs a lenient deserializer or interceptor in service_common",
-)
 @pytest.mark.parametrize(
     "raw",
     [bytes([0x12, 2, 0xFF, 0xFE]), b"\xff\xff\xff\xff", bytes([0x1A, 10, 1])],
@@ -165,6 +159,7 @@ async def test_unparsable_request_is_invalid_argument(cluster: InProcessCluster,
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         _ = [response async for response in generate(raw, timeout=20)]
     assert caught.value.code() == INVALID
+    assert "does not parse" in (caught.value.details() or "")
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -183,8 +178,8 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
         tokens = [token for response in responses for token in response.token_ids]
         last = responses[-1]
         # Stop token 7 may be sampled before max_tokens.
-        stopped = 7 in tokens
-        assert last.finish_reason == (generation_pb2.FINISH_REASON_STOP if stopped else generation_pb2.FINISH_REASON_LENGTH)
+        stop_or_length = generation_pb2.FINISH_REASON_STOP if 7 in tokens else generation_pb2.FINISH_REASON_LENGTH
+        assert last.finish_reason == stop_or_length
         assert last.usage.prompt_tokens == len(request.prompt_token_ids)
         assert last.usage.completion_tokens == len(tokens) <= request.sampling_params.max_tokens
     assert [len(entry.top_token_ids) for response in responses for entry in response.logprobs] == [20] * len(tokens)
@@ -199,13 +194,6 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
 
 
 @pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="bug: LLMEngine._new_request_id checks running ids but not held ones, so a second prefill with the "
-    "id of a held request replaces it in _held and its blocks are never freed (reachable through the "
-    "gateway with a client-chosen request_id sent twice at once)",
-)
 async def test_prefill_with_the_id_of_a_held_request_is_refused_and_leaks_nothing(llama_checkpoint: Path) -> None:
     # Its own cluster: when the bug bites, the leaked blocks would fail the shared cluster's idle check.
     cluster = InProcessCluster(llama_checkpoint)
@@ -216,10 +204,10 @@ async def test_prefill_with_the_id_of_a_held_request_is_refused_and_leaks_nothin
             request_id="same", prompt_token_ids=list(range(10, 60)), sampling_params=SamplingParams(max_tokens=8)
         )
         await prefill.Prefill(request, timeout=20)  # held, as for a decode worker's fetch
-        try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
             await prefill.Prefill(request, timeout=20)
-        except grpc.aio.AioRpcError as error:
-            assert error.code() == INVALID  # the fix: "request_id ... is already in use"
+        assert caught.value.code() == INVALID
+        assert "already in use" in caught.value.details()
         await prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="same"), timeout=5)
         reports = await cluster.wait_idle(timeout_s=2.0)
         assert [r.num_free_blocks for r in reports] == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]

@@ -277,3 +277,19 @@ def test_mismatched_params_or_generators_are_rejected() -> None:
         Sampler()(logits, [SamplingParams()], [None, None])
     with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
         Sampler()(logits, [SamplingParams()] * 2, [None])
+
+
+def test_temperatures_too_small_for_float32_sample_greedily() -> None:
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])
+    for temperature in (1e-6, 1e-39):
+        params = SamplingParams(temperature=temperature, seed=1)
+        assert params.is_greedy
+        out = Sampler(seed=0)(logits, [params], [torch.Generator().manual_seed(1)])
+        assert out.token_ids.tolist() == [1]
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token() -> None:
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])
+    params = SamplingParams(temperature=1.0, top_p=1e-46)
+    draws = [Sampler(seed=s)(logits, [params], [None]).token_ids.item() for s in range(20)]
+    assert draws == [1] * 20

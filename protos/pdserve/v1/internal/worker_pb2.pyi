@@ -156,7 +156,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "kv_bytes_received", "kv_receive_seconds", "kv_transfers")
+    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "kv_bytes_received", "kv_receive_seconds", "kv_transfers", "kv_recomputes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class LoadReport(_message.Message):
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     KV_RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     epoch: int
@@ -189,4 +190,5 @@ class LoadReport(_message.Message):
     kv_bytes_received: int
     kv_receive_seconds: float
     kv_transfers: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., kv_receive_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ...) -> None: ...
+    kv_recomputes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., kv_receive_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_recomputes: _Optional[int] = ...) -> None: ...
