@@ -47,8 +47,9 @@ class Router:
         self._prefill_turns = itertools.count()
         self._decode_turns = itertools.count()
 
-    async def choose_prefill(self, token_ids: list[int]) -> PrefillChoice:
-        workers = self.pool.healthy("prefill")
+    async def choose_prefill(self, token_ids: list[int], exclude: set[str] = frozenset()) -> PrefillChoice:  # type: ignore[assignment]
+        """``exclude``: addresses that just failed this request."""
+        workers = [w for w in self.pool.healthy("prefill") if w.address not in exclude]
         if not workers:
             raise NoWorkerAvailable("no prefill worker is available")
         turn = next(self._prefill_turns)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -15,7 +17,7 @@ from gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_gen
 from gateway.workers import WorkerHandle, WorkerPool
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.pdserve.v1.internal import worker_pb2
-from service_common.errors import Unavailable, grpc_errors
+from service_common.errors import Overloaded, Unavailable, grpc_errors
 from service_common.server import Server, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -26,11 +28,21 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Tokenize, validate, route, prefill (first token streamed at once), then relay the decode stream."""
 
-    def __init__(self, router: Router, tokenizer: Any, transport: str, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: Any,
+        transport: str,
+        limits: RequestLimits | None = None,
+        admission: Admission | None = None,
+        max_prefill_attempts: int = 3,
+    ) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.transport = transport
         self.limits = limits or RequestLimits()
+        self.admission = admission or Admission()
+        self.max_prefill_attempts = max_prefill_attempts
         self._background: set[asyncio.Task[Any]] = set()
 
     @grpc_errors
@@ -41,21 +53,56 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         validate_generate_request(request, token_ids, self._request_limits())
         assert token_ids is not None  # validation rejects a prompt it could not tokenize
         request_id = request.request_id or f"gw-{uuid.uuid4().hex}"
-        try:
-            choice = await self.router.choose_prefill(token_ids)
-            decode = self.router.choose_decode()
-        except NoWorkerAvailable as error:
-            raise Unavailable(str(error)) from error
-        prefill = choice.worker
+        with self.admission.admit(len(token_ids)):
+            prefill, prefill_response = await self._prefill(request, request_id, token_ids, context)
+            async for response in self._relay(request, request_id, token_ids, prefill, prefill_response, context):
+                yield response
+
+    async def _prefill(
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
+        """Prefill on the best worker; when one is unreachable (crashed, partitioned), on the next best."""
         prefill_request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=request.sampling_params,
             transport=self.transport,
         )
-        # Count the work this adds there: the tokens its cache does not already hold.
-        with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
-            prefill_response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
+        failed: set[str] = set()
+        while True:
+            try:
+                choice = await self.router.choose_prefill(token_ids, exclude=failed)
+            except NoWorkerAvailable as error:
+                raise Unavailable(str(error)) from error
+            prefill = choice.worker
+            try:
+                # Count the work this adds there: the tokens its cache does not already hold.
+                with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
+                    response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
+                return prefill, response
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= self.max_prefill_attempts:
+                    raise
+                # Nothing was streamed yet, so the request can start over elsewhere.
+                log.warning("prefill worker %s failed for %s (%s); retrying on another worker",
+                            prefill.address, request_id, error.details())
+                prefill.healthy = False
+                failed.add(prefill.address)
+
+    async def _relay(
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        prefill: WorkerHandle,
+        prefill_response: worker_pb2.PrefillResponse,
+        context: grpc.aio.ServicerContext,
+    ):
+        """The first token at once, then the decode worker's stream, ending with usage."""
         usage = generation_pb2.Usage(
             prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
         )
@@ -70,6 +117,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield first
             return
 
+        try:
+            decode = self.router.choose_decode()
+        except NoWorkerAvailable as error:
+            self._release_prefill(prefill, request_id)
+            raise Unavailable(str(error)) from error
         decode_request = worker_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -165,6 +217,36 @@ class _Inflight:
         self.worker.inflight_tokens -= self.tokens
 
 
+class Admission:
+    """The gateway's admission limits: past them a request gets RESOURCE_EXHAUSTED at once.
+
+    Counts requests in flight through this gateway and their prompt tokens, so
+    a burst cannot grow queues (and memory) without bound. An idle gateway
+    admits any single request.
+    """
+
+    def __init__(self, max_requests: int = 1024, max_tokens: int = 1 << 20) -> None:
+        if max_requests < 1 or max_tokens < 1:
+            raise ValueError("admission limits must be >= 1")
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.requests = self.tokens = 0
+
+    @contextlib.contextmanager
+    def admit(self, num_tokens: int) -> Iterator[None]:
+        if self.requests and (self.requests + 1 > self.max_requests or self.tokens + num_tokens > self.max_tokens):
+            raise Overloaded(
+                f"the gateway is over its admission limit ({self.requests} requests, {self.tokens} prompt tokens "
+                "in flight); retry later"
+            )
+        self.requests += 1
+        self.tokens += num_tokens
+        try:
+            yield
+        finally:
+            self.requests -= 1
+            self.tokens -= num_tokens
+
+
 class GatewayServer:
     """The gateway process: worker pool, router, public server."""
 
@@ -180,13 +262,21 @@ class GatewayServer:
         poll_s: float = 0.5,
         routing: str = "prefix",
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_inflight_requests: int = 1024,
+        max_inflight_tokens: int = 1 << 20,
     ) -> None:
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
         lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
         self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s)
         self.router = Router(self.pool, lookup, routing)
-        self.servicer = GenerationServicer(self.router, tokenizer, transport, RequestLimits(max_logprobs=max_logprobs))
+        self.servicer = GenerationServicer(
+            self.router,
+            tokenizer,
+            transport,
+            RequestLimits(max_logprobs=max_logprobs),
+            Admission(max_inflight_requests, max_inflight_tokens),
+        )
         self.server = Server(server_config, [SERVICE_NAME])
         self.server.add_servicer(generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer)
 

@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"],
                          help="prefill choice: longest cached prefix weighed against load, or round-robin")
     gateway.add_argument("--wait-for-workers", type=float, default=60.0, help="seconds to wait for workers at start")
+    gateway.add_argument("--max-inflight-requests", type=int, default=1024,
+                         help="admission limit: requests in flight before new ones get RESOURCE_EXHAUSTED")
+    gateway.add_argument("--max-inflight-tokens", type=int, default=1 << 20,
+                         help="admission limit: prompt tokens in flight before new requests get RESOURCE_EXHAUSTED")
+    gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     gateway.set_defaults(func=_run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -292,7 +297,9 @@ def _run_gateway(args: argparse.Namespace) -> int:
             return port
 
     return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
-                                   args.redis_prefix, args.kv_transport, routing=args.routing), args)
+                                   args.redis_prefix, args.kv_transport, routing=args.routing,
+                                   max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
+                                   max_inflight_tokens=args.max_inflight_tokens), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:

@@ -239,3 +239,40 @@ async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(llama_checkpoint
             assert (report.num_running, report.num_free_blocks) == (0, 64)
     finally:
         await decode.stop()
+
+
+@pytest.mark.asyncio
+async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(llama_checkpoint: Path) -> None:
+    prefill = PrefillServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("prefill", "p0"))
+    decode = DecodeServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("decode", "d0"))
+    servers: list = []
+    try:
+        p_port = await prefill.start()
+        servers.append(prefill)
+        d_port = await decode.start()
+        servers.append(decode)
+        gateway = GatewayServer(
+            ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], max_inflight_requests=1
+        )
+        g_port = await gateway.start()
+        servers.append(gateway)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            params = generation_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            request = generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params)
+
+            async def outcome() -> int:
+                try:
+                    tokens, _ = await _collect(stub, request)
+                    assert len(tokens) == 200
+                    return grpc.StatusCode.OK.value[0]
+                except grpc.aio.AioRpcError as error:
+                    assert "admission limit" in (error.details() or "")
+                    return error.code().value[0]
+
+            codes = await asyncio.gather(*(outcome() for _ in range(3)))
+            assert sorted(codes) == [0, 8, 8]  # one OK, two RESOURCE_EXHAUSTED
+            assert await outcome() == 0  # admitted again once idle
+    finally:
+        for server in reversed(servers):
+            await server.stop()

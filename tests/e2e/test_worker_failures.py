@@ -75,3 +75,31 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(llama_checkpoin
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.asyncio
+async def test_requests_on_a_crashed_prefill_worker_are_retried_elsewhere_and_none_is_lost(
+    llama_checkpoint: Path, start_cluster
+) -> None:
+    import signal
+
+    from tests.conftest import Oracle
+
+    cluster = start_cluster(cluster_config(llama_checkpoint, prefill_workers=2))
+    prompts = random_prompts([30, 60, 90, 120, 150, 180, 210, 240], seed=72)
+    params = generation_pb2.SamplingParams(max_tokens=12, temperature=0.0)
+    # Freeze prefill-0: requests routed to it hang until it is killed, as with a crash mid-prefill.
+    frozen = cluster.process("prefill-0")
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        pending = [
+            asyncio.create_task(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)))
+            for p in prompts
+        ]
+        await asyncio.sleep(0.5)
+    finally:
+        cluster.kill("prefill-0")
+    results = await asyncio.gather(*pending)
+    oracle = Oracle(llama_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert [t for r in responses for t in r.token_ids] == oracle.generate(prompt, 12)
