@@ -15,6 +15,7 @@ from kv_transfer.config import TransferConfig
 from prefill_service.server import SERVICE_NAME as PREFILL_SERVICE
 from prefill_service.server import PrefillServicer
 from protos.pdserve.v1.internal import worker_pb2_grpc
+from service_common.security import TlsConfig
 from service_common.server import ServerConfig
 from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
@@ -31,11 +32,13 @@ class ColocatedServer(WorkerServer):
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
         kv_failure_policy: str = "recompute",
+        client_tls: TlsConfig | None = None,
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [PREFILL_SERVICE, DECODE_SERVICE], advertise_host)
         transfer = transfer or TransferConfig()
         self.prefill = PrefillServicer(self.runtime, lease_s, transfer)
-        self.decode = DecodeServicer(self.runtime, transfer, kv_failure_policy)
+        # The decode side fetches from this worker's own address: with TLS on, it needs client_tls too.
+        self.decode = DecodeServicer(self.runtime, transfer, kv_failure_policy, client_tls)
         self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.prefill)
         self.server.add_servicer(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.decode)
 

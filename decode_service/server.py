@@ -16,6 +16,7 @@ from kv_transfer.descriptor import KVHandoff
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
+from service_common.security import TlsConfig, open_channel
 from service_common.server import ServerConfig
 from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
@@ -29,7 +30,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     FAILURE_POLICIES = ("recompute", "fail")
 
-    def __init__(self, runtime: WorkerRuntime, transfer: TransferConfig, kv_failure_policy: str = "recompute") -> None:
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        transfer: TransferConfig,
+        kv_failure_policy: str = "recompute",
+        client_tls: TlsConfig | None = None,
+    ) -> None:
         if kv_failure_policy not in self.FAILURE_POLICIES:
             raise ValueError(f"kv_failure_policy must be one of {self.FAILURE_POLICIES}, got {kv_failure_policy!r}")
         self.kv_failure_policy = kv_failure_policy
@@ -37,6 +44,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.runtime = runtime
         self.engine = runtime.async_engine
         self.transfer = transfer
+        self.client_tls = client_tls  # of the channels to prefill workers; None: plaintext
         self._receivers: dict[str, KVReceiver] = {}
         self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.PrefillWorkerStub]] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -155,7 +163,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=list(INTERNAL_GRPC_OPTIONS))
+            channel = open_channel(address, self.client_tls, INTERNAL_GRPC_OPTIONS)
             self._channels[address] = (channel, worker_pb2_grpc.PrefillWorkerStub(channel))
         return self._channels[address][1]
 
@@ -200,9 +208,10 @@ class DecodeServer(WorkerServer):
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
         kv_failure_policy: str = "recompute",
+        client_tls: TlsConfig | None = None,
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
-        self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig(), kv_failure_policy)
+        self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig(), kv_failure_policy, client_tls)
         self.server.add_servicer(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer)
 
     async def close_servicer(self) -> None:

@@ -18,6 +18,7 @@ from gateway.workers import WorkerHandle, WorkerPool
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.pdserve.v1.internal import worker_pb2
 from service_common.errors import Overloaded, Unavailable, grpc_errors
+from service_common.security import TlsConfig
 from service_common.server import Server, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -264,11 +265,12 @@ class GatewayServer:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         max_inflight_requests: int = 1024,
         max_inflight_tokens: int = 1 << 20,
+        client_tls: TlsConfig | None = None,  # of the channels to workers; None: plaintext
     ) -> None:
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
         lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
-        self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s)
+        self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s, tls=client_tls)
         self.router = Router(self.pool, lookup, routing)
         self.servicer = GenerationServicer(
             self.router,

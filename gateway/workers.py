@@ -10,6 +10,7 @@ import grpc
 
 from cluster_index import IndexUnavailable, WorkerRegistry
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from service_common.security import TlsConfig, open_channel
 from service_common.server import channel_options
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,11 @@ class WorkerPool:
         registry: WorkerRegistry | None = None,
         poll_s: float = 0.5,
         max_message_bytes: int = 4 * 1024 * 1024,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.registry = registry
         self.poll_s = poll_s
+        self.tls = tls  # of the channels to workers; None: plaintext
         # Reconnect quickly to a restarted worker: grpc's default backoff grows to minutes.
         self._options = [
             *channel_options(max_message_bytes),
@@ -99,7 +102,7 @@ class WorkerPool:
         self.refreshed.set()
 
     def _add(self, address: str, role: str, static: bool) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(address, options=self._options)
+        channel = open_channel(address, self.tls, self._options)
         stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         handle = WorkerHandle(address, role, channel, stub_class(channel), static=static)
         self.workers[f"{role}@{address}"] = handle

@@ -12,6 +12,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.security_flags import (
+    add_auth_token_argument,
+    add_client_tls_arguments,
+    add_server_tls_arguments,
+    auth_token_from_args,
+    client_tls_from_args,
+    server_tls_from_args,
+)
+
 DEMO_QUESTIONS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -46,6 +55,7 @@ def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on SIGTERM: refuse new calls, let running ones finish for this long, then exit")
     parser.add_argument("--log-level", default="INFO")
+    add_server_tls_arguments(parser)
 
 
 def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: int) -> None:
@@ -82,18 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     decode = commands.add_parser("decode", help="run a decode worker")
     _add_worker_args(decode, "decode", 50071)
+    add_client_tls_arguments(decode, "prefill workers")
     decode.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
                         help="when a handoff's KV cannot be fetched: recompute the prompt here, or fail with UNAVAILABLE")
     decode.set_defaults(func=_run_decode)
 
     colocated = commands.add_parser("colocated", help="run a worker doing prefill and decode on one engine")
     _add_worker_args(colocated, "colocated", 50081)
+    add_client_tls_arguments(colocated, "prefill workers (itself included)")
     colocated.add_argument("--lease-seconds", type=float, default=30.0)
     colocated.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
     colocated.set_defaults(func=_run_colocated)
 
     gateway = commands.add_parser("gateway", help="run the public gateway")
     _add_server_args(gateway, 50051)
+    add_client_tls_arguments(gateway, "workers")
+    add_auth_token_argument(gateway, "refuse calls (UNAUTHENTICATED) that do not carry")
     gateway.add_argument("--model", default=None, help="model whose tokenizer serves text prompts (default: embedded)")
     gateway.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeatable)")
     gateway.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeatable)")
@@ -138,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--timeout", type=float, default=120.0)
+    add_client_tls_arguments(generate, "the gateway")
+    add_auth_token_argument(generate, "send")
     generate.set_defaults(func=_run_generate)
     return parser
 
@@ -235,9 +251,12 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    # Read before the model loads, so a wrong certificate path fails at once.
+    server_tls = server_tls_from_args(args)
+    client_tls = client_tls_from_args(args) if role != "prefill" else None  # a prefill worker dials no one
     engine = LLMEngine(_engine_config(args))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                                 grace_s=args.drain_seconds)
+                                 grace_s=args.drain_seconds, tls=server_tls)
     worker_config = WorkerConfig(
         role=role,
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
@@ -256,11 +275,12 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from decode_service.colocated import ColocatedServer
 
         return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
-                                              advertise_host=advertise, kv_failure_policy=args.kv_failure_policy), args)
+                                              advertise_host=advertise, kv_failure_policy=args.kv_failure_policy,
+                                              client_tls=client_tls), args)
     from decode_service.server import DecodeServer
 
     return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise,
-                                       kv_failure_policy=args.kv_failure_policy), args)
+                                       kv_failure_policy=args.kv_failure_policy, client_tls=client_tls), args)
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
@@ -283,9 +303,11 @@ def _run_gateway(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     if not args.prefill and not args.decode and not args.redis_url:
         raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
-    tokenizer = load_tokenizer(args.model)
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                                 grace_s=args.drain_seconds)
+                                 grace_s=args.drain_seconds, tls=server_tls_from_args(args),
+                                 auth_token=auth_token_from_args(args))
+    client_tls = client_tls_from_args(args)
+    tokenizer = load_tokenizer(args.model)
 
     class _Gateway(GatewayServer):
         advertise_host = args.host
@@ -299,7 +321,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
     return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
                                    args.redis_prefix, args.kv_transport, routing=args.routing,
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
-                                   max_inflight_tokens=args.max_inflight_tokens), args)
+                                   max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -347,21 +369,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     import grpc
 
     from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    from service_common.security import bearer_metadata, open_channel
     from service_common.server import channel_options
 
     params = generation_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         params.seed = args.seed
+    tls, metadata = client_tls_from_args(args), bearer_metadata(auth_token_from_args(args))
 
     async def run() -> int:
-        async with grpc.aio.insecure_channel(args.target, options=channel_options()) as channel:
+        async with open_channel(args.target, tls, channel_options()) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = generation_pb2.GenerateRequest(prompt=args.prompt, sampling_params=params)
             start = time.perf_counter()
             first_at = None
             usage, reason = None, "unfinished"
             try:
-                async for response in stub.Generate(request, timeout=args.timeout):
+                async for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                     first_at = first_at or time.perf_counter()
                     print(response.text, end="", flush=True)
                     if response.HasField("usage"):

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -14,22 +14,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service_common.errors import Unparsable
+from service_common.security import BearerTokenInterceptor, TlsConfig, server_credentials
 
 log = logging.getLogger(__name__)
 
 # Internal messages carry KV chunks of at most 1 MiB plus framing; public ones
 # carry prompts. Both limits are explicit so a bad peer cannot make us buffer more.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where a server listens and how large a message it accepts."""
+    """Where a server listens, how large a message it accepts, and who may call it."""
 
     host: str = "127.0.0.1"  # loopback unless configured otherwise
     port: int = 0  # 0: an ephemeral port
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 5.0
+    tls: TlsConfig | None = None  # None: plaintext
+    # None: no authentication. Out of repr so the token never reaches a log line.
+    auth_token: str | None = field(default=None, repr=False)
 
     @property
     def options(self) -> list[tuple[str, int]]:
@@ -58,7 +63,12 @@ class Server:
 
     def __init__(self, config: ServerConfig, service_names: Sequence[str]) -> None:
         self.config = config
-        self.grpc_server = grpc.aio.server(options=config.options)
+        # Built now, so a missing certificate fails construction rather than the bind.
+        self._credentials = server_credentials(config.tls) if config.tls is not None else None
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token is not None else None
+        if config.auth_token is not None and config.tls is None and config.host not in LOOPBACK_HOSTS:
+            log.warning("bearer auth without TLS on %s: tokens cross the network in clear text", config.host)
+        self.grpc_server = grpc.aio.server(options=config.options, interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -83,7 +93,16 @@ class Server:
             self.grpc_server.add_registered_method_handlers(service, lenient)
 
     async def start(self) -> int:
-        self.port = self.grpc_server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self._credentials is None:
+            self.port = self.grpc_server.add_insecure_port(address)
+        else:
+            try:
+                self.port = self.grpc_server.add_secure_port(address, self._credentials)
+            except RuntimeError as error:
+                # grpc says only "failed to bind"; a key that is not the certificate's is the usual cause.
+                raise OSError(f"could not serve TLS on {address}: is the port free, and is --tls-key "
+                              f"the key of --tls-cert? ({error})") from error
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self.grpc_server.start()

@@ -38,6 +38,12 @@ from pdserve.bench.workload import (
     build_workload,
     warmup_requests,
 )
+from pdserve.security_flags import (
+    add_auth_token_argument,
+    add_client_tls_arguments,
+    auth_token_from_args,
+    client_tls_from_args,
+)
 
 T = TypeVar("T")
 
@@ -48,6 +54,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--backend", default="grpc", choices=BACKENDS, help="protocol of the server (default grpc)")
     server.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT", help="the gateway to drive")
     server.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="deadline of each request")
+    add_client_tls_arguments(server, "the gateway")
+    add_auth_token_argument(server, "send")
 
     workload = parser.add_argument_group("workload (every draw seeded by --seed)")
     workload.add_argument("--workload", default="random", choices=WORKLOAD_KINDS,
@@ -110,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         workload=workload,
         backend=args.backend,
         target=args.target,
+        tls=client_tls_from_args(args),
         request_rates=args.sweep or (args.request_rate,),
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
@@ -126,13 +135,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``pdserve bench``; 0 once any request completed, 1 otherwise. Bad options raise ValueError."""
-    return asyncio.run(bench(config_from_args(args)))
+    return asyncio.run(bench(config_from_args(args), auth_token=auth_token_from_args(args)))
 
 
-async def bench(config: BenchConfig, out: TextIO | None = None) -> int:
-    """Every run of ``config``, its tables on ``out`` (default stdout), then the JSON and plots it asks for."""
+async def bench(config: BenchConfig, out: TextIO | None = None, auth_token: str | None = None) -> int:
+    """Every run of ``config``, its tables on ``out`` (default stdout), then the JSON and plots it asks for.
+
+    ``auth_token`` stays out of ``config``: the config is written to the result JSON.
+    """
     out = out or sys.stdout  # looked up per call, so a replaced sys.stdout (tests, redirection) is honoured
-    backend = make_backend(config)
+    backend = make_backend(config, auth_token)
     try:
         try:
             model = await backend.model_info()
@@ -168,11 +180,11 @@ async def bench(config: BenchConfig, out: TextIO | None = None) -> int:
     return 0 if any(result.metrics.completed for result in results) else 1
 
 
-def make_backend(config: BenchConfig) -> Backend:
+def make_backend(config: BenchConfig, auth_token: str | None = None) -> Backend:
     # The only backend so far; an OpenAI-HTTP one is added here and to config.BACKENDS.
     from pdserve.bench.grpc_backend import GrpcBackend
 
-    return GrpcBackend(config.target)
+    return GrpcBackend(config.target, tls=config.tls, auth_token=auth_token)
 
 
 async def _warm_up(

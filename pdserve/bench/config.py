@@ -6,10 +6,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.bench.metrics import SLOs
 from pdserve.bench.runner import RunConfig, SamplingConfig
 from pdserve.bench.workload import WorkloadConfig
+
+if TYPE_CHECKING:
+    from service_common.security import TlsConfig
 
 BACKENDS = ("grpc",)
 SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
@@ -22,6 +26,7 @@ class BenchConfig:
     workload: WorkloadConfig
     backend: str = "grpc"
     target: str = "127.0.0.1:50051"
+    tls: TlsConfig | None = None  # of the connection to the target; None: plaintext
     request_rates: tuple[float, ...] = (math.inf,)  # one run per rate, in order, on the same workload
     burstiness: float = 1.0
     max_concurrency: int | None = None

@@ -9,6 +9,7 @@ import grpc
 
 from pdserve.bench.backend import BackendError, BackendRequest, ModelDescription, StreamChunk, Usage
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from service_common.security import TlsConfig, bearer_metadata, open_channel
 from service_common.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 MODEL_INFO_TIMEOUT_S = 10.0
@@ -26,15 +27,20 @@ class GrpcBackend:
         target: str,
         clock: Callable[[], float] = time.perf_counter,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: TlsConfig | None = None,
+        auth_token: str | None = None,
     ) -> None:
         self.target = target
         self._clock = clock
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._channel = open_channel(target, tls, channel_options(max_message_bytes))
+        self._metadata = bearer_metadata(auth_token)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def model_info(self) -> ModelDescription:
         try:
-            info = await self._stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S)
+            info = await self._stub.ModelInfo(
+                generation_pb2.ModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as error:
             raise BackendError(error.code().name, error.details() or "") from error
         return ModelDescription(
@@ -42,7 +48,7 @@ class GrpcBackend:
         )
 
     async def stream(self, request: BackendRequest) -> AsyncIterator[StreamChunk]:
-        call = self._stub.Generate(to_proto(request), timeout=request.timeout_s)
+        call = self._stub.Generate(to_proto(request), timeout=request.timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 timestamp = self._clock()
