@@ -161,11 +161,7 @@ class AsyncEngine:
                 engine.validate_request(prompt, validate_as)
             engine.add_request(prompt, params, request_id, hold_kv=hold_kv)
 
-        try:
-            await self.call(add)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        await self._start(request_id, add)
         async for output in self._drain(request_id, stream):
             yield output
 
@@ -178,11 +174,7 @@ class AsyncEngine:
         """
         stream = self._open_stream(request_id)
         pending = _PendingImport(request_id, prompt_token_ids, first_token_id, params, kv)
-        try:
-            await self.call(lambda engine: self._try_import(pending, queue_if_full=True))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        await self._start(request_id, lambda engine: self._try_import(pending, queue_if_full=True))
         async for output in self._drain(request_id, stream):
             yield output
 
@@ -195,11 +187,7 @@ class AsyncEngine:
         def resume(engine: LLMEngine) -> None:
             self._deliver(request_id, engine.resume_request(request_id, prompt_token_ids, first_token_id, params))
 
-        try:
-            await self.call(resume)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        await self._start(request_id, resume)
         async for output in self._drain(request_id, stream):
             yield output
 
@@ -208,6 +196,32 @@ class AsyncEngine:
             await self.call(lambda engine: self._abort_on_thread(request_id))
 
     # ---- internals (asyncio side) -------------------------------------------------------
+
+    async def _start(self, request_id: str, start: Callable[[LLMEngine], object]) -> None:
+        """Run ``start`` (which adds the request) on the engine thread; undo it if the caller goes away.
+
+        A caller cancelled while the command waits behind a long step would
+        otherwise leave a request nobody reads (or, with hold_kv, blocks held
+        forever): the abort queued behind the command runs after it, FIFO.
+        """
+        started = False
+
+        def run(engine: LLMEngine) -> None:
+            nonlocal started
+            start(engine)
+            started = True
+
+        try:
+            await self.call(run)
+        except asyncio.CancelledError:
+            self._streams.pop(request_id, None)
+            self._commands.put(lambda: started and self._abort_on_thread(request_id))
+            raise
+        except BaseException:
+            # Rejected (e.g. a duplicate id): nothing was added, and aborting
+            # here would hit the other request that owns the id.
+            self._streams.pop(request_id, None)
+            raise
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -299,7 +313,10 @@ class AsyncEngine:
                 if self._pending_imports:
                     self._retry_pending_imports()
                 if engine.has_unfinished_requests():
-                    for output in engine.step():
+                    outputs = engine.step()
+                    # Before the outputs reach anyone: a Load right after one must see this step.
+                    self.latest_stats = engine.stats()
+                    for output in outputs:
                         self._deliver(output.request_id, output)
                     if self._on_block_events is not None:
                         events = engine.drain_block_events()

@@ -85,7 +85,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
                     response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
                 return prefill, response
-            except grpc.aio.AioRpcError as error:
+            except BaseException as error:
+                # Cancelled or failed after the worker may have granted the lease:
+                # release it now rather than pinning the blocks until it expires.
+                self._release_prefill(prefill, request_id)
+                if not isinstance(error, grpc.aio.AioRpcError):
+                    raise
                 if error.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= self.max_prefill_attempts:
                     raise
                 # Nothing was streamed yet, so the request can start over elsewhere.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from cluster_index import (
     BlockEventBatch,
+    IndexUnavailable,
     Heartbeat,
     PrefixIndexPublisher,
     WorkerInfo,
@@ -102,7 +103,9 @@ class WorkerRuntime:
         self._publisher = PrefixIndexPublisher(self._redis, self.config.redis_prefix, self.info)
         await self._publisher.reset()
         await self._resync()
-        self._heartbeat = Heartbeat(registry, self.info, load_provider=self.load_fields, on_reregistered=self._resync)
+        self._heartbeat = Heartbeat(
+            registry, self.info, load_provider=self.load_fields, on_reregistered=self._resync_or_raise
+        )
         self._heartbeat.start()
         self._publish_task = asyncio.create_task(self._publish_loop(), name="prefix-index-publisher")
 
@@ -174,12 +177,17 @@ class WorkerRuntime:
             if not self._publisher.in_sync:
                 await self._resync()
 
-    async def _resync(self) -> None:
-        """Rewrite this worker's index entries from the block manager's truth."""
+    async def _resync(self) -> bool:
+        """Rewrite this worker's index entries from the block manager's truth; False if Redis failed."""
         if self._publisher is None:
-            return
+            return True
         hashes = await self.async_engine.call(lambda engine: engine.block_manager.cached_hashes())
-        await self._publisher.resync(hashes)
+        return await self._publisher.resync(hashes)
+
+    async def _resync_or_raise(self) -> None:
+        # The heartbeat retries its hook only when the hook raises.
+        if not await self._resync():
+            raise IndexUnavailable("resyncing the prefix index failed; retrying on the next heartbeat")
 
 
 class AdmissionTicket:

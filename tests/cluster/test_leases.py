@@ -58,7 +58,8 @@ async def long_lease(llama_checkpoint: Path) -> AsyncIterator[tuple[PrefillServe
 async def _wait_free_blocks(stub: worker_pb2_grpc.PrefillWorkerStub, expected: int, timeout_s: float = 5.0) -> int:
     """The worker's free block count once it equals ``expected``, or the last one seen after ``timeout_s``.
 
-    Releases run on the engine thread after the RPC that caused them returns, hence the wait.
+    Releases run on the engine thread after the RPC that caused them returns, and the engine
+    publishes its stats just after delivering a step's outputs, hence the wait either way.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -93,8 +94,7 @@ async def test_unclaimed_handoff_pins_blocks_until_the_lease_expires_then_frees_
     server, stub = short_lease
     await _prefill(stub, "never-decoded")
     # No decode worker ever comes: the 3 blocks stay pinned for the lease...
-    pinned = (await stub.Load(worker_pb2.LoadRequest(), timeout=5)).num_free_blocks
-    assert pinned == NUM_BLOCKS - 3
+    assert await _wait_free_blocks(stub, NUM_BLOCKS - 3) == NUM_BLOCKS - 3
     # ...and once it runs out (0.5 s), every block is free and the KV is gone.
     assert await _wait_free_blocks(stub, NUM_BLOCKS) == NUM_BLOCKS
     assert server.servicer.leases.num_expired == 1
@@ -107,7 +107,7 @@ async def test_unclaimed_handoff_pins_blocks_until_the_lease_expires_then_frees_
 async def test_release_kv_frees_held_blocks_before_the_lease_expires(long_lease) -> None:
     server, stub = long_lease
     await _prefill(stub, "released-early")
-    assert (await stub.Load(worker_pb2.LoadRequest(), timeout=5)).num_free_blocks == NUM_BLOCKS - 3
+    assert await _wait_free_blocks(stub, NUM_BLOCKS - 3) == NUM_BLOCKS - 3
     # While leased, the blocks can be fetched (a decode worker's first step).
     assert await _fetch_code(stub, "released-early") == (grpc.StatusCode.OK, 3 * BLOCK_BYTES)
 
@@ -121,3 +121,69 @@ async def test_release_kv_frees_held_blocks_before_the_lease_expires(long_lease)
     # A second release of the same id is harmless.
     await stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="released-early"), timeout=5)
     assert (await stub.Load(worker_pb2.LoadRequest(), timeout=5)).num_free_blocks == NUM_BLOCKS
+
+
+
+@pytest.mark.asyncio
+async def test_prefill_that_times_out_while_the_engine_is_busy_holds_no_blocks(long_lease) -> None:
+    import time
+
+    server, stub = long_lease
+    # The engine thread is busy (as in a long prefill step) when the request arrives.
+    server.runtime.async_engine.submit(lambda engine: time.sleep(2.0))
+    request = worker_pb2.PrefillRequest(request_id="gave-up", prompt_token_ids=PROMPT, sampling_params=PARAMS)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Prefill(request, timeout=0.3)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Let the engine catch up: the queued add has run, and so has any step it led to.
+    engine = server.runtime.async_engine
+    for _ in range(100):
+        if not await engine.call(lambda engine: engine.has_unfinished_requests()):
+            break
+    # Nobody will ever claim or release this request's KV: none of it may stay held.
+    assert await _wait_free_blocks(stub, NUM_BLOCKS) == NUM_BLOCKS
+    assert server.runtime.engine.held_request_ids == []
+    assert len(server.servicer.leases) == 0
+
+class _AnswerLostInFlight:
+    """A gateway's stub for a prefill worker whose answer is still on its way when the client gives up.
+
+    The worker has run the prefill and granted the lease; the gateway never reads the answer.
+    Every other RPC (Load, ReleaseKV) goes to the real stub.
+    """
+
+    def __init__(self, stub: worker_pb2_grpc.PrefillWorkerStub, on_answered) -> None:  # noqa: ANN001
+        self._stub = stub
+        self._on_answered = on_answered
+
+    def Prefill(self, request: worker_pb2.PrefillRequest, timeout: float | None = None):  # noqa: N802, ANN201
+        return self._prefill(request, timeout)
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, timeout: float | None) -> worker_pb2.PrefillResponse:
+        response = await self._stub.Prefill(request, timeout=timeout)
+        self._on_answered()
+        await asyncio.Event().wait()  # in flight until the gateway's handler is cancelled
+        return response
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stub, name)
+
+
+@pytest.mark.asyncio
+async def test_client_cancel_while_the_prefill_answer_is_in_flight_still_releases_the_lease(llama_checkpoint: Path) -> None:
+    from tests.reliability import NUM_KV_BLOCKS, InProcessCluster
+
+    cluster = InProcessCluster(llama_checkpoint)
+    try:
+        await cluster.start()
+        assert cluster.gateway is not None and cluster.stub is not None
+        call = cluster.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling_params=PARAMS), timeout=30)
+        (handle,) = [w for w in cluster.gateway.pool.workers.values() if w.role == "prefill"]
+        handle.stub = _AnswerLostInFlight(handle.stub, on_answered=call.cancel)  # type: ignore[assignment]
+        assert await call.code() == grpc.StatusCode.CANCELLED
+        # The worker granted a 30 s lease that no decode worker will claim: the gateway must release it.
+        reports = await cluster.wait_idle(timeout_s=5.0)
+        assert [r.num_free_blocks for r in reports] == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]
+        assert len(cluster.prefill.servicer.leases) == 0
+    finally:
+        await cluster.stop()
