@@ -33,8 +33,10 @@ class ColocatedServer(WorkerServer):
         advertise_host: str | None = None,
         kv_failure_policy: str = "recompute",
         client_tls: TlsConfig | None = None,
+        metrics_port: int | None = None,
     ) -> None:
-        super().__init__(WorkerRuntime(engine, worker_config), server_config, [PREFILL_SERVICE, DECODE_SERVICE], advertise_host)
+        super().__init__(WorkerRuntime(engine, worker_config), server_config, [PREFILL_SERVICE, DECODE_SERVICE],
+                         advertise_host, metrics_port=metrics_port)
         transfer = transfer or TransferConfig()
         self.prefill = PrefillServicer(self.runtime, lease_s, transfer)
         # The decode side fetches from this worker's own address: with TLS on, it needs client_tls too.

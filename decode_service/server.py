@@ -16,6 +16,7 @@ from kv_transfer.descriptor import KVHandoff
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
+from service_common.logs import with_request_id
 from service_common.security import TlsConfig, open_channel
 from service_common.server import ServerConfig
 from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
@@ -53,6 +54,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_transfers = 0
 
     @grpc_errors
+    @with_request_id(lambda request: request.request_id or request.handoff.request_id)
     async def Decode(  # noqa: N802 - the gRPC method name
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ):
@@ -141,9 +143,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if first_block < handoff.num_blocks:
             started = time.perf_counter()
             blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub)
-            self.kv_receive_seconds += time.perf_counter() - started
-            self.kv_bytes_received += blocks.numel() * blocks.element_size()
+            seconds, num_bytes = time.perf_counter() - started, blocks.numel() * blocks.element_size()
+            self.kv_receive_seconds += seconds
+            self.kv_bytes_received += num_bytes
             self.kv_transfers += 1
+            self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
         else:
             blocks = torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
         return KVExport(
@@ -209,8 +213,10 @@ class DecodeServer(WorkerServer):
         advertise_host: str | None = None,
         kv_failure_policy: str = "recompute",
         client_tls: TlsConfig | None = None,
+        metrics_port: int | None = None,
     ) -> None:
-        super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
+        super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host,
+                         metrics_port=metrics_port)
         self.servicer = DecodeServicer(self.runtime, transfer or TransferConfig(), kv_failure_policy, client_tls)
         self.server.add_servicer(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer)
 

@@ -12,12 +12,15 @@ from typing import Any
 import grpc
 
 from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
+from gateway.http_api import OpenAIHttpApi
 from gateway.router import NoWorkerAvailable, Router
 from gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from gateway.workers import WorkerHandle, WorkerPool
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.pdserve.v1.internal import worker_pb2
 from service_common.errors import Overloaded, Unavailable, grpc_errors
+from service_common.logs import request_id_context
+from service_common.metrics import GatewayMetrics, MetricsEndpoint
 from service_common.security import TlsConfig
 from service_common.server import Server, ServerConfig
 
@@ -37,6 +40,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         limits: RequestLimits | None = None,
         admission: Admission | None = None,
         max_prefill_attempts: int = 3,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -44,20 +48,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.limits = limits or RequestLimits()
         self.admission = admission or Admission()
         self.max_prefill_attempts = max_prefill_attempts
+        self.metrics = metrics or GatewayMetrics()
         self._background: set[asyncio.Task[Any]] = set()
 
     @grpc_errors
     async def Generate(  # noqa: N802 - the gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
-        token_ids = self._prompt_token_ids(request)
-        validate_generate_request(request, token_ids, self._request_limits())
-        assert token_ids is not None  # validation rejects a prompt it could not tokenize
         request_id = request.request_id or f"gw-{uuid.uuid4().hex}"
-        with self.admission.admit(len(token_ids)):
-            prefill, prefill_response = await self._prefill(request, request_id, token_ids, context)
-            async for response in self._relay(request, request_id, token_ids, prefill, prefill_response, context):
-                yield response
+        with request_id_context(request_id), self.metrics.track(lambda: _deadline_passed(context)) as tracker:
+            token_ids = self._prompt_token_ids(request)
+            validate_generate_request(request, token_ids, self._request_limits())
+            assert token_ids is not None  # validation rejects a prompt it could not tokenize
+            log.debug("generate: %d prompt tokens, max_tokens %d", len(token_ids), request.sampling_params.max_tokens)
+            with self.admission.admit(len(token_ids)):
+                prefill, prefill_response = await self._prefill(request, request_id, token_ids, context)
+                async for response in self._relay(request, request_id, token_ids, prefill, prefill_response, context):
+                    tracker.responded(response)
+                    yield response
 
     async def _prefill(
         self,
@@ -80,6 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except NoWorkerAvailable as error:
                 raise Unavailable(str(error)) from error
             prefill = choice.worker
+            self.metrics.routed("prefill", prefill.worker_id)
             try:
                 # Count the work this adds there: the tokens its cache does not already hold.
                 with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
@@ -128,6 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except NoWorkerAvailable as error:
             self._release_prefill(prefill, request_id)
             raise Unavailable(str(error)) from error
+        self.metrics.routed("decode", decode.worker_id)
         decode_request = worker_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -208,6 +218,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         task.add_done_callback(self._background.discard)
 
 
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 class _Inflight:
     """Counts a request against a worker while this gateway waits on it."""
 
@@ -271,7 +286,11 @@ class GatewayServer:
         max_inflight_requests: int = 1024,
         max_inflight_tokens: int = 1 << 20,
         client_tls: TlsConfig | None = None,  # of the channels to workers; None: plaintext
+        http_port: int | None = None,  # OpenAI-compatible HTTP API on the gRPC host; None: off, 0: ephemeral
+        metrics_port: int | None = None,  # Prometheus /metrics on the gRPC host; None: off, 0: ephemeral
     ) -> None:
+        self.http_port = http_port
+        self.http_api: OpenAIHttpApi | None = None
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
         lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
@@ -284,6 +303,10 @@ class GatewayServer:
             RequestLimits(max_logprobs=max_logprobs),
             Admission(max_inflight_requests, max_inflight_tokens),
         )
+        self.metrics_endpoint = (
+            MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)
+            if metrics_port is not None else None
+        )
         self.server = Server(server_config, [SERVICE_NAME])
         self.server.add_servicer(generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer)
 
@@ -291,10 +314,21 @@ class GatewayServer:
         await self.pool.start()
         port = await self.server.start()
         log.info("gateway serving on %s:%d", self.server.config.host, port)
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.start()
+        if self.http_port is not None:
+            config = self.server.config
+            self.http_api = OpenAIHttpApi(self.servicer, config.host, self.http_port, None, self.servicer.tokenizer,
+                                          auth_token=config.auth_token, grace_s=config.grace_s)
+            self.http_port = await self.http_api.start()
         return port
 
     async def stop(self) -> None:
+        if self.http_api is not None:
+            await self.http_api.stop()
         await self.server.stop()
         await self.pool.stop()
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.stop()
         if self._redis is not None:
             await self._redis.aclose()

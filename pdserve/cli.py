@@ -55,6 +55,11 @@ def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on SIGTERM: refuse new calls, let running ones finish for this long, then exit")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log lines as text or one JSON object each; both carry the request id")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host "
+                        "(default: off; 0 picks an ephemeral port)")
     add_server_tls_arguments(parser)
 
 
@@ -120,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-inflight-tokens", type=int, default=1 << 20,
                          help="admission limit: prompt tokens in flight before new requests get RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
+    gateway.add_argument("--http-port", type=int, default=None,
+                         help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off)")
     gateway.set_defaults(func=_run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -133,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"])
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
@@ -205,8 +213,10 @@ def _run_offline(args: argparse.Namespace) -> int:
 # ---- services ------------------------------------------------------------------------------
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(args: argparse.Namespace) -> None:
+    from service_common.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
 
 
 def _write_ready(path: str | None, address: str) -> None:
@@ -246,7 +256,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     from service_common.server import ServerConfig
     from service_common.worker import WorkerConfig
 
-    _setup_logging(args.log_level)
+    _setup_logging(args)
     if args.torch_threads:
         import torch
 
@@ -270,17 +280,18 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from prefill_service.server import PrefillServer
 
         return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
-                                            advertise_host=advertise), args)
+                                            advertise_host=advertise, metrics_port=args.metrics_port), args)
     if role == "colocated":
         from decode_service.colocated import ColocatedServer
 
         return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
                                               advertise_host=advertise, kv_failure_policy=args.kv_failure_policy,
-                                              client_tls=client_tls), args)
+                                              client_tls=client_tls, metrics_port=args.metrics_port), args)
     from decode_service.server import DecodeServer
 
     return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise,
-                                       kv_failure_policy=args.kv_failure_policy, client_tls=client_tls), args)
+                                       kv_failure_policy=args.kv_failure_policy, client_tls=client_tls,
+                                       metrics_port=args.metrics_port), args)
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
@@ -300,7 +311,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from gateway.tokenizer import load_tokenizer
     from service_common.server import ServerConfig
 
-    _setup_logging(args.log_level)
+    _setup_logging(args)
     if not args.prefill and not args.decode and not args.redis_url:
         raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
@@ -321,7 +332,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
     return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
                                    args.redis_prefix, args.kv_transport, routing=args.routing,
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
-                                   max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls), args)
+                                   max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
+                                   http_port=args.http_port, metrics_port=args.metrics_port), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -335,7 +347,7 @@ def _run_up(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
-        colocated_workers=args.colocated_workers, routing=args.routing,
+        colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
     )
     stop = False
 

@@ -35,6 +35,7 @@ class ClusterConfig:
     decode_workers: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API; None: off
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
@@ -113,6 +114,8 @@ class LocalCluster:
                         "--ready-file", str(gateway_ready)]
         if config.model:
             gateway_args += ["--model", config.model]
+        if config.http_port is not None:
+            gateway_args += ["--http-port", str(config.http_port)]
         for address in self.prefill_addresses:
             gateway_args += ["--prefill", address]
         for address in self.decode_addresses:

@@ -18,6 +18,7 @@ from prefill_service.leases import LeaseTable
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import grpc_errors
+from service_common.logs import with_request_id
 from service_common.server import ServerConfig
 from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
@@ -60,6 +61,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return self.runtime.engine.export_kv(request_id, first_block).blocks
 
     @grpc_errors
+    @with_request_id(lambda request: request.request_id)
     async def Prefill(  # noqa: N802 - the gRPC method name
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
@@ -74,6 +76,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ):
                 final = output
         assert final is not None and final.token_ids
+        self.runtime.metrics.prefilled(len(prompt), final.num_cached_tokens)
         response = worker_pb2.PrefillResponse(
             first_token_id=final.token_ids[0],
             text=final.text,
@@ -150,8 +153,10 @@ class PrefillServer(WorkerServer):
         lease_s: float = 30.0,
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
+        metrics_port: int | None = None,
     ) -> None:
-        super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host)
+        super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host,
+                         metrics_port=metrics_port)
         self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig())
         self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer)
 

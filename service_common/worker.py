@@ -18,6 +18,7 @@ from cluster_index import (
 )
 from engine.async_engine import AsyncEngine, EngineDeadError
 from service_common.errors import Overloaded
+from service_common.metrics import MetricsEndpoint, WorkerMetrics
 from engine.block_manager import BlockEvent, BlockStored
 from engine.llm_engine import LLMEngine
 from protos.pdserve.v1.internal import worker_pb2
@@ -49,6 +50,7 @@ class WorkerRuntime:
         self.engine = engine
         self.epoch = time.time_ns()
         self.async_engine = AsyncEngine(engine, on_block_events=self._on_block_events)
+        self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats)
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch = BlockEventBatch()
@@ -213,16 +215,22 @@ class WorkerServer:
         service_names: list[str],
         advertise_host: str | None,
         watchdog_s: float = 0.5,
+        metrics_port: int | None = None,  # None: no /metrics endpoint; 0: an ephemeral port
     ) -> None:
         self.runtime = runtime
         self.server = Server(server_config, service_names)
         self.advertise_host = advertise_host or server_config.host
         self.watchdog_s = watchdog_s
         self._watchdog: asyncio.Task[None] | None = None
+        self.metrics_endpoint = (
+            MetricsEndpoint(runtime.metrics.registry, server_config.host, metrics_port) if metrics_port is not None else None
+        )
 
     async def start(self) -> int:
         port = await self.server.start()
         await self.runtime.start(f"{self.advertise_host}:{port}")
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.start()
         self._watchdog = asyncio.create_task(self._watch_engine(), name="engine-watchdog")
         log.info("%s worker %s serving on %s", self.runtime.config.role, self.runtime.config.worker_id, self.runtime.address)
         return port
@@ -234,6 +242,8 @@ class WorkerServer:
         await self.server.stop()
         await self.close_servicer()
         await self.runtime.stop()
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.stop()
 
     async def _watch_engine(self) -> None:
         """Health follows the engine thread: a dead engine makes the worker NOT_SERVING."""
