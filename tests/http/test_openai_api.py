@@ -184,3 +184,21 @@ async def test_chat_with_the_default_model_streams_and_answers() -> None:
         chunks = [chunk async for chunk in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+
+
+@pytest.mark.asyncio
+async def test_without_workers_health_and_completions_answer_503() -> None:
+    from gateway.server import GatewayServer
+
+    # A gateway whose only worker addresses answer nothing: no healthy prefill or decode worker.
+    gateway = GatewayServer(ServerConfig(), None, ["127.0.0.1:1"], ["127.0.0.1:1"], http_port=0)
+    await gateway.start()
+    try:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await _client(gateway).completions.create(model="pdserve", prompt=[1, 2, 3], max_tokens=2)
+        assert caught.value.status_code == 503
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{gateway.http_port}/health") as response:
+                assert response.status == 503
+    finally:
+        await gateway.stop()
