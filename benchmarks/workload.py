@@ -12,9 +12,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-# SmolLM2's special tokens are ids 0..16 (<|endoftext|>, <|im_start|>, <|im_end|>, ...);
-# random prompts stay clear of them so no prompt accidentally looks like a chat turn.
-LOWEST_ORDINARY_TOKEN_ID = 17
+from pdserve.bench.workload import LOWEST_ORDINARY_TOKEN_ID  # SmolLM2's special tokens are 0..16
 
 T = TypeVar("T")
 

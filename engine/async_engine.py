@@ -103,26 +103,6 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
-    def call_blocking(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = None) -> T:
-        """``call`` for a worker thread that is not the event loop (e.g. a transport's export)."""
-        self._check_alive()
-        done = threading.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = fn(self.engine)
-            except BaseException as error:  # noqa: BLE001 - re-raised below
-                box["error"] = error
-            done.set()
-
-        self._commands.put(run)
-        if not done.wait(timeout_s):
-            raise TimeoutError("the engine thread did not answer in time")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
     def submit(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run ``fn(engine)`` on the engine thread between steps, without waiting for it.
 

@@ -183,10 +183,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     def drain_block_events(self) -> list[BlockEvent]:
         """Prefix blocks stored and evicted since the last call (for the cluster index)."""
         return self.block_manager.drain_events()

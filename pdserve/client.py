@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.security import TlsConfig, bearer_metadata, channel_credentials, open_channel
+from service_common.security import TlsConfig, bearer_metadata, open_blocking_channel, open_channel
 from service_common.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -278,15 +278,6 @@ class AsyncClient:
 # ---- blocking client ---------------------------------------------------------------
 
 
-def _open_blocking_channel(target: str, tls: TlsConfig | None, options: list[tuple[str, Any]]) -> grpc.Channel:
-    """The blocking twin of ``service_common.security.open_channel`` (which opens grpc.aio channels)."""
-    if tls is None:
-        return grpc.insecure_channel(target, options=options)
-    if tls.server_name:
-        options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
-    return grpc.secure_channel(target, channel_credentials(tls), options=options)
-
-
 class Client:
     """pdserve's public API on a blocking grpc channel; safe to share between threads.
 
@@ -305,7 +296,7 @@ class Client:
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = _open_blocking_channel(target, tls, channel_options(max_message_bytes))
+        self._channel = open_blocking_channel(target, tls, channel_options(max_message_bytes))
         self._metadata = bearer_metadata(auth_token)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 

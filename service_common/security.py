@@ -78,18 +78,36 @@ def open_channel(
     *,
     server_name_override: str | None = None,
 ) -> grpc.aio.Channel:
-    """A channel to ``address``: plaintext when ``tls`` is None, else TLS (mTLS with a client certificate).
+    """A grpc.aio channel to ``address``: plaintext when ``tls`` is None, else TLS (mTLS with a client certificate).
 
     ``server_name_override`` (default ``tls.server_name``) is the name the server's
     certificate must carry when it differs from the host in ``address``.
     """
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    options = list(options)
+    return grpc.aio.secure_channel(
+        address, channel_credentials(tls), options=_tls_options(tls, options, server_name_override)
+    )
+
+
+def open_blocking_channel(
+    address: str,
+    tls: TlsConfig | None,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    server_name_override: str | None = None,
+) -> grpc.Channel:
+    """``open_channel`` for grpc's blocking API (the synchronous client)."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, channel_credentials(tls), options=_tls_options(tls, options, server_name_override))
+
+
+def _tls_options(
+    tls: TlsConfig, options: Sequence[tuple[str, Any]], server_name_override: str | None
+) -> list[tuple[str, Any]]:
     server_name = server_name_override or tls.server_name
-    if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+    return [*options, ("grpc.ssl_target_name_override", server_name)] if server_name else list(options)
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

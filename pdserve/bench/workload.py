@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 # Ids 0..16 are special tokens in the models pdserve serves (SmolLM2: <|endoftext|>,
-# <|im_start|>, ...); random prompts stay clear of them, as benchmarks/workload.py does.
+# <|im_start|>, ...); random prompts stay clear of them (benchmarks/ use this constant too).
 LOWEST_ORDINARY_TOKEN_ID = 17
 WORKLOAD_KINDS = ("random", "prefix", "file")
 PREFIX_ORDERS = ("round-robin", "random")
