@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -54,15 +55,13 @@ class ModelConfig:
     device: str = "auto"  # "auto" picks cuda when available
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0  # seeds the sampler's generator for requests without a seed
-    attention_backend: str = "auto"  # "auto", "sdpa" or "flash_attn"
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; engine/attention/backend.py says what auto picks
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "sdpa", "flash_attn"):
-            raise ValueError(
-                f"attention_backend must be 'auto', 'sdpa' or 'flash_attn', got {self.attention_backend!r}"
-            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
 

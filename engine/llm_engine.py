@@ -88,6 +88,7 @@ class LLMEngine:
 
         self.model = _build_model(hf_config, self.max_model_len, self.dtype, self.device)
         load_weights(self.model, self.model_path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+        self.model.pack_weights()
         self.model.eval()
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from engine.config import ATTENTION_BACKENDS
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -75,9 +77,10 @@ def flash_attn_available() -> bool:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """``auto``: flash-attn on CUDA in half precision when it is importable, SDPA otherwise."""
-    if name not in ("auto", "sdpa", "flash_attn"):
-        raise ValueError(f"attention_backend must be 'auto', 'sdpa' or 'flash_attn', got {name!r}")
+    """``auto``: flash-attn on CUDA in half precision when it is importable; on CPU in
+    float32 the C decode kernel (``cpu_paged``) when it builds on this machine; SDPA otherwise."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     use_flash = name == "flash_attn" or (
         name == "auto" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
     )
@@ -89,4 +92,13 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
         return FlashAttentionBackend()
     from engine.attention.sdpa import SdpaBackend
 
-    return SdpaBackend()
+    if name == "sdpa" or (name == "auto" and (device.type != "cpu" or dtype != torch.float32)):
+        return SdpaBackend()
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError("attention_backend='cpu_paged' needs device 'cpu' and dtype float32")
+    from engine.attention.cpu_kernel import load_paged_decode_kernel
+
+    kernel = load_paged_decode_kernel()
+    if kernel is None and name == "cpu_paged":
+        raise ValueError("attention_backend='cpu_paged' needs a C compiler to build its kernel (see the log)")
+    return SdpaBackend(kernel)

@@ -1,4 +1,9 @@
-"""torch SDPA over the paged cache: the CPU path, and the GPU fallback."""
+"""torch SDPA over the paged cache: the CPU path, and the GPU fallback.
+
+On CPU in float32 the decode sequences can go to the C kernel in
+``cpu_kernel.py`` instead (backend name ``cpu_paged``), which reads K/V where
+they lie in the block pool; prefill chunks always use SDPA.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionBatch, write_to_cache
+from engine.attention.cpu_kernel import PagedDecodeKernel
 
 
 @dataclass(frozen=True)
@@ -24,29 +30,39 @@ class _PrefillSpan:
 class SdpaMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,)
     num_decodes: int
-    # Block ids of every decode sequence, padded to max_blocks and flattened: (num_decodes * max_blocks,)
-    decode_block_ids: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_blocks * block_size)
+    # Block ids of every decode sequence, padded to max_blocks: (num_decodes, max_blocks)
+    decode_block_tables: torch.Tensor | None
+    # SDPA decodes only: (num_decodes, 1, 1, max_blocks * block_size), True = attend
+    decode_mask: torch.Tensor | None
+    # Kernel decodes only: (num_decodes,) context lengths and the per-thread sequence ranges
+    decode_context_lens: torch.Tensor | None
+    decode_split_points: list[int] | None
     prefills: tuple[_PrefillSpan, ...]
 
 
 class SdpaBackend(AttentionBackend):
-    """Decodes in one padded SDPA call per layer; each prefill chunk in its own call."""
+    """Decodes in one padded SDPA call per layer, or in the C kernel; each prefill chunk in its own SDPA call."""
 
-    name = "sdpa"
+    def __init__(self, decode_kernel: PagedDecodeKernel | None = None) -> None:
+        self.decode_kernel = decode_kernel
+        self.name = "sdpa" if decode_kernel is None else "cpu_paged"
 
     def build_metadata(self, batch: AttentionBatch) -> SdpaMetadata:
         device, bs = batch.device, batch.block_size
         nd = batch.num_decodes
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = split_points = None
         if nd:
             max_blocks = max(len(t) for t in batch.block_tables[:nd])
             tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables[:nd]]
-            decode_tables = torch.tensor(tables, dtype=torch.long, device=device).flatten()
+            decode_tables = torch.tensor(tables, dtype=torch.long, device=device)
             lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long, device=device)
-            # Padding positions read block 0 (zeros or another sequence's KV): masked out.
-            positions = torch.arange(max_blocks * bs, device=device)
-            decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+            if self.decode_kernel is not None:
+                decode_lens = lens
+                split_points = self.decode_kernel.split_points(batch.context_lens[:nd])
+            else:
+                # Padding positions read block 0 (zeros or another sequence's KV): masked out.
+                positions = torch.arange(max_blocks * bs, device=device)
+                decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
         prefills = []
         start = nd
         for i in range(nd, len(batch.query_lens)):
@@ -61,7 +77,9 @@ class SdpaBackend(AttentionBackend):
                 mask = (pos[None, :] <= q_pos[:, None]).to(device)
             prefills.append(_PrefillSpan(start, start + q_len, slots, mask))
             start += q_len
-        return SdpaMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, tuple(prefills))
+        return SdpaMetadata(
+            batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, split_points, tuple(prefills)
+        )
 
     def forward(
         self,
@@ -77,13 +95,26 @@ class SdpaBackend(AttentionBackend):
 
         out = torch.empty_like(query)
         nd = metadata.num_decodes
-        if nd:
-            assert metadata.decode_block_ids is not None
+        if nd and self.decode_kernel is not None:
+            assert metadata.decode_block_tables is not None and metadata.decode_context_lens is not None
+            assert metadata.decode_split_points is not None
+            out[:nd] = self.decode_kernel(
+                query[:nd],
+                key_cache,
+                value_cache,
+                metadata.decode_block_tables,
+                metadata.decode_context_lens,
+                metadata.decode_split_points,
+                head_dim**-0.5,
+            )
+        elif nd:
+            assert metadata.decode_block_tables is not None
+            block_ids = metadata.decode_block_tables.flatten()  # (nd * max_blocks,)
             # index_select on the block dimension is several times faster on CPU
             # than advanced indexing with a 2-D table.
             # (nd * max_blocks, block_size, kv_heads, head_dim) -> (nd, kv_heads, ctx, head_dim)
-            k = key_cache.index_select(0, metadata.decode_block_ids).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = value_cache.index_select(0, metadata.decode_block_ids).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            k = key_cache.index_select(0, block_ids).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = value_cache.index_select(0, block_ids).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
             # Query heads grouped under their KV head (head h uses KV head h // group,
             # as repeat_kv does): (nd, kv_heads, group, head_dim), the group acting as
             # the query length, so no KV is repeated.

@@ -64,13 +64,11 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (num_tokens,); query (num_tokens, heads, head_dim); key (num_tokens, kv_heads, head_dim)
-        cos = self.cos[positions].to(query.dtype).unsqueeze(1)  # (num_tokens, 1, head_dim)
-        sin = self.sin[positions].to(query.dtype).unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions (num_tokens,); x (num_tokens, heads, head_dim), any heads (queries and keys together)
+        cos = self.cos.index_select(0, positions).to(x.dtype).unsqueeze(1)  # (num_tokens, 1, head_dim)
+        sin = self.sin.index_select(0, positions).to(x.dtype).unsqueeze(1)
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

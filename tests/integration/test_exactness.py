@@ -34,6 +34,8 @@ def _assert_no_block_held(llm: LLM) -> None:
 def test_batched_greedy_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
     llm = _llm(checkpoint, num_kv_blocks=256)
+    # On CPU in float32, decodes go through the C kernel (this machine has a compiler).
+    assert llm.engine.runner.backend.name == "cpu_paged"
     outputs = llm.generate(prompts, GREEDY)
     _assert_matches_oracle(outputs, prompts, oracle)
     assert [o.finish_reason for o in outputs] == [
@@ -46,6 +48,16 @@ def test_chunked_prefill_under_small_token_budget_equals_transformers(checkpoint
     prompts = random_prompts(PROMPT_LENGTHS, seed=2)
     # 32 tokens per step: the 300-token prompt takes ten chunks, mixed with decodes.
     llm = _llm(checkpoint, num_kv_blocks=256, max_num_batched_tokens=32)
+    outputs = llm.generate(prompts, GREEDY)
+    _assert_matches_oracle(outputs, prompts, oracle)
+    _assert_no_block_held(llm)
+
+
+def test_sdpa_backend_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    # The pure-torch path that machines without a C compiler (and GPUs without flash-attn) take.
+    prompts = random_prompts(PROMPT_LENGTHS, seed=13)
+    llm = _llm(checkpoint, num_kv_blocks=256, max_num_batched_tokens=64, attention_backend="sdpa")
+    assert llm.engine.runner.backend.name == "sdpa"
     outputs = llm.generate(prompts, GREEDY)
     _assert_matches_oracle(outputs, prompts, oracle)
     _assert_no_block_held(llm)

@@ -1,0 +1,136 @@
+/*
+ * Decode attention straight from the paged KV cache, float32, for CPUs.
+ *
+ * The torch path gathers every decode sequence's KV blocks into a padded
+ * batch and runs SDPA over it; this kernel reads each key and value where it
+ * lies in the block pool instead, so nothing is copied or padded. One call
+ * covers sequences [seq_begin, seq_end); the Python side splits a batch across
+ * threads (ctypes releases the GIL), so the kernel itself is single-threaded
+ * and needs no OpenMP runtime (only `#pragma omp simd`, from -fopenmp-simd).
+ *
+ * Layouts (all contiguous, row-major):
+ *   query, out    (num_seqs, num_kv_heads, group, head_dim): query head
+ *                 h * group + g uses KV head h, as repeat_kv does
+ *   key_cache,    (num_blocks, block_size, num_kv_heads, head_dim)
+ *   value_cache
+ *   block_tables  (num_seqs, max_blocks) int64, padded past each table's end
+ *   context_lens  (num_seqs,) int64: positions 0 .. context_len - 1 attend
+ *
+ * Softmax is computed exactly as written (max-subtracted exponentials over
+ * all scores, then normalised), in float32. Returns 0, or -1 when out of memory.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline __attribute__((always_inline)) float dot_n(const float *restrict a, const float *restrict b, int64_t n)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+        sum += a[i] * b[i];
+    }
+    return sum;
+}
+
+static inline __attribute__((always_inline)) void axpy_n(float alpha, const float *restrict x, float *restrict y, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] += alpha * x[i];
+    }
+}
+
+/* The common head sizes get loops of constant length, which the compiler unrolls into a few vector instructions. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n)
+{
+    return n == 64 ? dot_n(a, b, 64) : n == 128 ? dot_n(a, b, 128) : dot_n(a, b, n);
+}
+
+/* y += alpha * x */
+static inline void axpy(float alpha, const float *restrict x, float *restrict y, int64_t n)
+{
+    if (n == 64) {
+        axpy_n(alpha, x, y, 64);
+    } else if (n == 128) {
+        axpy_n(alpha, x, y, 128);
+    } else {
+        axpy_n(alpha, x, y, n);
+    }
+}
+
+int pdserve_paged_decode_attention(
+    float *out, const float *query, const float *key_cache, const float *value_cache,
+    const int64_t *block_tables, const int64_t *context_lens, int64_t seq_begin, int64_t seq_end,
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+{
+    const int64_t num_heads = num_kv_heads * group;
+    int64_t max_context = 0;
+    for (int64_t s = seq_begin; s < seq_end; ++s) {
+        if (context_lens[s] > max_context) {
+            max_context = context_lens[s];
+        }
+    }
+    /* scores[query_head * context_len + position], then one normaliser per query head. */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context + num_heads));
+    if (scores == NULL) {
+        return -1;
+    }
+    float *inv_sums = scores + num_heads * max_context;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+
+    for (int64_t s = seq_begin; s < seq_end; ++s) {
+        const int64_t context_len = context_lens[s];
+        const int64_t *table = block_tables + s * max_blocks;
+        const float *q = query + s * num_heads * head_dim;
+        float *o = out + s * num_heads * head_dim;
+
+        /* Blocks are walked in order and each token's row (every KV head) read once,
+         * front to back: the reads stay sequential within a block, and no position
+         * needs a division (which costs more than the dot product). */
+        for (int64_t block_start = 0; block_start < context_len; block_start += block_size) {
+            const float *rows = key_cache + table[block_start / block_size] * block_stride;
+            const int64_t block_end = block_start + block_size < context_len ? block_start + block_size : context_len;
+            for (int64_t position = block_start; position < block_end; ++position, rows += token_stride) {
+                for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head) {
+                    const float *k = rows + kv_head * head_dim;
+                    for (int64_t g = 0; g < group; ++g, ++head) {
+                        scores[head * context_len + position] = dot(q + head * head_dim, k, head_dim) * scale;
+                    }
+                }
+            }
+        }
+
+        for (int64_t head = 0; head < num_heads; ++head) {
+            float *row = scores + head * context_len;
+            float max_score = -INFINITY;
+            for (int64_t position = 0; position < context_len; ++position) {
+                max_score = row[position] > max_score ? row[position] : max_score;
+            }
+            float sum = 0.0f;
+            for (int64_t position = 0; position < context_len; ++position) {
+                row[position] = expf(row[position] - max_score);
+                sum += row[position];
+            }
+            inv_sums[head] = 1.0f / sum;
+        }
+
+        memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+        for (int64_t block_start = 0; block_start < context_len; block_start += block_size) {
+            const float *rows = value_cache + table[block_start / block_size] * block_stride;
+            const int64_t block_end = block_start + block_size < context_len ? block_start + block_size : context_len;
+            for (int64_t position = block_start; position < block_end; ++position, rows += token_stride) {
+                for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head) {
+                    const float *v = rows + kv_head * head_dim;
+                    for (int64_t g = 0; g < group; ++g, ++head) {
+                        axpy(scores[head * context_len + position] * inv_sums[head], v, o + head * head_dim, head_dim);
+                    }
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
