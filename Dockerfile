@@ -36,6 +36,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 FROM python:3.11-slim
 
+# A C compiler: on CPU the engine builds its decode-attention kernel on first start
+# (engine/attention/cpu_kernel.py), into the cache volume; without one it falls back to SDPA.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # A fixed uid, so the cache volume keeps one owner across rebuilds.
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/pdserve pdserve \
     && mkdir -p /var/cache/pdserve \

@@ -39,6 +39,10 @@ async def test_cluster_greedy_equals_transformers_for_each_transport(
     # Every lease was released and every decode sequence freed.
     report = await load(cluster.decode_addresses[0], "decode")
     assert (report.num_running, report.num_free_blocks) == (0, 256)
+    # The engines share this machine's cores, so their OpenMP threads sleep instead of spinning.
+    for name in ("prefill-0", "decode-0"):
+        environ = Path(f"/proc/{cluster.process(name).pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_WAIT_POLICY=PASSIVE" in environ, name
 
 
 async def _wait_idle(cluster, timeout_s: float = 3.0) -> tuple:
