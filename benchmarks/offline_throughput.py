@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-num-batched-tokens", type=int, default=2048, help="per-step token budget; also HF's max_batch_tokens"
     )
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument(
+        "--attention-backend", default="auto",
+        help="auto (the C decode kernel, cpu_paged, where it builds), sdpa (pure torch), cpu_paged, flash_attn",
+    )
     runs = parser.add_argument_group("baselines and what to run")
     runs.add_argument("--static-batch-size", type=int, default=8)
     runs.add_argument(
@@ -105,6 +109,7 @@ def run_systems(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            attention_backend=args.attention_backend,
         )
         # run_pdserve builds a fresh engine and warms it up on every call.
         attempt(PDSERVE, lambda: fastest_of(args.repeats, lambda: run_pdserve(settings, workload, warmup)))

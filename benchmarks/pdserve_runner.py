@@ -22,6 +22,7 @@ class PdserveSettings:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool
+    attention_backend: str = "auto"
 
 
 def run_pdserve(
@@ -45,6 +46,7 @@ def run_pdserve(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             enable_prefix_caching=settings.enable_prefix_caching,
+            attention_backend=settings.attention_backend,
         )
     )
     try:
