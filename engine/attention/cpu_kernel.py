@@ -75,7 +75,16 @@ class PagedDecodeKernel:
     ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
-        query = query.contiguous()
+        # The C side trusts these layouts; anything else would read the wrong memory.
+        for name, tensor, dtype in (
+            ("key_cache", key_cache, torch.float32),
+            ("value_cache", value_cache, torch.float32),
+            ("block_tables", block_tables, torch.int64),
+            ("context_lens", context_lens, torch.int64),
+        ):
+            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+        query = query.to(torch.float32).contiguous()
         out = torch.empty_like(query)
         args = (
             out.data_ptr(),

@@ -30,10 +30,9 @@ class PackedLinear(nn.Module):
     Built from loaded ``nn.Linear`` layers by ``pack_weights``; the output's
     columns are the layers' outputs side by side, in the order given. On CPU in
     float32 with MKL the matrix is also kept in MKL's packed GEMM format
-    (the format torch's own CPU inference compiler uses). The packed format
-    does not depend on the batch size it was made for, so one copy serves every
-    step, and for batches of 8 rows or more the result is bit-identical to
-    ``F.linear``.
+    (the format torch's own CPU inference compiler uses). One packed copy
+    serves every batch size; results agree with ``F.linear`` to float32
+    rounding (tests/unit/test_packed_linear.py), often bit for bit.
     """
 
     def __init__(self, linears: list[nn.Linear]) -> None:
@@ -62,7 +61,7 @@ def _mkl_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` in MKL's packed GEMM format, or None where that does not apply (GPU, half precision, no MKL)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
         return None
-    # The batch size only sizes MKL's buffer; the packed layout is the same for any (see the class docstring).
+    # The batch size is a hint for MKL's blocking; a packed matrix computes correctly for any batch size.
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_BATCH_SIZE)
 
 
