@@ -46,8 +46,6 @@ class PagedDecodeKernel:
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self._function = getattr(library, _SYMBOL)
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
         self.num_threads = max(1, num_threads)
         self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn") if self.num_threads > 1 else None
 
@@ -126,7 +124,11 @@ def _load_library() -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError) as error:
             logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
             return None
-        return ctypes.CDLL(str(path))
+        library = ctypes.CDLL(str(path))
+        function = getattr(library, _SYMBOL)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        return library
 
 
 def _build() -> Path:
