@@ -54,7 +54,10 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Generates a completion for one prompt. The first response arrives as soon
         as the prompt has been prefilled; the last one carries finish_reason and
-        usage. Cancelling the call aborts the request on every worker.
+        usage. Cancelling the call aborts the request on every worker. Several
+        samples of one prompt (OpenAI's n) are several calls with the same prompt:
+        once the first has been answered, the others hit the prefix cache. The
+        HTTP API's n does exactly this, with seed + i for choice i.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
