@@ -1,12 +1,18 @@
-"""Shared fixtures: tiny random checkpoints built at test time, and transformers as the oracle."""
+"""Shared fixtures: tiny random checkpoints built at test time, transformers as the oracle, in-process clusters."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+import pytest_asyncio
 import torch
+
+if TYPE_CHECKING:  # imported by the fixture itself: most tests need no grpc
+    from tests.support.cluster import InProcessCluster
 
 VOCAB_SIZE = 512
 EOS_TOKEN_ID = 7
@@ -127,3 +133,29 @@ def random_prompts(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) 
     rng = random.Random(seed)
     choices = [t for t in range(2, vocab_size) if t != EOS_TOKEN_ID]
     return [[rng.choice(choices) for _ in range(n)] for n in lengths]
+
+
+StartInProcessCluster = Callable[..., Awaitable["InProcessCluster"]]
+
+
+@pytest_asyncio.fixture
+async def start_inprocess_cluster() -> AsyncIterator[StartInProcessCluster]:
+    """``await start_inprocess_cluster(checkpoint, ClusterOptions(...))``: a started ``InProcessCluster``.
+
+    Every cluster the test started is stopped after it, newest first, pass or fail.
+    """
+    from tests.support.cluster import ClusterOptions, InProcessCluster
+
+    clusters: list[InProcessCluster] = []
+
+    async def start(checkpoint: Path, options: ClusterOptions | None = None) -> InProcessCluster:
+        cluster = InProcessCluster(checkpoint, options)
+        clusters.append(cluster)
+        await cluster.start()
+        return cluster
+
+    try:
+        yield start
+    finally:
+        for cluster in reversed(clusters):
+            await cluster.stop()

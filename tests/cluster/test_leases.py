@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,14 +11,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
 from prefill_service.server import PrefillServer
 from protos.pdserve.v1 import generation_pb2
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.server import ServerConfig, channel_options
-from service_common.worker import WorkerConfig
-from tests.conftest import random_prompts
+from tests.conftest import StartInProcessCluster, random_prompts
+from tests.support.cluster import NUM_KV_BLOCKS, ClusterOptions
+from tests.support.waiting import wait_until
 
 NUM_BLOCKS = 64
 PROMPT = random_prompts([40], seed=80)[0]  # 2 full blocks and a partial one: 3 blocks held
@@ -26,48 +25,40 @@ BLOCK_BYTES = 3 * 2 * 16 * 2 * 16 * 4  # layers x (k, v) x block x kv heads x he
 PARAMS = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-async def _start(checkpoint: Path, lease_s: float) -> tuple[PrefillServer, grpc.aio.Channel]:
-    engine = LLMEngine(
-        EngineConfig(model=ModelConfig(model=str(checkpoint), dtype="float32"), cache=CacheConfig(num_kv_blocks=NUM_BLOCKS))
-    )
-    server = PrefillServer(engine, ServerConfig(), WorkerConfig("prefill", "p0"), lease_s=lease_s)
-    port = await server.start()
-    return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+async def _prefill_worker(
+    start_inprocess_cluster: StartInProcessCluster, checkpoint: Path, lease_s: float
+) -> tuple[PrefillServer, worker_pb2_grpc.PrefillWorkerStub]:
+    """A prefill worker on its own: no decode worker will ever claim its handoffs."""
+    options = ClusterOptions(num_kv_blocks=NUM_BLOCKS, decode_workers=0, gateway=False, lease_s=lease_s)
+    cluster = await start_inprocess_cluster(checkpoint, options)
+    return cluster.prefill, cluster.worker_stubs[0]  # type: ignore[return-value]
 
 
 @pytest_asyncio.fixture
-async def short_lease(llama_checkpoint: Path) -> AsyncIterator[tuple[PrefillServer, worker_pb2_grpc.PrefillWorkerStub]]:
-    server, channel = await _start(llama_checkpoint, lease_s=0.5)
-    try:
-        yield server, worker_pb2_grpc.PrefillWorkerStub(channel)
-    finally:
-        await channel.close()
-        await server.stop()
+async def short_lease(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> AsyncIterator[tuple[PrefillServer, worker_pb2_grpc.PrefillWorkerStub]]:
+    yield await _prefill_worker(start_inprocess_cluster, llama_checkpoint, lease_s=0.5)
 
 
 @pytest_asyncio.fixture
-async def long_lease(llama_checkpoint: Path) -> AsyncIterator[tuple[PrefillServer, worker_pb2_grpc.PrefillWorkerStub]]:
-    server, channel = await _start(llama_checkpoint, lease_s=30.0)
-    try:
-        yield server, worker_pb2_grpc.PrefillWorkerStub(channel)
-    finally:
-        await channel.close()
-        await server.stop()
+async def long_lease(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> AsyncIterator[tuple[PrefillServer, worker_pb2_grpc.PrefillWorkerStub]]:
+    yield await _prefill_worker(start_inprocess_cluster, llama_checkpoint, lease_s=30.0)
 
 
-async def _wait_free_blocks(stub: worker_pb2_grpc.PrefillWorkerStub, expected: int, timeout_s: float = 5.0) -> int:
-    """The worker's free block count once it equals ``expected``, or the last one seen after ``timeout_s``.
+async def _wait_free_blocks(stub: worker_pb2_grpc.PrefillWorkerStub, expected: int) -> int:
+    """The worker's free block count once it equals ``expected``.
 
     Releases run on the engine thread after the RPC that caused them returns, and the engine
     publishes its stats just after delivering a step's outputs, hence the wait either way.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        free = (await stub.Load(worker_pb2.LoadRequest(), timeout=5)).num_free_blocks
-        if free == expected or loop.time() > deadline:
-            return free
-        await asyncio.sleep(0.02)
+
+    async def free_blocks() -> int:
+        return (await stub.Load(worker_pb2.LoadRequest(), timeout=5)).num_free_blocks
+
+    return await wait_until(free_blocks, f"{expected} free blocks", until=lambda free: free == expected)
 
 
 async def _fetch_code(stub: worker_pb2_grpc.PrefillWorkerStub, request_id: str) -> tuple[grpc.StatusCode, int]:
@@ -126,24 +117,27 @@ async def test_release_kv_frees_held_blocks_before_the_lease_expires(long_lease)
 
 @pytest.mark.asyncio
 async def test_prefill_that_times_out_while_the_engine_is_busy_holds_no_blocks(long_lease) -> None:
-    import time
-
     server, stub = long_lease
-    # The engine thread is busy (as in a long prefill step) when the request arrives.
-    server.runtime.async_engine.submit(lambda engine: time.sleep(2.0))
-    request = worker_pb2.PrefillRequest(request_id="gave-up", prompt_token_ids=PROMPT, sampling_params=PARAMS)
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stub.Prefill(request, timeout=0.3)
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The engine thread is busy (as in a long prefill step) when the request arrives, and stays
+    # busy until the client has given up.
+    busy = threading.Event()
+    server.runtime.async_engine.submit(lambda engine: busy.wait(timeout=60))
+    try:
+        request = worker_pb2.PrefillRequest(request_id="gave-up", prompt_token_ids=PROMPT, sampling_params=PARAMS)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Prefill(request, timeout=0.3)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        busy.set()
     # Let the engine catch up: the queued add has run, and so has any step it led to.
     engine = server.runtime.async_engine
-    for _ in range(100):
-        if not await engine.call(lambda engine: engine.has_unfinished_requests()):
-            break
+    await wait_until(lambda: engine.call(lambda engine: not engine.has_unfinished_requests()),
+                     "the engine to finish the abandoned request")
     # Nobody will ever claim or release this request's KV: none of it may stay held.
     assert await _wait_free_blocks(stub, NUM_BLOCKS) == NUM_BLOCKS
     assert server.runtime.engine.held_request_ids == []
     assert len(server.servicer.leases) == 0
+
 
 class _AnswerLostInFlight:
     """A gateway's stub for a prefill worker whose answer is still on its way when the client gives up.
@@ -170,20 +164,16 @@ class _AnswerLostInFlight:
 
 
 @pytest.mark.asyncio
-async def test_client_cancel_while_the_prefill_answer_is_in_flight_still_releases_the_lease(llama_checkpoint: Path) -> None:
-    from tests.reliability import NUM_KV_BLOCKS, InProcessCluster
-
-    cluster = InProcessCluster(llama_checkpoint)
-    try:
-        await cluster.start()
-        assert cluster.gateway is not None and cluster.stub is not None
-        call = cluster.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling_params=PARAMS), timeout=30)
-        (handle,) = [w for w in cluster.gateway.pool.workers.values() if w.role == "prefill"]
-        handle.stub = _AnswerLostInFlight(handle.stub, on_answered=call.cancel)  # type: ignore[assignment]
-        assert await call.code() == grpc.StatusCode.CANCELLED
-        # The worker granted a 30 s lease that no decode worker will claim: the gateway must release it.
-        reports = await cluster.wait_idle(timeout_s=5.0)
-        assert [r.num_free_blocks for r in reports] == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]
-        assert len(cluster.prefill.servicer.leases) == 0
-    finally:
-        await cluster.stop()
+async def test_client_cancel_while_the_prefill_answer_is_in_flight_still_releases_the_lease(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint)
+    assert cluster.gateway is not None and cluster.stub is not None
+    call = cluster.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling_params=PARAMS), timeout=30)
+    (handle,) = [w for w in cluster.gateway.pool.workers.values() if w.role == "prefill"]
+    handle.stub = _AnswerLostInFlight(handle.stub, on_answered=call.cancel)  # type: ignore[assignment]
+    assert await call.code() == grpc.StatusCode.CANCELLED
+    # The worker granted a 30 s lease that no decode worker will claim: the gateway must release it.
+    reports = await cluster.wait_idle()
+    assert [r.num_free_blocks for r in reports] == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]
+    assert len(cluster.prefill.servicer.leases) == 0

@@ -15,7 +15,7 @@ from gateway.validation import RequestLimits, validate_generate_request
 from protos.pdserve.v1 import generation_pb2
 from protos.pdserve.v1.internal import worker_pb2
 from tests.conftest import VOCAB_SIZE
-from tests.reliability import NUM_KV_BLOCKS, InProcessCluster
+from tests.support.cluster import NUM_KV_BLOCKS, InProcessCluster
 
 MAX_CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -119,12 +119,8 @@ CORPUS = [
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(llama_checkpoint: Path) -> AsyncIterator[InProcessCluster]:
-    cluster = InProcessCluster(llama_checkpoint)
-    try:
-        await cluster.start()
+    async with InProcessCluster(llama_checkpoint) as cluster:
         yield cluster
-    finally:
-        await cluster.stop()
 
 
 def test_corpus_is_large_and_names_are_unique() -> None:
@@ -196,9 +192,7 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
 @pytest.mark.asyncio(loop_scope="module")
 async def test_prefill_with_the_id_of_a_held_request_is_refused_and_leaks_nothing(llama_checkpoint: Path) -> None:
     # Its own cluster: when the bug bites, the leaked blocks would fail the shared cluster's idle check.
-    cluster = InProcessCluster(llama_checkpoint)
-    try:
-        await cluster.start()
+    async with InProcessCluster(llama_checkpoint) as cluster:
         prefill = cluster.worker_stubs[0]
         request = worker_pb2.PrefillRequest(
             request_id="same", prompt_token_ids=list(range(10, 60)), sampling_params=SamplingParams(max_tokens=8)
@@ -209,10 +203,8 @@ async def test_prefill_with_the_id_of_a_held_request_is_refused_and_leaks_nothin
         assert caught.value.code() == INVALID
         assert "already in use" in caught.value.details()
         await prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="same"), timeout=5)
-        reports = await cluster.wait_idle(timeout_s=2.0)
+        reports = await cluster.wait_idle()
         assert [r.num_free_blocks for r in reports] == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]
-    finally:
-        await cluster.stop()
 
 
 def test_model_checks_wait_for_a_worker_report() -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gateway.validation import RequestLimits, validate_generate_request
 from protos.pdserve.v1 import generation_pb2
 from tests.conftest import VOCAB_SIZE
-from tests.reliability import NUM_KV_BLOCKS, InProcessCluster
+from tests.support.cluster import NUM_KV_BLOCKS, InProcessCluster
 
 MAX_CONTEXT = 1024
 CALL_TIMEOUT_S = 20.0
@@ -88,12 +88,8 @@ def _gateway_error(request: generation_pb2.GenerateRequest) -> str | None:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster(llama_checkpoint: Path) -> AsyncIterator[InProcessCluster]:
-    cluster = InProcessCluster(llama_checkpoint)
-    try:
-        await cluster.start()
+    async with InProcessCluster(llama_checkpoint) as cluster:
         yield cluster
-    finally:
-        await cluster.stop()
 
 
 @pytest.mark.asyncio(loop_scope="module")
