@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from pathlib import Path
 
 import grpc
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from decode_service.server import DecodeServer
-from gateway.server import GatewayServer
-from prefill_service.server import PrefillServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.server import ServerConfig, channel_options
-from service_common.worker import WorkerConfig
-from tests.conftest import Oracle, random_prompts
+from service_common.server import channel_options
+from tests.conftest import Oracle, StartInProcessCluster, random_prompts
+from tests.support.cluster import ClusterOptions
+from tests.support.waiting import wait_until
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_TOKENS = 24
-
-
-def _engine(path: Path, num_blocks: int = 256) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), cache=CacheConfig(num_kv_blocks=num_blocks)))
 
 
 async def _collect(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.GenerateRequest) -> tuple[list[int], list]:
@@ -37,242 +27,202 @@ async def _collect(stub: generation_pb2_grpc.GenerationStub, request: generation
 
 
 @pytest.mark.asyncio
-async def test_cluster_in_process_equals_transformers(llama_checkpoint: Path) -> None:
-    prefix = f"pdserve-test-{uuid.uuid4().hex}"
-    prefill = PrefillServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("prefill", "p0", REDIS_URL, prefix))
-    decode = DecodeServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("decode", "d0", REDIS_URL, prefix))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(
-            ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], redis_url=REDIS_URL, redis_prefix=prefix
-        )
-        g_port = await gateway.start()
-        servers.append(gateway)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 300] * 2, seed=40)
-            params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-            results = await asyncio.gather(
-                *(_collect(stub, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)) for p in prompts)
-            )
-            oracle = Oracle(llama_checkpoint)
-            for prompt, (tokens, responses) in zip(prompts, results):
-                assert tokens == oracle.generate(prompt, MAX_TOKENS)
-                last = responses[-1]
-                assert last.usage.prompt_tokens == len(prompt)
-                assert last.usage.completion_tokens == len(tokens)
-            info = await stub.ModelInfo(generation_pb2.ModelInfoRequest())
-            assert info.block_size == 16 and info.vocab_size == 512 and list(info.eos_token_ids) == [7]
-        # Every lease released, every block free on both sides.
-        for _ in range(50):
-            if not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert prefill.runtime.engine.held_request_ids == []
-        assert decode.runtime.async_engine.latest_stats.num_free_blocks == 256
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+async def test_cluster_in_process_equals_transformers(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, redis=True))
+    prefill, decode, stub = cluster.prefill, cluster.decode, cluster.stub
+    assert stub is not None
+    prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 300] * 2, seed=40)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = await asyncio.gather(
+        *(_collect(stub, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)) for p in prompts)
+    )
+    oracle = Oracle(llama_checkpoint)
+    for prompt, (tokens, responses) in zip(prompts, results):
+        assert tokens == oracle.generate(prompt, MAX_TOKENS)
+        last = responses[-1]
+        assert last.usage.prompt_tokens == len(prompt)
+        assert last.usage.completion_tokens == len(tokens)
+    info = await stub.ModelInfo(generation_pb2.ModelInfoRequest())
+    assert info.block_size == 16 and info.vocab_size == 512 and list(info.eos_token_ids) == [7]
+    # Every lease released, every block free on both sides.
+    await wait_until(
+        lambda: not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
+        "every lease released and every decode finished",
+    )
+    assert prefill.runtime.engine.held_request_ids == []
+    assert decode.runtime.async_engine.latest_stats.num_free_blocks == 256
 
 
 @pytest.mark.asyncio
-async def test_gateway_serves_health_and_reflection_and_rejects_bad_prompts(llama_checkpoint: Path) -> None:
+async def test_gateway_serves_health_and_reflection_and_rejects_bad_prompts(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    prefill = PrefillServer(_engine(llama_checkpoint, 32), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(_engine(llama_checkpoint, 32), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"])
-        g_port = await gateway.start()
-        servers.append(gateway)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
-            health = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="pdserve.v1.Generation")
-            )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-            responses = [
-                r async for r in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-            ]
-            names = sorted(s.name for s in responses[0].list_services_response.service)
-            assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "pdserve.v1.Generation"]
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=32))
+    assert cluster.channel is not None and cluster.stub is not None
+    health = await health_pb2_grpc.HealthStub(cluster.channel).Check(
+        health_pb2.HealthCheckRequest(service="pdserve.v1.Generation")
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(cluster.channel)
+    responses = [
+        r async for r in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    ]
+    names = sorted(s.name for s in responses[0].list_services_response.service)
+    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "pdserve.v1.Generation"]
 
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            params = generation_pb2.SamplingParams(max_tokens=4)
-            bad = [
-                (generation_pb2.GenerateRequest(sampling_params=params), "prompt must not be empty"),
-                (generation_pb2.GenerateRequest(prompt="x", prompt_token_ids=[1], sampling_params=params), "exactly one"),
-                (generation_pb2.GenerateRequest(prompt="text", sampling_params=params), "tokenizer"),
-                (generation_pb2.GenerateRequest(prompt_token_ids=[1, 600], sampling_params=params), "outside the vocabulary"),
-                (generation_pb2.GenerateRequest(prompt_token_ids=[1], sampling_params=generation_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
-                (generation_pb2.GenerateRequest(prompt_token_ids=[1], sampling_params=generation_pb2.SamplingParams(top_p=1.5)), "top_p"),
-            ]
-            for request, message in bad:
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await _collect(stub, request)
-                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert message in caught.value.details()
-            tokens, _ = await _collect(stub, generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params))
-            assert len(tokens) == 4 or tokens[-1] == 7
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    stub = cluster.stub
+    params = generation_pb2.SamplingParams(max_tokens=4)
+    bad = [
+        (generation_pb2.GenerateRequest(sampling_params=params), "prompt must not be empty"),
+        (generation_pb2.GenerateRequest(prompt="x", prompt_token_ids=[1], sampling_params=params), "exactly one"),
+        (generation_pb2.GenerateRequest(prompt="text", sampling_params=params), "tokenizer"),
+        (generation_pb2.GenerateRequest(prompt_token_ids=[1, 600], sampling_params=params), "outside the vocabulary"),
+        (generation_pb2.GenerateRequest(prompt_token_ids=[1], sampling_params=generation_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+        (generation_pb2.GenerateRequest(prompt_token_ids=[1], sampling_params=generation_pb2.SamplingParams(top_p=1.5)), "top_p"),
+    ]
+    for request, message in bad:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _collect(stub, request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in caught.value.details()
+    tokens, _ = await _collect(stub, generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params))
+    assert len(tokens) == 4 or tokens[-1] == 7
 
 
 @pytest.mark.asyncio
-async def test_a_dead_engine_thread_fails_requests_and_turns_health_to_not_serving(llama_checkpoint: Path) -> None:
+async def test_a_dead_engine_thread_fails_requests_and_turns_health_to_not_serving(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 
-    engine = _engine(llama_checkpoint, 32)
-    prefill = PrefillServer(engine, ServerConfig(), WorkerConfig("prefill", "p0"))
-    port = await prefill.start()
-    try:
-        def broken_step() -> list:
-            raise RuntimeError("simulated engine failure")
+    options = ClusterOptions(num_kv_blocks=32, decode_workers=0, gateway=False)
+    cluster = await start_inprocess_cluster(llama_checkpoint, options)
+    engine = cluster.prefill.runtime.engine
 
-        engine.step = broken_step  # type: ignore[method-assign]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            request = worker_pb2.PrefillRequest(
-                request_id="r1", prompt_token_ids=[1, 2, 3], sampling_params=generation_pb2.SamplingParams(max_tokens=4)
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Prefill(request, timeout=20)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "simulated engine failure" in caught.value.details()
-            health = health_pb2_grpc.HealthStub(channel)
-            status = None
-            for _ in range(100):  # the watchdog looks every 0.5 s
-                status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
-                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-                await asyncio.sleep(0.05)
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Load(worker_pb2.LoadRequest(), timeout=5)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        await prefill.stop()
+    def broken_step() -> list:
+        raise RuntimeError("simulated engine failure")
+
+    engine.step = broken_step  # type: ignore[method-assign]
+    async with grpc.aio.insecure_channel(cluster.prefill_addresses[0], options=channel_options()) as channel:
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        request = worker_pb2.PrefillRequest(
+            request_id="r1", prompt_token_ids=[1, 2, 3], sampling_params=generation_pb2.SamplingParams(max_tokens=4)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Prefill(request, timeout=20)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "simulated engine failure" in caught.value.details()
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def health_status() -> int:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
+
+        # The watchdog looks every 0.5 s.
+        status = await wait_until(health_status, "health NOT_SERVING",
+                                  until=lambda status: status == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Load(worker_pb2.LoadRequest(), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 @pytest.mark.asyncio
-async def test_over_the_admission_limit_a_prefill_gets_resource_exhausted_at_once(llama_checkpoint: Path) -> None:
-    from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+async def test_over_the_admission_limit_a_prefill_gets_resource_exhausted_at_once(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    from protos.pdserve.v1.internal import worker_pb2
 
-    config = WorkerConfig("prefill", "p0", max_queued_requests=8, max_queued_tokens=400)
-    prefill = PrefillServer(_engine(llama_checkpoint, 256), ServerConfig(), config)
-    port = await prefill.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            params = generation_pb2.SamplingParams(max_tokens=1)
-            prompts = random_prompts([300] * 4, seed=41)
+    options = ClusterOptions(
+        num_kv_blocks=256, decode_workers=0, gateway=False, max_queued_requests=8, max_queued_tokens=400
+    )
+    cluster = await start_inprocess_cluster(llama_checkpoint, options)
+    stub = cluster.worker_stubs[0]
+    params = generation_pb2.SamplingParams(max_tokens=1)
+    prompts = random_prompts([300] * 4, seed=41)
 
-            async def prefill_one(index: int) -> grpc.StatusCode:
-                request = worker_pb2.PrefillRequest(request_id=f"r{index}", prompt_token_ids=prompts[index], sampling_params=params)
-                try:
-                    await stub.Prefill(request, timeout=30)
-                except grpc.aio.AioRpcError as error:
-                    assert "admission limit" in (error.details() or "")
-                    return error.code()
-                return grpc.StatusCode.OK
+    async def prefill_one(index: int) -> grpc.StatusCode:
+        request = worker_pb2.PrefillRequest(request_id=f"r{index}", prompt_token_ids=prompts[index], sampling_params=params)
+        try:
+            await stub.Prefill(request, timeout=30)  # type: ignore[union-attr]
+        except grpc.aio.AioRpcError as error:
+            assert "admission limit" in (error.details() or "")
+            return error.code()
+        return grpc.StatusCode.OK
 
-            codes = await asyncio.gather(*(prefill_one(i) for i in range(4)))
-            # Whichever arrives first fits the empty queue; 300 more tokens would exceed 400.
-            assert sorted(code.value[0] for code in codes) == [0, 8, 8, 8]  # OK, then RESOURCE_EXHAUSTED x3
-            # Once the queue drains, requests are admitted again.
-            assert await prefill_one(1) == grpc.StatusCode.OK
-    finally:
-        await prefill.stop()
+    codes = await asyncio.gather(*(prefill_one(i) for i in range(4)))
+    # Whichever arrives first fits the empty queue; 300 more tokens would exceed 400.
+    assert sorted(code.value[0] for code in codes) == [0, 8, 8, 8]  # OK, then RESOURCE_EXHAUSTED x3
+    # Once the queue drains, requests are admitted again.
+    assert await prefill_one(1) == grpc.StatusCode.OK
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(llama_checkpoint: Path, policy: str) -> None:
+async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster, policy: str
+) -> None:
     import socket
 
     from kv_transfer.descriptor import KVHandoff, KVLayout
-    from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+    from protos.pdserve.v1.internal import worker_pb2
 
     with socket.socket() as probe:  # a loopback port nobody listens on: the prefill worker is gone
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
-    decode = DecodeServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("decode", "d0"), kv_failure_policy=policy)
-    port = await decode.start()
-    try:
-        prompt = random_prompts([45], seed=42)[0]
-        expected = Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
-        handoff = KVHandoff(
-            request_id="orphan", model_id=str(llama_checkpoint), layout=KVLayout(3, 2, 16, 16, "float32"),
-            block_hashes=(), num_tokens=len(prompt), first_token_id=expected[0], transport="grpc", address=dead,
-            lease_deadline_ms=2**40, worker_id="gone", epoch=1,
-        )
-        request = worker_pb2.DecodeRequest(
-            request_id="orphan", prompt_token_ids=prompt, handoff=handoff.to_proto(),
-            sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-        )
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-            if policy == "fail":
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    [r async for r in stub.Decode(request, timeout=30)]
-                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert dead in caught.value.details()
-            else:
-                tokens = [t async for r in stub.Decode(request, timeout=30) for t in r.token_ids]
-                # Never truncated or corrupted: exactly what the model gives after the first token.
-                assert tokens == expected[1:]
-            report = await stub.Load(worker_pb2.LoadRequest(), timeout=5)
-            assert report.kv_recomputes == (1 if policy == "recompute" else 0)
-            assert (report.num_running, report.num_free_blocks) == (0, 64)
-    finally:
-        await decode.stop()
+    options = ClusterOptions(num_kv_blocks=64, prefill_workers=0, gateway=False, kv_failure_policy=policy)
+    cluster = await start_inprocess_cluster(llama_checkpoint, options)
+    stub = cluster.worker_stubs[0]
+    prompt = random_prompts([45], seed=42)[0]
+    expected = Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    handoff = KVHandoff(
+        request_id="orphan", model_id=str(llama_checkpoint), layout=KVLayout(3, 2, 16, 16, "float32"),
+        block_hashes=(), num_tokens=len(prompt), first_token_id=expected[0], transport="grpc", address=dead,
+        lease_deadline_ms=2**40, worker_id="gone", epoch=1,
+    )
+    request = worker_pb2.DecodeRequest(
+        request_id="orphan", prompt_token_ids=prompt, handoff=handoff.to_proto(),
+        sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+    )
+    if policy == "fail":
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in stub.Decode(request, timeout=30)]  # type: ignore[union-attr]
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert dead in caught.value.details()
+    else:
+        tokens = [t async for r in stub.Decode(request, timeout=30) for t in r.token_ids]  # type: ignore[union-attr]
+        # Never truncated or corrupted: exactly what the model gives after the first token.
+        assert tokens == expected[1:]
+    report = await stub.Load(worker_pb2.LoadRequest(), timeout=5)
+    assert report.kv_recomputes == (1 if policy == "recompute" else 0)
+    assert (report.num_running, report.num_free_blocks) == (0, 64)
 
 
 @pytest.mark.asyncio
-async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(llama_checkpoint: Path) -> None:
-    prefill = PrefillServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(
-            ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], max_inflight_requests=1
-        )
-        g_port = await gateway.start()
-        servers.append(gateway)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            params = generation_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-            request = generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params)
+async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=64, max_inflight_requests=1))
+    stub = cluster.stub
+    assert stub is not None
+    params = generation_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    request = generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params)
 
-            async def outcome() -> int:
-                try:
-                    tokens, _ = await _collect(stub, request)
-                    assert len(tokens) == 200
-                    return grpc.StatusCode.OK.value[0]
-                except grpc.aio.AioRpcError as error:
-                    assert "admission limit" in (error.details() or "")
-                    return error.code().value[0]
+    async def outcome() -> int:
+        try:
+            tokens, _ = await _collect(stub, request)
+            assert len(tokens) == 200
+            return grpc.StatusCode.OK.value[0]
+        except grpc.aio.AioRpcError as error:
+            assert "admission limit" in (error.details() or "")
+            return error.code().value[0]
 
-            codes = await asyncio.gather(*(outcome() for _ in range(3)))
-            assert sorted(codes) == [0, 8, 8]  # one OK, two RESOURCE_EXHAUSTED
-            assert await outcome() == 0  # admitted again once idle
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    codes = await asyncio.gather(*(outcome() for _ in range(3)))
+    assert sorted(codes) == [0, 8, 8]  # one OK, two RESOURCE_EXHAUSTED
+    assert await outcome() == 0  # admitted again once idle
