@@ -11,23 +11,14 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from gateway.server import GatewayServer
-from prefill_service.server import PrefillServer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from protos.pdserve.v1 import generation_pb2
 from service_common.logs import TEXT_FORMAT, JsonFormatter, RequestIdFilter, request_id_context
-from service_common.server import ServerConfig, channel_options
-from service_common.worker import WorkerConfig
+from tests.conftest import StartInProcessCluster
+from tests.support.cluster import ClusterOptions
+from tests.support.waiting import wait_until
 
 NUM_BLOCKS = 64
 PROMPT = list(range(10, 43))  # 33 tokens: two full blocks of 16, cacheable, and one partial
-
-
-def _engine(path: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
-                                  cache=CacheConfig(num_kv_blocks=NUM_BLOCKS)))
 
 
 async def _http_get(port: int, path: str) -> tuple[str, dict[str, str], str]:
@@ -58,109 +49,82 @@ def _value(samples: dict, name: str, **labels: str) -> float:
 
 
 @pytest.mark.asyncio
-async def test_gateway_and_workers_export_exact_metrics_over_http(llama_checkpoint: Path) -> None:
-    prefill = PrefillServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("prefill", "p0"), metrics_port=0)
-    decode = DecodeServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("decode", "d0"), metrics_port=0)
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], metrics_port=0)
-        await gateway.start()
-        servers.append(gateway)
-        assert await gateway.pool.wait_ready(30)
-        params = generation_pb2.SamplingParams(max_tokens=6, temperature=0.0)
-        finals = []
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.port}", options=channel_options()) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            for _ in range(2):  # one after the other: the second finds the first's prompt blocks cached
-                responses = [r async for r in stub.Generate(
-                    generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling_params=params), timeout=60)]
-                finals.append(responses[-1])
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in stub.Generate(
-                    generation_pb2.GenerateRequest(prompt_token_ids=[1, 600], sampling_params=params), timeout=60
-                ):
-                    pass
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert [f.usage.cached_prompt_tokens for f in finals] == [0, 32]
-        decoded = sum(1 for f in finals if f.usage.completion_tokens > 1)  # requests that reached the decode worker
-        # Wait for both sides to go idle: leases released, decode requests done.
-        for _ in range(100):
-            if not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0:
-                break
-            await asyncio.sleep(0.05)
+async def test_gateway_and_workers_export_exact_metrics_over_http(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=NUM_BLOCKS, metrics=True))
+    prefill, decode, gateway, stub = cluster.prefill, cluster.decode, cluster.gateway, cluster.stub
+    assert gateway is not None and stub is not None
+    params = generation_pb2.SamplingParams(max_tokens=6, temperature=0.0)
+    finals = []
+    for _ in range(2):  # one after the other: the second finds the first's prompt blocks cached
+        responses = [r async for r in stub.Generate(
+            generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling_params=params), timeout=60)]
+        finals.append(responses[-1])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in stub.Generate(
+            generation_pb2.GenerateRequest(prompt_token_ids=[1, 600], sampling_params=params), timeout=60
+        ):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [f.usage.cached_prompt_tokens for f in finals] == [0, 32]
+    decoded = sum(1 for f in finals if f.usage.completion_tokens > 1)  # requests that reached the decode worker
+    # Wait for both sides to go idle: leases released, decode requests done.
+    await wait_until(
+        lambda: not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
+        "every lease released and every decode finished",
+    )
 
-        g = await _scrape(gateway.metrics_endpoint.port)
-        assert _value(g, "pdserve_requests_total", outcome="ok") == 2.0
-        assert _value(g, "pdserve_requests_total", outcome="invalid") == 1.0
-        for outcome in ("cancelled", "deadline", "unavailable", "overloaded", "error"):
-            assert _value(g, "pdserve_requests_total", outcome=outcome) == 0.0
-        assert _value(g, "pdserve_time_to_first_token_seconds_count") == 2.0
-        assert _value(g, "pdserve_e2e_request_latency_seconds_count") == 2.0
-        assert _value(g, "pdserve_time_per_output_token_seconds_count") == decoded
-        assert _value(g, "pdserve_requests_running") == 0.0
-        assert _value(g, "pdserve_routing_decisions_total", role="prefill", worker="p0") == 2.0
-        assert _value(g, "pdserve_routing_decisions_total", role="decode", worker="d0") == decoded
-        assert _value(g, "pdserve_prompt_tokens_total") == 2.0 * len(PROMPT)
-        assert _value(g, "pdserve_prefix_cache_hit_tokens_total") == 32.0
+    g = await _scrape(gateway.metrics_endpoint.port)
+    assert _value(g, "pdserve_requests_total", outcome="ok") == 2.0
+    assert _value(g, "pdserve_requests_total", outcome="invalid") == 1.0
+    for outcome in ("cancelled", "deadline", "unavailable", "overloaded", "error"):
+        assert _value(g, "pdserve_requests_total", outcome=outcome) == 0.0
+    assert _value(g, "pdserve_time_to_first_token_seconds_count") == 2.0
+    assert _value(g, "pdserve_e2e_request_latency_seconds_count") == 2.0
+    assert _value(g, "pdserve_time_per_output_token_seconds_count") == decoded
+    assert _value(g, "pdserve_requests_running") == 0.0
+    assert _value(g, "pdserve_routing_decisions_total", role="prefill", worker="p0") == 2.0
+    assert _value(g, "pdserve_routing_decisions_total", role="decode", worker="d0") == decoded
+    assert _value(g, "pdserve_prompt_tokens_total") == 2.0 * len(PROMPT)
+    assert _value(g, "pdserve_prefix_cache_hit_tokens_total") == 32.0
 
-        p = await _scrape(prefill.metrics_endpoint.port)
-        stats = prefill.runtime.async_engine.latest_stats
-        assert _value(p, "pdserve_kv_cache_blocks", state="free") == stats.num_free_blocks
-        assert _value(p, "pdserve_kv_cache_blocks", state="used") == NUM_BLOCKS - stats.num_free_blocks
-        assert _value(p, "pdserve_kv_cache_usage_ratio") == (NUM_BLOCKS - stats.num_free_blocks) / NUM_BLOCKS
-        assert _value(p, "pdserve_engine_requests_running") == 0.0
-        assert _value(p, "pdserve_engine_requests_waiting") == 0.0
-        assert _value(p, "pdserve_prompt_tokens_total") == 2.0 * len(PROMPT)
-        assert _value(p, "pdserve_prefix_cache_hit_tokens_total") == 32.0
+    p = await _scrape(prefill.metrics_endpoint.port)
+    stats = prefill.runtime.async_engine.latest_stats
+    assert _value(p, "pdserve_kv_cache_blocks", state="free") == stats.num_free_blocks
+    assert _value(p, "pdserve_kv_cache_blocks", state="used") == NUM_BLOCKS - stats.num_free_blocks
+    assert _value(p, "pdserve_kv_cache_usage_ratio") == (NUM_BLOCKS - stats.num_free_blocks) / NUM_BLOCKS
+    assert _value(p, "pdserve_engine_requests_running") == 0.0
+    assert _value(p, "pdserve_engine_requests_waiting") == 0.0
+    assert _value(p, "pdserve_prompt_tokens_total") == 2.0 * len(PROMPT)
+    assert _value(p, "pdserve_prefix_cache_hit_tokens_total") == 32.0
 
-        d = await _scrape(decode.metrics_endpoint.port)
-        stats = decode.runtime.async_engine.latest_stats
-        assert _value(d, "pdserve_kv_cache_blocks", state="free") == stats.num_free_blocks
-        assert _value(d, "pdserve_kv_cache_blocks", state="used") == NUM_BLOCKS - stats.num_free_blocks
-        assert decode.servicer.kv_bytes_received > 0
-        assert _value(d, "pdserve_kv_transfer_bytes_total", transport="grpc") == decode.servicer.kv_bytes_received
-        assert _value(d, "pdserve_kv_transfer_seconds_total", transport="grpc") == pytest.approx(
-            decode.servicer.kv_receive_seconds)
+    d = await _scrape(decode.metrics_endpoint.port)
+    stats = decode.runtime.async_engine.latest_stats
+    assert _value(d, "pdserve_kv_cache_blocks", state="free") == stats.num_free_blocks
+    assert _value(d, "pdserve_kv_cache_blocks", state="used") == NUM_BLOCKS - stats.num_free_blocks
+    assert decode.servicer.kv_bytes_received > 0
+    assert _value(d, "pdserve_kv_transfer_bytes_total", transport="grpc") == decode.servicer.kv_bytes_received
+    assert _value(d, "pdserve_kv_transfer_seconds_total", transport="grpc") == pytest.approx(
+        decode.servicer.kv_receive_seconds)
 
-        status, _, _ = await _http_get(gateway.metrics_endpoint.port, "/other")
-        assert status == "HTTP/1.1 404 Not Found"
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    status, _, _ = await _http_get(gateway.metrics_endpoint.port, "/other")
+    assert status == "HTTP/1.1 404 Not Found"
 
 
 @pytest.mark.asyncio
 async def test_lines_logged_while_handling_a_request_carry_its_id(
-    llama_checkpoint: Path, caplog: pytest.LogCaptureFixture
+    llama_checkpoint: Path, caplog: pytest.LogCaptureFixture, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     caplog.handler.addFilter(RequestIdFilter())
     caplog.set_level(logging.DEBUG, logger="gateway.server")
-    prefill = PrefillServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"])
-        g_port = await gateway.start()
-        servers.append(gateway)
-        assert await gateway.pool.wait_ready(30)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            request = generation_pb2.GenerateRequest(
-                request_id="req-log-1", prompt_token_ids=[1, 2, 3],
-                sampling_params=generation_pb2.SamplingParams(max_tokens=2),
-            )
-            [r async for r in stub.Generate(request, timeout=60)]
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=NUM_BLOCKS))
+    assert cluster.stub is not None
+    request = generation_pb2.GenerateRequest(
+        request_id="req-log-1", prompt_token_ids=[1, 2, 3],
+        sampling_params=generation_pb2.SamplingParams(max_tokens=2),
+    )
+    [r async for r in cluster.stub.Generate(request, timeout=60)]
     lines = [r for r in caplog.records if r.getMessage().startswith("generate: 3 prompt tokens")]
     assert [r.request_id for r in lines] == ["req-log-1"]
     assert "request_id=req-log-1: generate: 3 prompt tokens" in logging.Formatter(TEXT_FORMAT).format(lines[0])
