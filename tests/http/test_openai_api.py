@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,43 +11,25 @@ import aiohttp
 import openai
 import pytest
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
 from gateway.server import GatewayServer
-from prefill_service.server import PrefillServer
 from service_common.server import ServerConfig
-from service_common.worker import WorkerConfig
 from tests.conftest import Oracle
+from tests.support.cluster import ClusterOptions, InProcessCluster
+from tests.support.waiting import wait_until
 
 TOKEN = "s3cret-token"
 
 
-def _engine(path: Path, num_blocks: int = 64) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), cache=CacheConfig(num_kv_blocks=num_blocks)))
-
-
 @asynccontextmanager
-async def _cluster(checkpoint: Path, tokenizer: object = None, **gateway_args: object) -> AsyncIterator[GatewayServer]:
+async def _cluster(
+    checkpoint: Path, tokenizer: object = None, auth_token: str | None = None, **gateway_args: object
+) -> AsyncIterator[GatewayServer]:
     """Prefill, decode and a gateway with its HTTP API on an ephemeral port; all stopped on exit."""
-    auth = gateway_args.pop("auth_token", None)
-    prefill = PrefillServer(_engine(checkpoint), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(_engine(checkpoint), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(ServerConfig(auth_token=auth), tokenizer, [f"127.0.0.1:{p_port}"],
-                                [f"127.0.0.1:{d_port}"], http_port=0, **gateway_args)  # type: ignore[arg-type]
-        await gateway.start()
-        servers.append(gateway)
-        assert await gateway.pool.wait_ready(10)
-        yield gateway
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    options = ClusterOptions(num_kv_blocks=64, http=True, tokenizer=tokenizer,
+                             gateway_server=ServerConfig(auth_token=auth_token), gateway_args=gateway_args)
+    async with InProcessCluster(checkpoint, options) as cluster:
+        assert cluster.gateway is not None
+        yield cluster.gateway
 
 
 def _client(gateway: GatewayServer, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -154,10 +135,7 @@ async def test_over_the_admission_limit_gets_429_and_a_disconnect_frees_the_slot
             await client.completions.create(model="m", prompt=[4, 5], max_tokens=2)
         assert caught.value.status_code == 429 and "admission limit" in caught.value.message
         await long.close()  # the client goes away mid-stream: the gateway cancels the generation
-        for _ in range(100):
-            if gateway.servicer.admission.requests == 0:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: gateway.servicer.admission.requests == 0, "the admission slot to be freed")
         assert gateway.servicer.admission.requests == 0
         completion = await client.completions.create(model="m", prompt=[4, 5], max_tokens=2)
         assert completion.usage is not None and completion.usage.completion_tokens <= 2

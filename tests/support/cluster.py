@@ -15,9 +15,10 @@ or, where a fixture does not fit (a module-scoped cluster, a cluster stopped mid
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -72,6 +73,7 @@ class ClusterOptions:
     max_queued_requests: int | None = None  # workers' admission limits; None: WorkerConfig's defaults
     max_queued_tokens: int | None = None
     max_inflight_requests: int | None = None  # the gateway's admission limit; None: its default
+    gateway_args: Mapping[str, Any] = field(default_factory=dict)  # any other GatewayServer keyword argument
     metrics: bool = False  # every server exports Prometheus /metrics on an ephemeral port
     http: bool = False  # the gateway serves the OpenAI-compatible HTTP API on an ephemeral port
     tokenizer: object = None  # the gateway's; None: token ids only
@@ -195,7 +197,9 @@ class InProcessCluster:
 
     async def _start_gateway(self) -> None:
         options = self.options
-        extra = {} if options.max_inflight_requests is None else {"max_inflight_requests": options.max_inflight_requests}
+        extra = dict(options.gateway_args)
+        if options.max_inflight_requests is not None:
+            extra["max_inflight_requests"] = options.max_inflight_requests
         self.gateway = GatewayServer(
             options.gateway_server, options.tokenizer, self.prefill_addresses, self.decode_addresses,
             redis_url=REDIS_URL if self.redis_prefix is not None else None, redis_prefix=self.redis_prefix or "pdserve",
