@@ -3,67 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from gateway.server import GatewayServer
 from pdserve.client import AsyncClient, Client, PdserveError, SamplingOptions, Usage
-from prefill_service.server import PrefillServer
 from service_common.server import ServerConfig
-from service_common.worker import WorkerConfig
 from tests.conftest import Oracle, random_prompts
+from tests.support.cluster import ClusterOptions, InProcessCluster
 
 NUM_BLOCKS = 64
 MAX_TOKENS = 12
 GREEDY = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
-@dataclass(frozen=True)
-class Cluster:
-    target: str
-    decode: DecodeServer
-
-
-def _engine(path: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), cache=CacheConfig(num_kv_blocks=NUM_BLOCKS))
-    )
-
-
-@asynccontextmanager
-async def _cluster(path: Path, gateway_config: ServerConfig | None = None) -> AsyncIterator[Cluster]:
-    prefill = PrefillServer(_engine(path), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(_engine(path), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(
-            gateway_config or ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"]
-        )
-        g_port = await gateway.start()
-        servers.append(gateway)
-        yield Cluster(f"127.0.0.1:{g_port}", decode)
-    finally:
-        for server in reversed(servers):
-            await server.stop()
-
-
-async def _wait_idle(decode: DecodeServer, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while decode.runtime.async_engine.latest_stats.num_running and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+def _cluster(path: Path, gateway_config: ServerConfig | None = None) -> InProcessCluster:
+    """A cluster to run ``async with``; the client dials ``cluster.gateway_address``."""
+    return InProcessCluster(path, ClusterOptions(num_kv_blocks=NUM_BLOCKS, gateway_server=gateway_config or ServerConfig()))
 
 
 def test_sampling_options_set_only_the_given_optional_fields() -> None:
@@ -77,7 +34,7 @@ def test_sampling_options_set_only_the_given_optional_fields() -> None:
 async def test_async_generate_equals_the_oracle_and_stream_concatenates_to_it(llama_checkpoint: Path) -> None:
     prompts = random_prompts([5, 17, 40], seed=50)
     oracle = Oracle(llama_checkpoint)
-    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.target, timeout=60) as client:
+    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.gateway_address, timeout=60) as client:
         info = await client.model_info()
         assert (info.block_size, info.vocab_size, info.eos_token_ids) == (16, 512, (7,))
         for index, prompt in enumerate(prompts):
@@ -102,21 +59,21 @@ async def test_async_generate_equals_the_oracle_and_stream_concatenates_to_it(ll
 @pytest.mark.asyncio
 async def test_breaking_out_of_a_stream_cancels_the_request_on_the_decode_worker(llama_checkpoint: Path) -> None:
     long = SamplingOptions(max_tokens=1000, temperature=0.0, ignore_eos=True)
-    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.target, timeout=60) as client:
+    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.gateway_address, timeout=60) as client:
         received = 0
         async for chunk in client.stream([1, 2, 3], long):
             received += len(chunk.token_ids)
             if received >= 3:  # past the prefill's first token: the decode worker is generating
                 assert cluster.decode.runtime.async_engine.latest_stats.num_running == 1
                 break
-        await _wait_idle(cluster.decode)
+        await cluster.wait_idle()
         stats = cluster.decode.runtime.async_engine.latest_stats
         assert (stats.num_running, stats.num_free_blocks) == (0, NUM_BLOCKS)
 
 
 @pytest.mark.asyncio
 async def test_a_short_deadline_and_an_invalid_option_raise_pdserve_errors(llama_checkpoint: Path) -> None:
-    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.target) as client:
+    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.gateway_address) as client:
         long = SamplingOptions(max_tokens=1000, temperature=0.0, ignore_eos=True)
         with pytest.raises(PdserveError) as caught:
             await client.generate([1, 2, 3], long, timeout=0.2)
@@ -126,7 +83,7 @@ async def test_a_short_deadline_and_an_invalid_option_raise_pdserve_errors(llama
             await client.generate([1, 2, 3], SamplingOptions(top_p=1.5), timeout=30)
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "top_p" in caught.value.message
-        await _wait_idle(cluster.decode)
+        await cluster.wait_idle()
         assert cluster.decode.runtime.async_engine.latest_stats.num_running == 0
 
 
@@ -137,7 +94,7 @@ async def test_blocking_client_generates_and_streams_like_the_async_client(llama
     async with _cluster(llama_checkpoint) as cluster:
 
         def blocking_calls() -> None:
-            with Client(cluster.target, timeout=60) as client:
+            with Client(cluster.gateway_address, timeout=60) as client:
                 assert client.model_info().vocab_size == 512
                 completion = client.generate(prompt, GREEDY, request_id="blocking-1")
                 assert list(completion.token_ids) == expected
@@ -157,7 +114,7 @@ async def test_blocking_client_generates_and_streams_like_the_async_client(llama
                         break  # the generator closes at once, cancelling the call
 
         await asyncio.to_thread(blocking_calls)
-        await _wait_idle(cluster.decode)
+        await cluster.wait_idle()
         stats = cluster.decode.runtime.async_engine.latest_stats
         assert (stats.num_running, stats.num_free_blocks) == (0, NUM_BLOCKS)
 
@@ -165,16 +122,16 @@ async def test_blocking_client_generates_and_streams_like_the_async_client(llama
 @pytest.mark.asyncio
 async def test_the_bearer_token_is_sent_as_authorization_metadata(llama_checkpoint: Path) -> None:
     async with _cluster(llama_checkpoint, ServerConfig(auth_token="s3cret-token")) as cluster:
-        async with AsyncClient(cluster.target, timeout=30) as anonymous:
+        async with AsyncClient(cluster.gateway_address, timeout=30) as anonymous:
             with pytest.raises(PdserveError) as caught:
                 await anonymous.model_info()
             assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
-        async with AsyncClient(cluster.target, auth_token="s3cret-token", timeout=30) as client:
+        async with AsyncClient(cluster.gateway_address, auth_token="s3cret-token", timeout=30) as client:
             assert (await client.model_info()).vocab_size == 512
             assert len((await client.generate([1, 2, 3], GREEDY)).token_ids) >= 1
 
         def blocking_model_info() -> int:
-            with Client(cluster.target, auth_token="s3cret-token", timeout=30) as blocking:
+            with Client(cluster.gateway_address, auth_token="s3cret-token", timeout=30) as blocking:
                 return blocking.model_info().vocab_size
 
         assert await asyncio.to_thread(blocking_model_info) == 512

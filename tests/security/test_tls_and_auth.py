@@ -11,12 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from gateway.server import GatewayServer
 from pdserve.cli import main
-from prefill_service.server import PrefillServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.security import (
@@ -29,7 +24,8 @@ from service_common.security import (
     server_credentials,
 )
 from service_common.server import ServerConfig, channel_options
-from service_common.worker import WorkerConfig
+from tests.conftest import StartInProcessCluster
+from tests.support.cluster import ClusterOptions, InProcessCluster
 
 TOKEN = "s3cret-token"
 OPENSSL_CONFIG = """\
@@ -94,9 +90,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(path("ca.pem"), path("server.pem"), path("server.key"), path("client.pem"), path("client.key"))
 
 
-def _engine(path: Path) -> LLMEngine:
-    config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32"), cache=CacheConfig(num_kv_blocks=32))
-    return LLMEngine(config)
+NUM_KV_BLOCKS = 32
 
 
 def _generate_request(max_tokens: int) -> generation_pb2.GenerateRequest:
@@ -109,110 +103,92 @@ async def _generate(stub: generation_pb2_grpc.GenerationStub, max_tokens: int, m
 
 
 async def _start_cluster(
-    checkpoint: Path, worker: ServerConfig, gateway: ServerConfig, client_tls: TlsConfig | None
-) -> list:
-    """Prefill, decode and gateway servers, started; the caller stops them (newest first)."""
-    servers: list = []
-    try:
-        prefill = PrefillServer(_engine(checkpoint), worker, WorkerConfig("prefill", "p0"))
-        p_port = await prefill.start()
-        servers.append(prefill)
-        decode = DecodeServer(_engine(checkpoint), worker, WorkerConfig("decode", "d0"), client_tls=client_tls)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway_server = GatewayServer(
-            gateway, None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], client_tls=client_tls
-        )
-        await gateway_server.start()
-        servers.append(gateway_server)
-        assert await gateway_server.pool.wait_ready(10)
-        return servers
-    except BaseException:
-        await _stop(servers)
-        raise
-
-
-async def _stop(servers: list) -> None:
-    for server in reversed(servers):
-        await server.stop()
+    start_inprocess_cluster: StartInProcessCluster,
+    checkpoint: Path,
+    worker: ServerConfig,
+    gateway: ServerConfig,
+    client_tls: TlsConfig | None,
+) -> InProcessCluster:
+    """Prefill, decode and gateway servers with these ports' and channels' security, started."""
+    options = ClusterOptions(num_kv_blocks=NUM_KV_BLOCKS, worker_server=worker, gateway_server=gateway,
+                             client_tls=client_tls)
+    return await start_inprocess_cluster(checkpoint, options)
 
 
 @pytest.mark.asyncio
-async def test_tls_everywhere_serves_end_to_end_and_refuses_plaintext(llama_checkpoint: Path, pki: Pki) -> None:
+async def test_tls_everywhere_serves_end_to_end_and_refuses_plaintext(
+    llama_checkpoint: Path, pki: Pki, start_inprocess_cluster: StartInProcessCluster
+) -> None:
     # Internal ports with mutual TLS: the gateway's and the decode worker's channels present the client cert.
-    servers = await _start_cluster(
-        llama_checkpoint, ServerConfig(tls=pki.server(require_client_cert=True)), ServerConfig(tls=pki.server()),
-        client_tls=pki.client(with_cert=True),
+    cluster = await _start_cluster(
+        start_inprocess_cluster, llama_checkpoint, ServerConfig(tls=pki.server(require_client_cert=True)),
+        ServerConfig(tls=pki.server()), client_tls=pki.client(with_cert=True),
     )
-    prefill, decode, gateway = servers
-    try:
-        target = f"127.0.0.1:{gateway.server.port}"
-        async with open_channel(target, pki.client(), channel_options()) as channel:
-            responses = await _generate(generation_pb2_grpc.GenerationStub(channel), max_tokens=6)
-        assert sum(len(r.token_ids) for r in responses) == 6
-        assert (responses[-1].usage.prompt_tokens, responses[-1].usage.completion_tokens) == (20, 6)
-        # The KV crossed the decode -> prefill TLS channel; it was not recomputed.
-        assert (decode.servicer.kv_transfers, decode.servicer.kv_recomputes) == (1, 0)
+    decode, target = cluster.decode, cluster.gateway_address
+    assert target is not None
+    async with open_channel(target, pki.client(), channel_options()) as channel:
+        responses = await _generate(generation_pb2_grpc.GenerationStub(channel), max_tokens=6)
+    assert sum(len(r.token_ids) for r in responses) == 6
+    assert (responses[-1].usage.prompt_tokens, responses[-1].usage.completion_tokens) == (20, 6)
+    # The KV crossed the decode -> prefill TLS channel; it was not recomputed.
+    assert (decode.servicer.kv_transfers, decode.servicer.kv_recomputes) == (1, 0)
 
-        async with open_channel(target, None, channel_options()) as plaintext:
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await _generate(generation_pb2_grpc.GenerationStub(plaintext), max_tokens=2)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        # The name override: a certificate checked against "localhost" while dialling 127.0.0.1.
-        async with open_channel(target, pki.client(), channel_options(), server_name_override="localhost") as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            info = await stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
-        assert info.vocab_size == 512
-    finally:
-        await _stop(servers)
+    async with open_channel(target, None, channel_options()) as plaintext:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _generate(generation_pb2_grpc.GenerationStub(plaintext), max_tokens=2)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The name override: a certificate checked against "localhost" while dialling 127.0.0.1.
+    async with open_channel(target, pki.client(), channel_options(), server_name_override="localhost") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        info = await stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
+    assert info.vocab_size == 512
 
 
 @pytest.mark.asyncio
-async def test_mutual_tls_worker_refuses_a_client_without_a_certificate(llama_checkpoint: Path, pki: Pki) -> None:
-    prefill = PrefillServer(
-        _engine(llama_checkpoint), ServerConfig(tls=pki.server(require_client_cert=True)), WorkerConfig("prefill", "p0")
-    )
-    port = await prefill.start()
-    try:
-        async with open_channel(f"127.0.0.1:{port}", pki.client(with_cert=False), channel_options()) as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await worker_pb2_grpc.PrefillWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        async with open_channel(f"127.0.0.1:{port}", pki.client(with_cert=True), channel_options()) as channel:
-            report = await worker_pb2_grpc.PrefillWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
-        assert (report.worker_id, report.role) == ("p0", "prefill")
-    finally:
-        await prefill.stop()
+async def test_mutual_tls_worker_refuses_a_client_without_a_certificate(
+    llama_checkpoint: Path, pki: Pki, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    options = ClusterOptions(num_kv_blocks=NUM_KV_BLOCKS, decode_workers=0, gateway=False,
+                             worker_server=ServerConfig(tls=pki.server(require_client_cert=True)))
+    address = (await start_inprocess_cluster(llama_checkpoint, options)).prefill_addresses[0]
+    async with open_channel(address, pki.client(with_cert=False), channel_options()) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await worker_pb2_grpc.PrefillWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with open_channel(address, pki.client(with_cert=True), channel_options()) as channel:
+        report = await worker_pb2_grpc.PrefillWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
+    assert (report.worker_id, report.role) == ("p0", "prefill")
 
 
 @pytest.mark.asyncio
-async def test_gateway_bearer_auth_refuses_missing_and_wrong_tokens_but_not_health(llama_checkpoint: Path) -> None:
-    servers = await _start_cluster(llama_checkpoint, ServerConfig(), ServerConfig(auth_token=TOKEN), client_tls=None)
-    gateway = servers[-1]
-    try:
-        async with open_channel(f"127.0.0.1:{gateway.server.port}", None, channel_options()) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            for metadata in ((), bearer_metadata("wrong-token"), (("authorization", TOKEN),)):
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await _generate(stub, max_tokens=2, metadata=metadata)
-                assert (caught.value.code(), caught.value.details()) == (
-                    grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token"
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10, metadata=metadata)
-                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-            responses = await _generate(stub, max_tokens=3, metadata=bearer_metadata(TOKEN))
-            assert sum(len(r.token_ids) for r in responses) == 3
-            info = await stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10, metadata=bearer_metadata(TOKEN))
-            assert info.vocab_size == 512
-            # Load balancers probe health without credentials.
-            health = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=10
+async def test_gateway_bearer_auth_refuses_missing_and_wrong_tokens_but_not_health(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await _start_cluster(
+        start_inprocess_cluster, llama_checkpoint, ServerConfig(), ServerConfig(auth_token=TOKEN), client_tls=None
+    )
+    assert cluster.gateway_address is not None
+    async with open_channel(cluster.gateway_address, None, channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for metadata in ((), bearer_metadata("wrong-token"), (("authorization", TOKEN),)):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await _generate(stub, max_tokens=2, metadata=metadata)
+            assert (caught.value.code(), caught.value.details()) == (
+                grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token"
             )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await _stop(servers)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10, metadata=metadata)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        responses = await _generate(stub, max_tokens=3, metadata=bearer_metadata(TOKEN))
+        assert sum(len(r.token_ids) for r in responses) == 3
+        info = await stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10, metadata=bearer_metadata(TOKEN))
+        assert info.vocab_size == 512
+        # Load balancers probe health without credentials.
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=10
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.mark.asyncio
