@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
@@ -8,6 +7,7 @@ from redis.asyncio import Redis
 
 from cluster_index import IndexUnavailable, KeySpace, WorkerInfo, WorkerRegistry, WorkerStatus, connect
 from tests.cluster_index.helpers import make_worker
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.asyncio
@@ -23,13 +23,18 @@ async def test_registered_worker_is_live_with_its_fields(redis_client: Redis, pr
 
 @pytest.mark.asyncio
 async def test_heartbeat_stores_load_snapshot_and_refreshes_ttl(redis_client: Redis, prefix: str) -> None:
-    registry = WorkerRegistry(redis_client, prefix, ttl_s=0.5)
+    registry = WorkerRegistry(redis_client, prefix, ttl_s=1.0)
     worker = make_worker("d0", "decode")
+    unrefreshed = make_worker("d1", "decode")  # registered with it, never heartbeaten: shows when its TTL is over
     await registry.register(worker)
-    await asyncio.sleep(0.3)
+    await registry.register(unrefreshed)
+    key = KeySpace(prefix).worker("d0")
+    # Half the TTL gone by Redis's clock: the heartbeat comes well before the entry would expire.
+    await wait_until(lambda: redis_client.pttl(key), "half the TTL to pass", until=lambda ttl_ms: ttl_ms < 500)
     load = {"num_running": 3, "num_free_blocks": 120, "num_queued_tokens": 4096}
     assert await registry.heartbeat(worker, load) is True
-    await asyncio.sleep(0.3)  # 0.6 s after register: alive only thanks to the heartbeat
+    # Once the entry registered with it has expired: alive only thanks to the heartbeat.
+    await wait_until(registry.live_workers, "the unrefreshed entry to expire", until=lambda live: unrefreshed not in live)
     assert await registry.live_statuses() == [WorkerStatus(info=worker, load=load)]
     # A heartbeat without a snapshot keeps the last one.
     assert await registry.heartbeat(worker) is True
@@ -42,7 +47,7 @@ async def test_worker_expires_after_ttl_and_is_pruned_from_the_set(redis_client:
     worker = make_worker("p0")
     await registry.register(worker)
     assert await registry.live_workers() == [worker]
-    await asyncio.sleep(0.5)
+    await wait_until(registry.live_workers, "the entry to expire", until=lambda live: live == [])
     assert await registry.live_workers() == []
     assert await redis_client.smembers(KeySpace(prefix).workers) == set()
     # The next heartbeat re-registers and reports that the entry had vanished.
