@@ -12,6 +12,7 @@ import pytest
 from protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, random_prompts
 from tests.e2e.conftest import cluster_config, generate, load
+from tests.support.waiting import wait_until
 
 MAX_TOKENS = 20
 LENGTHS = [1, 3, 9, 16, 17, 31, 33, 48, 64, 80, 100, 130, 170, 220, 260, 300]
@@ -45,16 +46,17 @@ async def test_cluster_greedy_equals_transformers_for_each_transport(
         assert b"OMP_WAIT_POLICY=PASSIVE" in environ, name
 
 
-async def _wait_idle(cluster, timeout_s: float = 3.0) -> tuple:
-    """Both workers' load reports once nothing runs and every block is free (or the last seen)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        prefill = await load(cluster.prefill_addresses[0], "prefill")
-        decode = await load(cluster.decode_addresses[0], "decode")
-        idle = prefill.num_free_blocks == decode.num_free_blocks == 256 and decode.num_running == 0
-        if idle or time.monotonic() > deadline:
-            return prefill, decode
-        await asyncio.sleep(0.05)
+async def _wait_idle(cluster) -> tuple:  # noqa: ANN001 - a LocalCluster
+    """Both workers' load reports once nothing runs and every block is free."""
+
+    async def reports() -> tuple:
+        return await load(cluster.prefill_addresses[0], "prefill"), await load(cluster.decode_addresses[0], "decode")
+
+    def idle(reports: tuple) -> bool:
+        prefill, decode = reports
+        return prefill.num_free_blocks == decode.num_free_blocks == 256 and decode.num_running == 0
+
+    return await wait_until(reports, "both workers idle with every block free", until=idle)
 
 
 @pytest.mark.asyncio

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -13,6 +12,7 @@ from engine.hashing import hash_prompt_blocks
 from protos.pdserve.v1 import generation_pb2
 from tests.conftest import random_prompts
 from tests.e2e.conftest import REDIS_URL, cluster_config, generate, load
+from tests.support.waiting import wait_until
 
 PARAMS = generation_pb2.SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -27,12 +27,9 @@ async def _index_counts(prefix: str, hashes: list[bytes]) -> dict[str, int]:
 
 
 async def _wait_for_count(prefix: str, hashes: list[bytes], worker: str, expected: int) -> dict[str, int]:
-    for _ in range(100):  # publishing is asynchronous: wait up to 5 s
-        counts = await _index_counts(prefix, hashes)
-        if counts.get(worker) == expected:
-            return counts
-        await asyncio.sleep(0.05)
-    return counts
+    """The index's counts once ``worker`` holds ``expected`` blocks of the prompt: publishing is asynchronous."""
+    return await wait_until(lambda: _index_counts(prefix, hashes), f"{worker} to hold {expected} blocks",
+                            until=lambda counts: counts.get(worker) == expected)
 
 
 @pytest.mark.asyncio
@@ -48,12 +45,8 @@ async def test_shared_prefix_requests_land_on_the_worker_holding_it(llama_checkp
     assert last.usage.cached_prompt_tokens == 0
     hashes = hash_prompt_blocks(first, 16, model_id)
     # Exactly one worker holds the first prompt's 10 full blocks, and the index says so.
-    counts = await _index_counts(config.redis_prefix, hashes)
-    for _ in range(100):
-        if sorted(counts.values()) == [0, 10]:
-            break
-        await asyncio.sleep(0.05)
-        counts = await _index_counts(config.redis_prefix, hashes)
+    counts = await wait_until(lambda: _index_counts(config.redis_prefix, hashes), "one worker to hold 10 blocks",
+                              until=lambda counts: sorted(counts.values()) == [0, 10])
     assert sorted(counts.values()) == [0, 10]
     holder = max(counts, key=counts.__getitem__)
 
@@ -88,12 +81,15 @@ async def test_restarted_worker_stale_index_entries_are_not_used(llama_checkpoin
     assert await _index_counts(config.redis_prefix, hashes) == {"prefill-0": 0}
     # The gateway notices the restart within a few seconds; the request is computed, not counted as cached.
     request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=PARAMS)
-    for _ in range(50):
+
+    async def served() -> generation_pb2.GenerateResponse | None:
         try:
             (*_, last) = await generate(cluster.endpoint, request)
-            break
         except grpc.aio.AioRpcError as error:
             assert error.code() == grpc.StatusCode.UNAVAILABLE
-            await asyncio.sleep(0.1)
+            return None
+        return last
+
+    last = await wait_until(served, "a request served by the restarted worker")
     assert last.usage.cached_prompt_tokens == 0
     assert await _wait_for_count(config.redis_prefix, hashes, "prefill-0", 6) == {"prefill-0": 6}

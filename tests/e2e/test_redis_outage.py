@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from pdserve.launcher import redis_answers
 from protos.pdserve.v1 import generation_pb2
 from tests.conftest import random_prompts
 from tests.e2e.conftest import cluster_config, generate, load
+from tests.support.waiting import wait_until, wait_until_sync
 
 MAX_TOKENS = 6
 PARAMS = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -40,13 +39,15 @@ def _start_redis(port: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 10
-    while not redis_answers(f"redis://127.0.0.1:{port}/0"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            raise RuntimeError(f"redis-server did not start on port {port} (exit status {process.returncode})")
-        time.sleep(0.05)
+    try:
+        wait_until_sync(lambda: process.poll() is not None or redis_answers(f"redis://127.0.0.1:{port}/0"),
+                        f"redis-server to answer on port {port}")
+    except AssertionError:
+        process.kill()
+        process.wait()
+        raise
+    if process.returncode is not None:
+        raise RuntimeError(f"redis-server did not start on port {port} (exit status {process.returncode})")
     return process
 
 
@@ -68,14 +69,10 @@ async def _index_counts(url: str, prefix: str, hashes: list[bytes]) -> dict[str,
         await redis.aclose()
 
 
-async def _wait_for_counts(url: str, prefix: str, hashes: list[bytes], expected: list[int], timeout_s: float) -> dict[str, int]:
-    """The index's counts once their sorted values equal ``expected``, or the last ones after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        counts = await _index_counts(url, prefix, hashes)
-        if sorted(counts.values()) == expected or time.monotonic() > deadline:
-            return counts
-        await asyncio.sleep(0.1)
+async def _wait_for_counts(url: str, prefix: str, hashes: list[bytes], expected: list[int]) -> dict[str, int]:
+    """The index's counts once their sorted values equal ``expected``."""
+    return await wait_until(lambda: _index_counts(url, prefix, hashes), f"index counts {expected}",
+                            until=lambda counts: sorted(counts.values()) == expected)
 
 
 async def _completion_tokens(endpoint: str, prompt: list[int]) -> int:
@@ -103,7 +100,7 @@ async def test_requests_survive_a_redis_outage_and_workers_reregister_and_resync
 
         # Redis up: the request succeeds and exactly one worker is indexed as holding the prefix.
         assert await _completion_tokens(cluster.endpoint, shared) == MAX_TOKENS
-        before = await _wait_for_counts(url, prefix, shared_hashes, [0, 6], timeout_s=5)
+        before = await _wait_for_counts(url, prefix, shared_hashes, [0, 6])
         assert sorted(before.values()) == [0, 6]
         holder = max(before, key=before.__getitem__)
 
@@ -116,16 +113,15 @@ async def test_requests_survive_a_redis_outage_and_workers_reregister_and_resync
         # Redis returns on the same port, empty. Within a few heartbeats both workers are
         # registered again (same processes, same epochs) and have rewritten their cached blocks.
         redis_processes.append(_start_redis(port))
-        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-        while (live := await _live_prefill(url, prefix)) != epochs and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        live = await wait_until(lambda: _live_prefill(url, prefix), "both workers registered again",
+                                RECOVERY_TIMEOUT_S, until=lambda live: live == epochs)
         assert live == epochs
         # Blocks published before the outage are back, on the worker that still caches them.
-        assert await _wait_for_counts(url, prefix, shared_hashes, [0, 6], timeout_s=5) == before
+        assert await _wait_for_counts(url, prefix, shared_hashes, [0, 6]) == before
         # Blocks computed while Redis was down were never published; the resync publishes them.
         for prompt in during_outage:
             hashes = hash_prompt_blocks(prompt, 16, model_id)
-            counts = await _wait_for_counts(url, prefix, hashes, [0, len(prompt) // 16], timeout_s=5)
+            counts = await _wait_for_counts(url, prefix, hashes, [0, len(prompt) // 16])
             assert sorted(counts.values()) == [0, len(prompt) // 16], f"{len(prompt)}-token prompt"
         # And routing uses the rebuilt index again: the shared prefix is served from a cache.
         responses = await generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=shared, sampling_params=PARAMS))

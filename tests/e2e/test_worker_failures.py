@@ -12,6 +12,7 @@ from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from service_common.server import channel_options
 from tests.conftest import random_prompts
 from tests.e2e.conftest import cluster_config, generate
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.asyncio
@@ -44,8 +45,10 @@ async def test_killed_decode_worker_fails_its_streams_with_unavailable_and_traff
     # DEADLINE_EXCEEDED after 60 s and fail here); the others finish normally.
     assert grpc.StatusCode.UNAVAILABLE in codes
     assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK}
-    # New requests are routed to the surviving decode worker.
-    await asyncio.sleep(1.0)
+    # New requests are routed to the surviving decode worker, once the gateway has seen the other one go.
+    dead = cluster.decode_addresses[0]
+    await wait_until(lambda: f"decode worker at {dead} is unreachable" in cluster.log_of("gateway"),
+                     "the gateway to mark decode-0 unreachable")
     short = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for prompt in prompts:
         responses = await generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=short))
@@ -96,7 +99,11 @@ async def test_requests_on_a_crashed_prefill_worker_are_retried_elsewhere_and_no
             asyncio.create_task(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)))
             for p in prompts
         ]
-        await asyncio.sleep(0.5)
+        # The gateway dispatched the requests as they came; it says so of the frozen worker only once
+        # a load poll of it has timed out (1 s), long after every request was routed.
+        frozen_address = cluster.prefill_addresses[0]
+        await wait_until(lambda: f"prefill worker at {frozen_address} is unreachable" in cluster.log_of("gateway"),
+                         "the gateway to mark the frozen prefill-0 unreachable")
     finally:
         cluster.kill("prefill-0")
     results = await asyncio.gather(*pending)
