@@ -41,7 +41,7 @@ class FakeBackend:
                 raise RuntimeError("decoder exploded")
             remaining = request.max_tokens
             while remaining:
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0.005)  # not a wait: the fake model's time per step, so that streams overlap
                 size = min(2, remaining)
                 remaining -= size
                 usage = None

@@ -20,7 +20,8 @@ GREEDY = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
 
 def _cluster(path: Path, gateway_config: ServerConfig | None = None) -> InProcessCluster:
     """A cluster to run ``async with``; the client dials ``cluster.gateway_address``."""
-    return InProcessCluster(path, ClusterOptions(num_kv_blocks=NUM_BLOCKS, gateway_server=gateway_config or ServerConfig()))
+    options = ClusterOptions(num_kv_blocks=NUM_BLOCKS, gateway_server=gateway_config or ServerConfig())
+    return InProcessCluster(path, options)
 
 
 def test_sampling_options_set_only_the_given_optional_fields() -> None:

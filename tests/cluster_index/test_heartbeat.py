@@ -36,7 +36,8 @@ async def test_heartbeat_keeps_worker_live_past_ttl_and_stop_deregisters(redis_c
         await wait_until(lambda: heartbeat.num_beats >= 1, "the first beat")
         await registry.register(unrefreshed)
         # Past the first beat's TTL: alive only thanks to the later beats.
-        await wait_until(registry.live_workers, "the unrefreshed entry to expire", until=lambda live: unrefreshed not in live)
+        await wait_until(registry.live_workers, "the unrefreshed entry to expire",
+                         until=lambda live: unrefreshed not in live)
         assert await registry.live_statuses() == [WorkerStatus(info=worker, load={"num_running": 2})]
         assert heartbeat.registered is True
     finally:

@@ -34,7 +34,8 @@ async def test_heartbeat_stores_load_snapshot_and_refreshes_ttl(redis_client: Re
     load = {"num_running": 3, "num_free_blocks": 120, "num_queued_tokens": 4096}
     assert await registry.heartbeat(worker, load) is True
     # Once the entry registered with it has expired: alive only thanks to the heartbeat.
-    await wait_until(registry.live_workers, "the unrefreshed entry to expire", until=lambda live: unrefreshed not in live)
+    await wait_until(registry.live_workers, "the unrefreshed entry to expire",
+                     until=lambda live: unrefreshed not in live)
     assert await registry.live_statuses() == [WorkerStatus(info=worker, load=load)]
     # A heartbeat without a snapshot keeps the last one.
     assert await registry.heartbeat(worker) is True

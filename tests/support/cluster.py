@@ -210,7 +210,9 @@ class InProcessCluster:
         # Once the gateway has polled a worker of each role it knows the model's limits.
         if options.prefill_workers and options.decode_workers:
             if not await self.gateway.pool.wait_ready(options.ready_timeout_s):
-                raise RuntimeError(f"the gateway saw no healthy prefill and decode worker in {options.ready_timeout_s:g} s")
+                raise RuntimeError(
+                    f"the gateway saw no healthy prefill and decode worker in {options.ready_timeout_s:g} s"
+                )
         self.channel = self._open(self.gateway_address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
