@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from cluster_index import connect
+from decode_service.colocated import ColocatedServer
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
@@ -43,7 +44,7 @@ CLIENT_OPTIONS = [
     ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
 ]
 
-Worker = PrefillServer | DecodeServer
+Worker = PrefillServer | DecodeServer | ColocatedServer
 WorkerStub = worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
 
 
@@ -60,6 +61,7 @@ class ClusterOptions:
     num_kv_blocks: int = NUM_KV_BLOCKS  # per worker
     prefill_workers: int = 1
     decode_workers: int = 1
+    colocated_workers: int = 0  # workers that prefill and decode on one engine; the gateway uses them for both
     gateway: bool = True  # False: workers only, for a test of a worker on its own
     worker_server: ServerConfig = field(default_factory=ServerConfig)  # the workers' ports: TLS, auth
     gateway_server: ServerConfig = field(default_factory=ServerConfig)  # the public port: TLS, auth
@@ -84,8 +86,9 @@ class InProcessCluster:
     """Workers and a gateway on ephemeral loopback ports, with channels and stubs to each.
 
     ``prefill`` and ``decode`` are the first worker of each role, ``worker_stubs`` the prefill
-    workers' stubs followed by the decode workers'. Use as ``async with``, or call ``start``
-    and then ``stop`` in a ``finally`` (``stop`` also cleans up after a ``start`` that raised).
+    workers' stubs, then the decode workers', then the colocated workers' (prefill stubs; Load
+    answers on either service). Use as ``async with``, or call ``start`` and then ``stop`` in a
+    ``finally`` (``stop`` also cleans up after a ``start`` that raised).
     """
 
     def __init__(self, checkpoint: Path, options: ClusterOptions | None = None) -> None:
@@ -94,9 +97,11 @@ class InProcessCluster:
         self.redis_prefix = f"pdserve-test-{uuid.uuid4().hex}" if self.options.redis else None
         self.prefills: list[PrefillServer] = []
         self.decodes: list[DecodeServer] = []
+        self.colocated: list[ColocatedServer] = []
         self.gateway: GatewayServer | None = None
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
+        self.colocated_addresses: list[str] = []
         self.gateway_address: str | None = None
         self.channel: grpc.aio.Channel | None = None  # to the gateway
         self.stub: generation_pb2_grpc.GenerationStub | None = None
@@ -137,9 +142,18 @@ class InProcessCluster:
                                   metrics_port=self._metrics_port())
             self.decode_addresses.append(await self._start(server))
             self.decodes.append(server)
+        for index in range(options.colocated_workers):
+            server = ColocatedServer(
+                self._engine(), options.worker_server, self._worker_config("colocated", f"c{index}"),
+                lease_s=options.lease_s, kv_failure_policy=options.kv_failure_policy, client_tls=options.client_tls,
+                metrics_port=self._metrics_port(),
+            )
+            self.colocated_addresses.append(await self._start(server))
+            self.colocated.append(server)
         self.worker_stubs = [
             *(worker_pb2_grpc.PrefillWorkerStub(self._open(address)) for address in self.prefill_addresses),
             *(worker_pb2_grpc.DecodeWorkerStub(self._open(address)) for address in self.decode_addresses),
+            *(worker_pb2_grpc.PrefillWorkerStub(self._open(address)) for address in self.colocated_addresses),
         ]
         if options.gateway:
             await self._start_gateway()
@@ -201,14 +215,16 @@ class InProcessCluster:
         if options.max_inflight_requests is not None:
             extra["max_inflight_requests"] = options.max_inflight_requests
         self.gateway = GatewayServer(
-            options.gateway_server, options.tokenizer, self.prefill_addresses, self.decode_addresses,
+            options.gateway_server, options.tokenizer, self.prefill_addresses + self.colocated_addresses,
+            self.decode_addresses + self.colocated_addresses,
             redis_url=REDIS_URL if self.redis_prefix is not None else None, redis_prefix=self.redis_prefix or "pdserve",
             transport=options.kv_transport, client_tls=options.client_tls,
             http_port=0 if options.http else None, metrics_port=self._metrics_port(), **extra,
         )
         self.gateway_address = await self._start(self.gateway)
         # Once the gateway has polled a worker of each role it knows the model's limits.
-        if options.prefill_workers and options.decode_workers:
+        serves_both = options.colocated_workers > 0
+        if (options.prefill_workers or serves_both) and (options.decode_workers or serves_both):
             if not await self.gateway.pool.wait_ready(options.ready_timeout_s):
                 raise RuntimeError(
                     f"the gateway saw no healthy prefill and decode worker in {options.ready_timeout_s:g} s"

@@ -72,6 +72,21 @@ async def test_cluster_runs_the_workers_it_is_asked_for_and_deletes_its_redis_ke
 
 
 @pytest.mark.asyncio
+async def test_a_colocated_worker_serves_both_roles_behind_the_gateway(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    options = ClusterOptions(num_kv_blocks=32, prefill_workers=0, decode_workers=0, colocated_workers=1)
+    cluster = await start_inprocess_cluster(llama_checkpoint, options)
+    assert [(r.role, r.worker_id) for r in await cluster.loads()] == [("colocated", "c0")]
+    prompt = random_prompts([40], seed=31)[0]
+    params = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0)
+    responses = await cluster.generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
+    assert [t for r in responses for t in r.token_ids] == Oracle(llama_checkpoint).generate(prompt, 8)
+    # Its 2 full prompt blocks came from its own prefix cache; only the partial third one moved.
+    assert cluster.colocated[0].decode.kv_transfers == 1
+
+
+@pytest.mark.asyncio
 async def test_a_cluster_that_fails_to_start_stops_the_servers_it_started(llama_checkpoint: Path) -> None:
     with socket.socket() as busy:  # the gateway's port is taken: the workers start, the gateway cannot
         busy.bind(("127.0.0.1", 0))
