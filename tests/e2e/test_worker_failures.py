@@ -99,8 +99,8 @@ async def test_requests_on_a_crashed_prefill_worker_are_retried_elsewhere_and_no
             asyncio.create_task(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params)))
             for p in prompts
         ]
-        # The gateway dispatched the requests as they came; it says so of the frozen worker only once
-        # a load poll of it has timed out (1 s), long after every request was routed.
+        # Once the gateway marks the frozen worker unreachable (its load poll timed out after 1 s), every
+        # request has long been routed; those sent to prefill-0 are stuck there.
         frozen_address = cluster.prefill_addresses[0]
         await wait_until(lambda: f"prefill worker at {frozen_address} is unreachable" in cluster.log_of("gateway"),
                          "the gateway to mark the frozen prefill-0 unreachable")
