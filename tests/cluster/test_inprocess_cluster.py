@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import grpc
@@ -156,7 +157,16 @@ async def test_over_the_admission_limit_a_prefill_gets_resource_exhausted_at_onc
             return error.code()
         return grpc.StatusCode.OK
 
-    codes = await asyncio.gather(*(prefill_one(i) for i in range(4)))
+    # The engine is busy until the refusals are in, so that the admitted request is still queued
+    # when the others arrive however slowly this machine runs them.
+    busy = threading.Event()
+    cluster.prefill.runtime.async_engine.submit(lambda engine: busy.wait(timeout=60))
+    try:
+        calls = [asyncio.create_task(prefill_one(i)) for i in range(4)]
+        await wait_until(lambda: sum(call.done() for call in calls) == 3, "three of the four prefills refused")
+    finally:
+        busy.set()
+    codes = await asyncio.gather(*calls)
     # Whichever arrives first fits the empty queue; 300 more tokens would exceed 400.
     assert sorted(code.value[0] for code in codes) == [0, 8, 8, 8]  # OK, then RESOURCE_EXHAUSTED x3
     # Once the queue drains, requests are admitted again.
