@@ -8,7 +8,7 @@ down. Importable without torch (the gateway uses it).
 from __future__ import annotations
 
 from cluster_index.block_events import BlockChanges, BlockEventBatch
-from cluster_index.connection import DEFAULT_REDIS_URL, IndexUnavailable, connect
+from cluster_index.connection import DEFAULT_REDIS_URL, IndexUnavailable, cancel_and_wait, connect
 from cluster_index.heartbeat import Heartbeat
 from cluster_index.keys import DEFAULT_PREFIX, KeySpace
 from cluster_index.prefix_index import PrefixIndexLookup, PrefixIndexPublisher
@@ -29,5 +29,6 @@ __all__ = [
     "WorkerRegistry",
     "WorkerRole",
     "WorkerStatus",
+    "cancel_and_wait",
     "connect",
 ]

@@ -31,6 +31,21 @@ class IndexUnavailable(Exception):
     """Redis could not serve a cluster-index call; the caller falls back (load-only routing, retry later)."""
 
 
+async def cancel_and_wait(task: asyncio.Task[object]) -> None:
+    """Cancel a background task that calls Redis, and return once it has ended (whatever its outcome).
+
+    redis-py's asyncio client (8.1) can swallow a cancellation that lands inside a
+    command: the command returns or fails as if nothing happened, and a loop around it
+    carries on, so one ``cancel()`` then ``await task`` may wait forever. Cancel again
+    until the task is done.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=0.01)
+    if not task.cancelled():
+        task.exception()  # retrieved: a task that failed before it was stopped is not logged as unhandled
+
+
 @contextlib.contextmanager
 def translate_errors(action: str) -> Iterator[None]:
     """Re-raise any Redis failure inside the block as ``IndexUnavailable`` naming ``action``."""

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from cluster_index.connection import IndexUnavailable
+from cluster_index.connection import IndexUnavailable, cancel_and_wait
 from cluster_index.outage import OutageLog
 from cluster_index.registry import LoadSnapshot, WorkerInfo, WorkerRegistry
 
@@ -69,9 +68,7 @@ class Heartbeat:
     async def stop(self, *, deregister: bool = True) -> None:
         """Stop beating and, by default, remove the entry now rather than after its TTL."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if deregister:
             try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster_index import IndexUnavailable, WorkerRegistry
+from cluster_index import IndexUnavailable, WorkerRegistry, cancel_and_wait
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.security import TlsConfig, open_channel
 from service_common.server import channel_options
@@ -80,8 +80,7 @@ class WorkerPool:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)  # its refresh calls Redis
         for worker in self.workers.values():
             await worker.channel.close()
 

@@ -14,6 +14,7 @@ from cluster_index import (
     PrefixIndexPublisher,
     WorkerInfo,
     WorkerRegistry,
+    cancel_and_wait,
     connect,
 )
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -113,8 +114,7 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         if self._publish_task is not None:
-            self._publish_task.cancel()
-            await asyncio.gather(self._publish_task, return_exceptions=True)
+            await cancel_and_wait(self._publish_task)
         if self._heartbeat is not None:
             await self._heartbeat.stop(deregister=True)
         if self._publisher is not None:
