@@ -358,6 +358,9 @@ class LLMEngine:
         for token_id in token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+        for token_id, _ in params.logit_bias:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias key {token_id} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
         if len(token_ids) + params.max_tokens > self.max_model_len:
