@@ -86,6 +86,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
         if final.logprobs:
             response.logprobs.CopyFrom(logprobs_to_proto(final.logprobs)[0])
+        if final.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
         if final.finish_reason == "stop" or params.max_tokens == 1:
             # The first token already ends the request: nothing to hand off.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
