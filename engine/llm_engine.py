@@ -232,8 +232,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
         params = seq.params
-        # Before min_tokens, EOS and stop ids were masked and stop strings do not end the request (vLLM).
-        may_stop = seq.num_output_tokens >= params.min_tokens
+        # Nothing ends a request before min_tokens tokens (vLLM): EOS and stop ids were
+        # masked until then, and stop strings count from the token after the min_tokens-th.
+        may_stop = seq.num_output_tokens > params.min_tokens
         if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if may_stop and token_id in params.stop_token_ids:

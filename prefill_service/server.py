@@ -149,11 +149,11 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
     """``params`` for the first token alone: it ends where the whole request would after one token.
 
     ``min_tokens`` cannot exceed ``max_tokens=1``: 1 masks the first token's EOS
-    and stop ids just as any larger value does, and with a larger value stop
-    strings may not end the request at its first token either (see
+    and stop ids just as any larger value does, and with any ``min_tokens >= 1``
+    no stop string may end the request at its first token (see
     ``LLMEngine._finish_reason``), so they are left out here.
     """
-    if params.min_tokens <= 1:
+    if params.min_tokens == 0:
         return dataclasses.replace(params, max_tokens=1)
     return dataclasses.replace(params, max_tokens=1, min_tokens=1, stop=())
 

@@ -224,3 +224,35 @@ async def test_stop_strings_wait_for_min_tokens_across_prefill_and_decode(worded
             assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
     finally:
         await cluster.stop()
+
+
+@pytest.mark.asyncio
+async def test_stop_strings_count_from_the_token_after_min_tokens(worded_checkpoint: Path) -> None:
+    # vLLM's boundary: with min_tokens=k-1 a stop string completed by token k ends the request;
+    # with min_tokens=k it does not. Offline and through the cluster alike.
+    prompt = random_prompts([16], seed=63)[0]
+    llm = LLM(model=str(worded_checkpoint), dtype="float32", num_kv_blocks=64)
+    free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    k = 4
+    stop = f" w{free.token_ids[k - 1]}"  # token k's text, as the detokenizer appends it
+    start = len(llm.tokenizer.decode(free.token_ids[: k - 1]))
+    assert free.text.find(stop) == start  # token k is the first to complete it
+    cases = []
+    for min_tokens in (k - 1, k):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop],
+                                min_tokens=min_tokens)
+        cases.append((params, llm.generate(prompt, params)[0]))
+    (_, at_k), (_, past_k) = cases
+    assert (at_k.token_ids, at_k.text, at_k.finish_reason) == (free.token_ids[:k], free.text[:start], "stop")
+    assert past_k.token_ids[: k + 1] == free.token_ids[: k + 1]
+    cluster = InProcessCluster(worded_checkpoint)
+    try:
+        await cluster.start()
+        for params, expected in cases:
+            responses = await cluster.generate(_request(prompt, params))
+            tokens = [token for response in responses for token in response.token_ids]
+            text = "".join(response.text for response in responses)
+            assert (tokens, text) == (expected.token_ids, expected.text)
+            assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
+    finally:
+        await cluster.stop()
