@@ -190,7 +190,9 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
         request_id="good-1",
         prompt_token_ids=[1, 2, 3],
         sampling_params=SamplingParams(
-            max_tokens=4, temperature=0.7, top_p=0.9, top_k=50, seed=3, stop_token_ids=[7], logprobs=20, ignore_eos=True
+            max_tokens=4, temperature=0.7, top_p=0.9, top_k=50, seed=3, stop_token_ids=[7], logprobs=20, ignore_eos=True,
+            min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+            logit_bias={9: 2.0, 10: -2.0}, prompt_logprobs=20,
         ),
     )
     for request in (at_limit, full):
@@ -203,6 +205,7 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
         assert last.usage.prompt_tokens == len(request.prompt_token_ids)
         assert last.usage.completion_tokens == len(tokens) <= request.sampling_params.max_tokens
     assert [len(entry.top_token_ids) for response in responses for entry in response.logprobs] == [20] * len(tokens)
+    assert [(entry.token_id, len(entry.top_token_ids)) for entry in responses[0].prompt_logprobs] == [(2, 20), (3, 20)]
     for report in await cluster.wait_idle():
         assert (report.num_running, report.num_waiting) == (0, 0), report.role
         assert report.num_free_blocks == report.num_total_blocks == NUM_KV_BLOCKS, report.role
@@ -250,3 +253,25 @@ def test_max_logprobs_is_configurable() -> None:
     validate_generate_request(request, [1, 2, 3], RequestLimits(max_logprobs=64))
     with pytest.raises(ValueError, match=r"^sampling_params\.logprobs must be in \[0, 20\], got 64$"):
         validate_generate_request(request, [1, 2, 3], RequestLimits())
+
+
+def test_prompt_logprobs_share_the_configurable_max_logprobs() -> None:
+    request = _params(prompt_logprobs=64)
+    validate_generate_request(request, [1, 2, 3], RequestLimits(max_logprobs=64))
+    with pytest.raises(ValueError, match=r"^sampling_params\.prompt_logprobs must be in \[0, 20\], got 64$"):
+        validate_generate_request(request, [1, 2, 3], RequestLimits())
+
+
+def test_new_sampling_fields_at_their_limits_are_accepted() -> None:
+    limits = RequestLimits().for_model(vocab_size=512, max_context_length=1024)
+    request = _params(
+        max_tokens=4, min_tokens=4, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=10.0,
+        logit_bias={0: -100.0, 511: 100.0}, prompt_logprobs=20,
+    )
+    validate_generate_request(request, [1, 2, 3], limits)
+    # min_tokens is checked against the default max_tokens (16) when max_tokens is unset.
+    validate_generate_request(_params(min_tokens=16), [1, 2, 3], limits)
+    with pytest.raises(ValueError, match=r"^sampling_params\.min_tokens must be in \[0, max_tokens=16\], got 17$"):
+        validate_generate_request(_params(min_tokens=17), [1, 2, 3], limits)
+    with pytest.raises(ValueError, match=r"^sampling_params\.logit_bias key 512 is outside the vocabulary \[0, 512\)$"):
+        validate_generate_request(_params(logit_bias={3: 1.0, 512: 1.0, 900: 1.0}), [1, 2, 3], limits)
