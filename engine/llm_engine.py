@@ -105,7 +105,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, Sampler(model_cfg.seed, self.eos_token_ids), self.device)
+        sampler = Sampler(model_cfg.seed, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
         self._requests: dict[str, Sequence] = {}
         # Requests whose blocks stay pinned after they finish, until release_kv.
         self._hold_on_finish: set[str] = set()
