@@ -10,6 +10,7 @@ batch without such a row never reaches this module.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -159,7 +160,12 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device:
 def _padded(token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """(len(token_lists), longest) int64 of non-empty lists, each padded with its own first token."""
     longest = max(len(tokens) for tokens in token_lists)
-    padded = torch.tensor([list(tokens) + [tokens[0]] * (longest - len(tokens)) for tokens in token_lists])
+    padded = torch.empty((len(token_lists), longest), dtype=torch.long)
+    for row, tokens in enumerate(token_lists):
+        # Through array.array: several times faster than torch.tensor on a list of
+        # ints, and a history is converted every step.
+        padded[row, : len(tokens)] = torch.frombuffer(array.array("q", tokens), dtype=torch.long)
+        padded[row, len(tokens) :] = tokens[0]
     return padded.to(device)
 
 
