@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     gateway.add_argument("--http-port", type=int, default=None,
                          help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off)")
+    gateway.add_argument("--max-n", type=int, default=16,
+                         help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
+    gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
+                         help="largest HTTP request body; larger ones are answered 413 unread")
     gateway.set_defaults(func=_run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -333,7 +337,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
                                    args.redis_prefix, args.kv_transport, routing=args.routing,
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
-                                   http_port=args.http_port, metrics_port=args.metrics_port), args)
+                                   http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
+                                   http_max_body_bytes=args.http_max_body_bytes), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:
