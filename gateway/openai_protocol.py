@@ -177,6 +177,7 @@ def _check_keys(body: Mapping[str, Any], known: frozenset[str]) -> None:
     if unknown:
         raise InvalidRequest(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                              "(this server refuses what it would not honour)", unknown[0])
+    _optional(body, "model", str)  # any name: the gateway serves one model
     for name, (accepts, accepted, reason) in NO_OP_VALUES.items():
         value = body.get(name)
         if value is not None and name in known and not accepts(value):
