@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
+from engine.logits_processors import TokenHistory, adjust_logits
 from engine.sampling_params import SamplingParams
 
 
@@ -30,9 +31,12 @@ class SamplerOutput:
 class Sampler:
     """Samples the next token of every row in a batch with per-row parameters.
 
-    Greedy rows (``temperature == 0``) take the argmax of the raw logits and draw
-    no randomness. Every other row is tempered, filtered by top-k then top-p, and
-    sampled with the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per
+    Rows whose parameters adjust logits (min_tokens, logit_bias, penalties: see
+    ``engine.logits_processors``) have them adjusted first; the others are left
+    bit for bit as the model produced them, at no cost. Greedy rows
+    (``temperature == 0``) then take the argmax and draw no randomness. Every
+    other row is tempered, filtered by top-k then top-p, and sampled with the
+    exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per
     vocabulary entry, which picks token ``i`` with probability ``p_i``.
 
     Randomness: each sampled row draws exactly one vector of ``vocab_size``
@@ -43,7 +47,9 @@ class Sampler:
     their generator untouched.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: Collection[int] = ()) -> None:
+        # What min_tokens masks besides a row's stop_token_ids (unless it ignores EOS).
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._generator = torch.Generator(device="cpu")
         if seed is None:
             self._generator.seed()
@@ -59,7 +65,9 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
+        """``histories[i]``: row ``i``'s tokens, needed (only) by rows whose parameters adjust logits."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be (num_seqs, vocab_size), got shape {tuple(logits.shape)}")
         num_seqs, vocab_size = logits.shape
@@ -69,7 +77,8 @@ class Sampler:
                 f"{len(params)} params, {len(generators)} generators"
             )
         device = logits.device
-        logits = logits.float()  # (num_seqs, vocab_size); bf16 model outputs are upcast once here
+        raw_logits = logits.float()  # (num_seqs, vocab_size); bf16 model outputs are upcast once here
+        logits = adjust_logits(raw_logits, params, histories, self.eos_token_ids)
 
         token_ids = logits.argmax(dim=-1)  # (num_seqs,) greedy choice, overwritten for sampled rows
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -81,7 +90,7 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
 
-        return self._with_logprobs(logits, token_ids, params)
+        return self._with_logprobs(raw_logits, token_ids, params)
 
     def _sample(
         self,

@@ -127,6 +127,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         if prefill_response.HasField("logprobs"):
             first.logprobs.append(prefill_response.logprobs)
+        # Only here: the decode worker (even when it recomputes the prompt) never sends them.
+        first.prompt_logprobs.extend(prefill_response.prompt_logprobs)
         if prefill_response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
             first.finish_reason = prefill_response.finish_reason
             first.usage.CopyFrom(usage)

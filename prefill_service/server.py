@@ -69,10 +69,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         final = None
         # The first token only, checked against the client's max_tokens; cancelling
-        # this RPC aborts the request and frees its blocks.
+        # this RPC aborts the request and frees its blocks. min_tokens >= 1 still
+        # masks the first token's EOS and stop ids.
+        first_token_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         with self.runtime.admit(len(prompt)):
             async for output in self.engine.generate(
-                prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True, validate_as=params
+                prompt, first_token_params, request.request_id, hold_kv=True, validate_as=params
             ):
                 final = output
         assert final is not None and final.token_ids
@@ -84,6 +86,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
         if final.logprobs:
             response.logprobs.CopyFrom(logprobs_to_proto(final.logprobs)[0])
+        if final.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
         if final.finish_reason == "stop" or params.max_tokens == 1:
             # The first token already ends the request: nothing to hand off.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)

@@ -102,6 +102,26 @@ CORPUS = [
     _bad("logprobs_above_max", _params(logprobs=21), "sampling_params.logprobs"),
     _bad("logprobs_above_vocab", _params(logprobs=VOCAB_SIZE + 1), "sampling_params.logprobs"),
     _bad("logprobs_int32_max", _params(logprobs=2**31 - 1), "sampling_params.logprobs"),
+    # prompt_logprobs (same limit as logprobs).
+    _bad("prompt_logprobs_negative", _params(prompt_logprobs=-1), "sampling_params.prompt_logprobs must be in [0, 20]"),
+    _bad("prompt_logprobs_above_max", _params(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
+    # min_tokens: 0 <= min_tokens <= max_tokens (16 when unset).
+    _bad("min_tokens_negative", _params(min_tokens=-1), "sampling_params.min_tokens must be in [0, max_tokens=16]"),
+    _bad("min_tokens_above_max_tokens", _params(max_tokens=4, min_tokens=5), "sampling_params.min_tokens"),
+    # Penalties.
+    _bad("presence_penalty_above_two", _params(presence_penalty=2.5), "sampling_params.presence_penalty must be in"),
+    _bad("presence_penalty_nan", _params(presence_penalty=float("nan")), "sampling_params.presence_penalty"),
+    _bad("frequency_penalty_below", _params(frequency_penalty=-2.01), "sampling_params.frequency_penalty must be"),
+    _bad("frequency_penalty_inf", _params(frequency_penalty=float("inf")), "sampling_params.frequency_penalty"),
+    _bad("repetition_penalty_zero", _params(repetition_penalty=0.0), "sampling_params.repetition_penalty must be"),
+    _bad("repetition_penalty_negative", _params(repetition_penalty=-1.0), "sampling_params.repetition_penalty"),
+    _bad("repetition_penalty_above_ten", _params(repetition_penalty=10.5), "sampling_params.repetition_penalty"),
+    _bad("repetition_penalty_nan", _params(repetition_penalty=float("nan")), "sampling_params.repetition_penalty"),
+    # logit_bias.
+    _bad("logit_bias_above_100", _params(logit_bias={5: 100.5}), "sampling_params.logit_bias[5] must be in"),
+    _bad("logit_bias_nan", _params(logit_bias={5: float("nan")}), "sampling_params.logit_bias[5]"),
+    _bad("logit_bias_key_at_vocab", _params(logit_bias={VOCAB_SIZE: 1.0}), f"sampling_params.logit_bias key {VOCAB_SIZE}"),
+    _bad("logit_bias_too_many", _params(logit_bias={i: 1.0 for i in range(1025)}), "sampling_params.logit_bias holds"),
     # request_id.
     _bad("request_id_too_long", GenerateRequest(request_id="r" * 257, prompt_token_ids=[1]), "request_id is 257"),
     _bad("request_id_huge", GenerateRequest(request_id="r" * 100_000, prompt_token_ids=[1]), "request_id"),
