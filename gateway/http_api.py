@@ -129,7 +129,9 @@ class OpenAIHttpApi:
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            message = error.text if error.status == 413 else error.reason  # 413's text names the limit
+            message = error.reason
+            if error.status == 413:
+                message = f"the request body exceeds this server's limit of {self.max_body_bytes} bytes (--http-max-body-bytes)"
             return error_response(error.status, message, "invalid_request_error" if error.status < 500 else "server_error")
 
     @web.middleware
