@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,14 @@ async def _grpc(gateway: GatewayServer, prompt: list[int], **params: Any) -> lis
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return [response async for response in stub.Generate(request, timeout=60)]
+
+
+@asynccontextmanager
+async def _served(checkpoint: Path, tokenizer: object = None, **gateway_args: object
+                  ) -> AsyncIterator[tuple[GatewayServer, openai.AsyncOpenAI]]:
+    """The in-process cluster and an openai client of its HTTP API, both closed on exit."""
+    async with _cluster(checkpoint, tokenizer, **gateway_args) as gateway, _client(gateway) as client:
+        yield gateway, client
 
 
 def _ids(logprobs: Any) -> list[int]:
@@ -70,8 +79,7 @@ async def test_chat_content_parts_and_the_developer_role_render_like_plain_strin
                   {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
     prompt = list(tokenizer.apply_chat_template(as_strings, add_generation_prompt=True, tokenize=True)["input_ids"])
     expected = Oracle(chat_checkpoint).generate(prompt, 6)
-    async with _cluster(chat_checkpoint, tokenizer) as gateway:
-        client = _client(gateway)
+    async with _served(chat_checkpoint, tokenizer) as (gateway, client):
         answers = [await client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0.0,
                                                         logprobs=True)  # type: ignore[arg-type]
                    for messages in (as_parts, as_strings)]
@@ -100,8 +108,7 @@ async def test_chat_content_parts_and_the_developer_role_render_like_plain_strin
 @pytest.mark.asyncio
 async def test_greedy_n_gives_identical_choices_and_the_prompt_is_prefilled_once(llama_checkpoint: Path) -> None:
     expected = Oracle(llama_checkpoint).generate(PROMPT, 8)
-    async with _cluster(llama_checkpoint) as gateway:
-        client = _client(gateway)
+    async with _served(llama_checkpoint) as (gateway, client):
         usages = _record_usages(gateway)
         single = await client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=0)
         usages.clear()  # the n=1 request filled the cache; a new prompt shows choice 0 computing it
@@ -133,8 +140,7 @@ async def test_greedy_n_gives_identical_choices_and_the_prompt_is_prefilled_once
 
 @pytest.mark.asyncio
 async def test_seeded_choices_are_reproducible_and_choice_i_samples_with_seed_plus_i(llama_checkpoint: Path) -> None:
-    async with _cluster(llama_checkpoint) as gateway:
-        client = _client(gateway)
+    async with _served(llama_checkpoint) as (gateway, client):
         args: dict[str, Any] = dict(model="m", prompt=PROMPT, max_tokens=10, temperature=1.0, logprobs=0,
                                     extra_body={"ignore_eos": True})
         first = await client.completions.create(n=2, seed=5, **args)
@@ -156,8 +162,7 @@ async def test_seeded_choices_are_reproducible_and_choice_i_samples_with_seed_pl
 
 @pytest.mark.asyncio
 async def test_streamed_choices_interleave_by_index_and_usage_counts_the_prompt_once(chat_checkpoint: Path) -> None:
-    async with _cluster(chat_checkpoint, load_tokenizer(str(chat_checkpoint))) as gateway:
-        client = _client(gateway)
+    async with _served(chat_checkpoint, load_tokenizer(str(chat_checkpoint))) as (gateway, client):
         args: dict[str, Any] = dict(model="m", prompt=PROMPT, max_tokens=8, temperature=0.0,
                                     extra_body={"ignore_eos": True})
         whole = await client.completions.create(n=3, **args)
@@ -191,8 +196,7 @@ async def test_streamed_choices_interleave_by_index_and_usage_counts_the_prompt_
 
 @pytest.mark.asyncio
 async def test_a_client_disconnect_cancels_every_choice(llama_checkpoint: Path) -> None:
-    async with _cluster(llama_checkpoint) as gateway:
-        client = _client(gateway)
+    async with _served(llama_checkpoint) as (gateway, client):
         stream = await client.completions.create(model="m", prompt=PROMPT, max_tokens=500, temperature=0.0, n=3,
                                                  stream=True, extra_body={"ignore_eos": True})
         seen = set()
@@ -218,8 +222,7 @@ async def test_echo_prepends_the_prompt_and_its_logprobs_equal_the_grpc_apis(cha
     model = Oracle(chat_checkpoint).model
     with torch.no_grad():
         reference = model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (len(ids), vocab)
-    async with _cluster(chat_checkpoint, tokenizer) as gateway:
-        client = _client(gateway)
+    async with _served(chat_checkpoint, tokenizer) as (gateway, client):
         args: dict[str, Any] = dict(model="m", prompt=prompt, max_tokens=5, temperature=0.0)
         plain = await client.completions.create(logprobs=2, **args)
         echoed = await client.completions.create(echo=True, **args)
@@ -251,8 +254,7 @@ async def test_echo_prepends_the_prompt_and_its_logprobs_equal_the_grpc_apis(cha
 @pytest.mark.asyncio
 async def test_vllm_prompt_logprobs_on_both_endpoints_equal_the_grpc_apis(chat_checkpoint: Path) -> None:
     tokenizer = load_tokenizer(str(chat_checkpoint))
-    async with _cluster(chat_checkpoint, tokenizer) as gateway:
-        client = _client(gateway)
+    async with _served(chat_checkpoint, tokenizer) as (gateway, client):
         completion = await client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0.0,
                                                      extra_body={"prompt_logprobs": 1})
         reference = (await _grpc(gateway, PROMPT, max_tokens=2, prompt_logprobs=1))[0].prompt_logprobs
@@ -291,8 +293,7 @@ async def test_penalties_bias_and_vllm_extras_give_exactly_the_grpc_apis_tokens(
         dict(top_k=3, temperature=1.0, seed=11),
     ]
     openai_names = ("presence_penalty", "frequency_penalty", "temperature", "seed", "logit_bias")
-    async with _cluster(llama_checkpoint) as gateway:
-        client = _client(gateway)
+    async with _served(llama_checkpoint) as (gateway, client):
         for params in cases:
             completion = await client.completions.create(
                 model="m", prompt=prompt, max_tokens=24, logprobs=0,
@@ -318,8 +319,7 @@ async def test_penalties_bias_and_vllm_extras_give_exactly_the_grpc_apis_tokens(
 
 @pytest.mark.asyncio
 async def test_parameters_are_honoured_or_refused_by_name_never_ignored(chat_checkpoint: Path) -> None:
-    async with _cluster(chat_checkpoint, load_tokenizer(str(chat_checkpoint))) as gateway:
-        client = _client(gateway)
+    async with _served(chat_checkpoint, load_tokenizer(str(chat_checkpoint))) as (gateway, client):
         messages = [{"role": "user", "content": "hello"}]
         plain = await client.chat.completions.create(model="m", messages=messages, max_tokens=4,  # type: ignore[arg-type]
                                                      temperature=0.0)
