@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")
+    up.add_argument("--max-n", type=int, default=None, help="largest n the HTTP API accepts (default: the gateway's, 16)")
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
@@ -353,6 +354,7 @@ def _run_up(args: argparse.Namespace) -> int:
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
+        http_max_n=args.max_n,
     )
     stop = False
 
