@@ -9,6 +9,7 @@ is answered 400 naming the key, so no parameter is ever silently ignored.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -346,5 +347,9 @@ def _assign(assign: Callable[[], None], param: str, detail: str) -> None:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    # Bounded in depth and length: an error message stays short whatever was sent.
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60

@@ -361,6 +361,9 @@ async def test_bad_bodies_get_400_and_large_ones_413(llama_checkpoint: Path) -> 
             (b'{"prompt": "\xff"}', 400, "not valid JSON"),
             ('{"prompt": [1, 2], "max_tokens": 2, "temperature": NaN}', 400, "temperature"),
             ('{"prompt": [1, 2], "max_tokens": 2, "' + "k" * 1000 + '": 1}', 400, "unknown parameter"),
+            # Deep, but within what the parser takes: refused by the field's own check.
+            ('{"prompt": [1, 2], "user": ' + "[" * 900 + "]" * 900 + "}", 400, "user may only be a string"),
+            ('{"prompt": [1, 2], "n": ' + "[" * 900 + "]" * 900 + "}", 400, "n must be an integer"),
         ]
         async with aiohttp.ClientSession() as session:
             for body, status, text in bodies:
