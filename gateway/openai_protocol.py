@@ -189,7 +189,7 @@ def _check_keys(body: Mapping[str, Any], known: frozenset[str]) -> None:
 # its newer name for "system" (vLLM renders it as system too).
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MESSAGE_KEYS = ("role", "content", "name")
-_TEXT_PART_KEYS = ("type", "text", "prompt_cache_breakpoint")  # a cache breakpoint is a hint: pdserve caches every full block
+_PART_KEYS = ("type", "prompt_cache_breakpoint")  # a cache breakpoint is a hint: pdserve caches every full block
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:
@@ -213,7 +213,7 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             if key not in _MESSAGE_KEYS:
                 raise InvalidRequest(f"{where}.{key} is not supported: messages hold role, content and name "
                                      "(this server does not call tools)", f"{where}.{key}")
-        entry = {"role": _ROLES[role], "content": _message_text(message.get("content"), where)}
+        entry = {"role": _ROLES[role], "content": _message_text(message.get("content"), where, role)}
         name = message.get("name")
         if name is not None:
             entry["name"] = _typed(f"{where}.name", name, str)
@@ -221,7 +221,7 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     return rendered
 
 
-def _message_text(content: Any, where: str) -> str:
+def _message_text(content: Any, where: str, role: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
@@ -233,13 +233,15 @@ def _message_text(content: Any, where: str) -> str:
         if not isinstance(part, dict):
             raise InvalidRequest(f"{at} must be a content part object", at)
         kind = part.get("type")
-        if kind != "text":
-            raise InvalidRequest(f"{at}.type {_short(kind)} is not supported: this server reads text parts only",
-                                 f"{at}.type")
+        # OpenAI allows an assistant's refusal as a part of its message; vLLM reads it as text too.
+        text_key = "text" if kind == "text" else "refusal" if kind == "refusal" and role == "assistant" else None
+        if text_key is None:
+            raise InvalidRequest(f"{at}.type {_short(kind)} is not supported: this server reads text parts only "
+                                 "(and refusal parts of assistant messages)", f"{at}.type")
         for key in part:
-            if key not in _TEXT_PART_KEYS:
-                raise InvalidRequest(f"{at}.{key} is not supported in a text part", f"{at}.{key}")
-        texts.append(_typed(f"{at}.text", part.get("text"), str))
+            if key not in (text_key, *_PART_KEYS):
+                raise InvalidRequest(f"{at}.{key} is not supported in a {kind} part", f"{at}.{key}")
+        texts.append(_typed(f"{at}.{text_key}", part.get(text_key), str))
     return "\n".join(texts)
 
 

@@ -90,12 +90,14 @@ def test_content_parts_and_developer_messages_reach_the_template_as_text() -> No
         {"role": "system", "content": "And kind."},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"},
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
     ]
     assert chat_messages(messages) == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "And kind."},
         {"role": "user", "content": "a\nb", "name": "ann"},
         {"role": "assistant", "content": "ok"},
+        {"role": "assistant", "content": "I can't."},
     ]
 
 
@@ -110,6 +112,10 @@ def test_content_parts_and_developer_messages_reach_the_template_as_text() -> No
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}]}],
      "messages[0].content[1].type", "'input_audio'"),
     ([{"role": "user", "content": [{"type": "file", "file": {}}]}], "messages[0].content[0].type", "'file'"),
+    ([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}], "messages[0].content[0].type",
+     "'refusal' is not supported"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}], "messages[0].content[0].text",
+     "not supported in a refusal part"),
     ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text", "must be a string, got None"),
     ([{"role": "user", "content": [{"type": "text", "text": "a", "detail": 1}]}], "messages[0].content[0].detail",
      "not supported"),
