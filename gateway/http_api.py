@@ -40,8 +40,8 @@ _STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
-_FIELD_NAMES = {"prompt_token_ids": "prompt"}
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB  # GenerateRequest field -> OpenAI field, where they differ
+_FIELD_NAMES = {"prompt_token_ids": "prompt"}  # GenerateRequest field -> OpenAI field, where they differ
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
 
 
 class RpcAbort(Exception):
@@ -131,8 +131,10 @@ class OpenAIHttpApi:
                 raise
             message = error.reason
             if error.status == 413:
-                message = f"the request body exceeds this server's limit of {self.max_body_bytes} bytes (--http-max-body-bytes)"
-            return error_response(error.status, message, "invalid_request_error" if error.status < 500 else "server_error")
+                message = (f"the request body exceeds this server's limit of {self.max_body_bytes} bytes "
+                           "(--http-max-body-bytes)")
+            kind = "invalid_request_error" if error.status < 500 else "server_error"
+            return error_response(error.status, message, kind)
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:

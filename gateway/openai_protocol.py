@@ -208,7 +208,8 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequest(f"{where}.role {role!r} answers a tool call, and this server does not call tools",
                                  f"{where}.role")
         if role not in _ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {_short(role)}", f"{where}.role")
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {_short(role)}",
+                                 f"{where}.role")
         for key in message:
             if key not in _MESSAGE_KEYS:
                 raise InvalidRequest(f"{where}.{key} is not supported: messages hold role, content and name "

@@ -242,7 +242,8 @@ class ChatFormat(ResponseFormat):
         if self.parsed.prompt_logprobs is None or self.prompt_logprobs_sent:
             return {}
         self.prompt_logprobs_sent = True
-        return {"prompt_logprobs": vllm_prompt_logprobs(self.prompt_logprobs, self.decoder, self.parsed.prompt_logprobs)}
+        count = self.parsed.prompt_logprobs
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.prompt_logprobs, self.decoder, count)}
 
     def choice(self, index: int, response: generation_pb2.GenerateResponse, delta: bool = False) -> dict[str, Any]:
         self.started[index] = True
