@@ -215,6 +215,28 @@ async def test_a_client_disconnect_cancels_every_choice(llama_checkpoint: Path) 
 
 
 @pytest.mark.asyncio
+async def test_a_choice_refused_before_streaming_fails_the_request_and_cancels_the_others(llama_checkpoint: Path) -> None:
+    async with _served(llama_checkpoint, max_inflight_requests=1) as (gateway, client):
+        for stream in (False, True):
+            # Choice 0 is admitted; choice 1 is over the limit: the request gets 429, and choice 0 is cancelled.
+            with pytest.raises(openai.RateLimitError) as caught:
+                await client.completions.create(model="m", prompt=PROMPT, max_tokens=900, n=2, stream=stream,
+                                                extra_body={"ignore_eos": True})
+            assert caught.value.status_code == 429 and "admission limit" in caught.value.message
+            for _ in range(200):
+                if gateway.servicer.admission.requests == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert gateway.servicer.admission.requests == 0
+        registry = gateway.servicer.metrics.registry
+        outcomes = {o: registry.get_sample_value("pdserve_requests_total", {"outcome": o})
+                    for o in ("ok", "overloaded", "cancelled")}
+        assert outcomes == {"ok": 0.0, "overloaded": 2.0, "cancelled": 2.0}  # each choice 0 was cancelled, not finished
+        completion = await client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0.0)
+        assert completion.usage is not None and completion.usage.prompt_tokens == len(PROMPT)
+
+
+@pytest.mark.asyncio
 async def test_echo_prepends_the_prompt_and_its_logprobs_equal_the_grpc_apis(chat_checkpoint: Path) -> None:
     tokenizer = load_tokenizer(str(chat_checkpoint))
     prompt = "hello world, the cat sat on the mat"
@@ -244,6 +266,10 @@ async def test_echo_prepends_the_prompt_and_its_logprobs_equal_the_grpc_apis(cha
         # ... and those are the model's own log-probabilities of the prompt's tokens.
         expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
         assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+
+        two = await client.completions.create(echo=True, logprobs=2, n=2, **args)
+        assert [c.text for c in two.choices] == [scored.choices[0].text] * 2
+        assert [c.logprobs.tokens for c in two.choices] == [lp.tokens] * 2  # type: ignore[union-attr]
 
         stream = await client.completions.create(echo=True, logprobs=2, stream=True, **args)
         chunks = [chunk async for chunk in stream]
