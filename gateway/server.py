@@ -94,6 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # Count the work this adds there: the tokens its cache does not already hold.
                 with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
                     response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
+                self.router.prefilled(choice)
                 return prefill, response
             except BaseException as error:
                 # Cancelled or failed after the worker may have granted the lease:

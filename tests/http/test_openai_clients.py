@@ -16,11 +16,15 @@ import openai
 import pytest
 import torch
 
+from decode_service.server import DecodeServer
 from gateway.server import GatewayServer
 from gateway.tokenizer import load_tokenizer
+from prefill_service.server import PrefillServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from service_common.server import ServerConfig
+from service_common.worker import WorkerConfig
 from tests.conftest import Oracle
-from tests.http.test_openai_api import _client, _cluster
+from tests.http.test_openai_api import _client, _cluster, _engine
 
 PROMPT = list(range(10, 50))  # 40 tokens: two full blocks of 16 for the prefix cache
 BLOCK = 16
@@ -136,6 +140,48 @@ async def test_greedy_n_gives_identical_choices_and_the_prompt_is_prefilled_once
         with pytest.raises(openai.BadRequestError) as caught:
             await client.completions.create(model="m", prompt=PROMPT, n=17)
         assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "n"
+
+
+class _IndexNotYetPublished:
+    """The Redis index as the gateway sees it right after a prefill: the worker has not published the blocks yet."""
+
+    async def longest_prefix(self, block_hashes: list[bytes], live: dict[str, int]) -> dict[str, int]:
+        return {}
+
+
+@pytest.mark.asyncio
+async def test_with_two_prefill_workers_every_other_choice_goes_where_choice_0_left_the_prompt(
+    llama_checkpoint: Path,
+) -> None:
+    # Workers publish their blocks to Redis a moment after computing them. Even if the
+    # index never catches up, the router remembers what it just had prefilled, so the
+    # choices 1..n-1 go to choice 0's worker instead of alternating on the tie-break.
+    servers: list[Any] = []
+    try:
+        ports = []
+        for index in range(2):
+            prefill = PrefillServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("prefill", f"p{index}"))
+            ports.append(await prefill.start())
+            servers.append(prefill)
+        decode = DecodeServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("decode", "d0"))
+        decode_port = await decode.start()
+        servers.append(decode)
+        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{port}" for port in ports],
+                                [f"127.0.0.1:{decode_port}"], http_port=0)
+        gateway.router.lookup = _IndexNotYetPublished()  # type: ignore[assignment]
+        await gateway.start()
+        servers.append(gateway)
+        assert await gateway.pool.wait_ready(10)
+        usages = _record_usages(gateway)
+        async with _client(gateway) as client:
+            for offset in range(4):
+                usages.clear()
+                prompt = [(token * 7 + offset * 31) % 500 + 8 for token in range(40)]
+                await client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0.0, n=4)
+                assert sorted(u.cached_prompt_tokens for u in usages) == [0] + [2 * BLOCK] * 3, offset
+    finally:
+        for server in reversed(servers):
+            await server.stop()
 
 
 @pytest.mark.asyncio
