@@ -30,21 +30,21 @@ class TokenHistory:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-def adjust_logits(
+def adjust_logits_(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     histories: Sequence[TokenHistory | None] | None,
     eos_token_ids: Collection[int],
-) -> torch.Tensor:
-    """``logits`` (num_seqs, vocab_size) float32 with each asking row's adjustments applied.
+) -> None:
+    """Apply each asking row's adjustments to ``logits`` (num_seqs, vocab_size) float32, in place.
 
-    A copy when some row adjusts, ``logits`` itself otherwise; the input is
-    never changed (the raw distribution is what logprobs report).
-    ``histories[i]`` may be None (or ``histories`` itself) where no row adjusts.
+    Only those rows are read and written: the cost follows the rows that ask,
+    not the batch. ``histories[i]`` may be None (or ``histories`` itself) where
+    no row adjusts.
     """
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
-        return logits
+        return
     device = logits.device
     row_index = torch.tensor(rows, dtype=torch.long, device=device)
     sub_params = [params[i] for i in rows]
@@ -59,7 +59,7 @@ def adjust_logits(
     _add_logit_bias(adjusted, sub_params)
     _apply_repetition_penalty(adjusted, sub_params, sub_histories)
     _apply_frequency_and_presence_penalties(adjusted, sub_params, sub_histories)
-    return logits.index_copy(0, row_index, adjusted)
+    logits.index_copy_(0, row_index, adjusted)
 
 
 def _mask_stop_tokens_before_min_tokens(
@@ -107,14 +107,18 @@ def _apply_repetition_penalty(
         return
     device = logits.device
     row_index = torch.tensor(rows, dtype=torch.long, device=device)
-    # Prompt and output alike (the CTRL paper, transformers and vLLM).
-    seen = _token_counts([histories[row].token_ids for row in rows], logits.shape[1], device) > 0
+    # Prompt and output alike (the CTRL paper, transformers and vLLM). Only the
+    # seen tokens are read and written: the cost follows the history, not the vocabulary.
+    token_ids = _padded([histories[row].token_ids for row in rows], device)  # (num_rows, longest)
     penalties = torch.tensor([params[row].repetition_penalty for row in rows], dtype=torch.float32, device=device)
     penalties = penalties.unsqueeze(1)  # (num_rows, 1)
     part = logits.index_select(0, row_index)  # (num_rows, vocab_size)
+    seen = part.gather(1, token_ids)  # (num_rows, longest)
     # Dividing a positive logit and multiplying a negative one both make the token less likely.
-    penalized = torch.where(part > 0, part / penalties, part * penalties)
-    logits.index_copy_(0, row_index, torch.where(seen, penalized, part))
+    seen = torch.where(seen > 0, seen / penalties, seen * penalties)
+    # A token seen twice is written twice with the same value.
+    part.scatter_(1, token_ids, seen)
+    logits.index_copy_(0, row_index, part)
 
 
 def _apply_frequency_and_presence_penalties(
@@ -141,16 +145,22 @@ def _apply_frequency_and_presence_penalties(
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """(len(token_lists), vocab_size) float32: how often each token occurs in each list."""
-    longest = max(len(tokens) for tokens in token_lists)
-    # Padding points at an extra column, dropped afterwards.
-    padded = torch.full((len(token_lists), longest), vocab_size, dtype=torch.long)
-    for row, tokens in enumerate(token_lists):
-        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    padded = padded.to(device)
+    """(len(token_lists), vocab_size) float32: how often each token occurs in each list (each non-empty)."""
+    padded = _padded(token_lists, device)
+    # Padding repeats a row's first token: counted into an extra column instead.
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device).unsqueeze(1)
+    is_padding = torch.arange(padded.shape[1], device=device).unsqueeze(0) >= lengths
+    padded = padded.masked_fill(is_padding, vocab_size)
     counts = torch.zeros((len(token_lists), vocab_size + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _padded(token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """(len(token_lists), longest) int64 of non-empty lists, each padded with its own first token."""
+    longest = max(len(tokens) for tokens in token_lists)
+    padded = torch.tensor([list(tokens) + [tokens[0]] * (longest - len(tokens)) for tokens in token_lists])
+    return padded.to(device)
 
 
 def _index_pair(rows: list[int], tokens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

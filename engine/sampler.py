@@ -7,7 +7,7 @@ from typing import Collection, Sequence
 
 import torch
 
-from engine.logits_processors import TokenHistory, adjust_logits
+from engine.logits_processors import TokenHistory, adjust_logits_
 from engine.sampling_params import SamplingParams
 
 
@@ -67,7 +67,11 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
-        """``histories[i]``: row ``i``'s tokens, needed (only) by rows whose parameters adjust logits."""
+        """``histories[i]``: row ``i``'s tokens, needed (only) by rows whose parameters adjust logits.
+
+        Those rows are adjusted in place: a float32 ``logits`` is changed (the
+        model runner's is a temporary).
+        """
         if logits.dim() != 2:
             raise ValueError(f"logits must be (num_seqs, vocab_size), got shape {tuple(logits.shape)}")
         num_seqs, vocab_size = logits.shape
@@ -77,8 +81,12 @@ class Sampler:
                 f"{len(params)} params, {len(generators)} generators"
             )
         device = logits.device
-        raw_logits = logits.float()  # (num_seqs, vocab_size); bf16 model outputs are upcast once here
-        logits = adjust_logits(raw_logits, params, histories, self.eos_token_ids)
+        logits = logits.float()  # (num_seqs, vocab_size); bf16 model outputs are upcast once here
+        # vLLM's default: logprobs of the raw model distribution, before any
+        # adjustment, temperature or filtering, so they do not depend on how we sampled.
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        all_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # (num_seqs, vocab_size)
+        adjust_logits_(logits, params, histories, self.eos_token_ids)
 
         token_ids = logits.argmax(dim=-1)  # (num_seqs,) greedy choice, overwritten for sampled rows
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -90,7 +98,7 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
 
-        return self._with_logprobs(raw_logits, token_ids, params)
+        return self._with_logprobs(all_logprobs, token_ids, params)
 
     def _sample(
         self,
@@ -191,16 +199,13 @@ class Sampler:
 
     @staticmethod
     def _with_logprobs(
-        logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+        all_logprobs: torch.Tensor | None, token_ids: torch.Tensor, params: Sequence[SamplingParams]
     ) -> SamplerOutput:
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        if not requested:
+        if all_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_token_ids=None, top_logprobs=None)
-        # vLLM's default: logprobs of the raw model distribution, before
-        # temperature and filtering, so they do not depend on how we sampled.
-        all_logprobs = torch.log_softmax(logits, dim=-1)  # (num_seqs, vocab_size)
+        requested = [p.logprobs for p in params if p.logprobs is not None]
         sampled_logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (num_seqs,)
-        max_n = min(max(requested), logits.shape[1])
+        max_n = min(max(requested), all_logprobs.shape[1])
         if max_n == 0:
             return SamplerOutput(token_ids=token_ids, logprobs=sampled_logprobs, top_token_ids=None, top_logprobs=None)
         top_logprobs, top_token_ids = all_logprobs.topk(max_n, dim=-1, sorted=True)  # (num_seqs, max_n)

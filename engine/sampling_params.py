@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -111,9 +112,12 @@ class SamplingParams:
         # the distribution is a point mass on the argmax anyway (vLLM does the same).
         return self.temperature < _GREEDY_BELOW
 
-    @property
+    @functools.cached_property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler must change this row's logits before choosing (min_tokens, bias, penalties)."""
+        """Whether the sampler must change this row's logits before choosing (min_tokens, bias, penalties).
+
+        Read for every row of every step: computed once (the parameters are frozen).
+        """
         return (
             self.min_tokens > 0
             or bool(self.logit_bias)

@@ -91,8 +91,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prefill = choice.worker
             self.metrics.routed("prefill", prefill.worker_id)
             try:
-                # Count the work this adds there: the tokens its cache does not already hold.
-                with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
+                # Count the work this adds there: the tokens its cache does not already hold
+                # (all of them when the prompt's logprobs are asked for: those skip the cache).
+                cached = 0 if request.sampling_params.HasField("prompt_logprobs") else choice.expected_cached_tokens
+                with _Inflight(prefill, len(token_ids) - cached):
                     response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
                 self.router.prefilled(choice)
                 return prefill, response

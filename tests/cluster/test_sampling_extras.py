@@ -9,6 +9,7 @@ first response, whichever worker layout serves the request.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from tests.conftest import EOS_TOKEN_ID, random_prompts
 from tests.reliability import InProcessCluster
 
 MAX_TOKENS = 12
+FINISH_REASONS = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
 
 # Each request's parameters, as a client sends them: penalties, bias and prompt
 # logprobs alone and together, greedy and seeded, next to a plain request.
@@ -180,3 +182,45 @@ async def test_decode_recompute_after_a_failed_transfer_continues_the_adjustment
             assert (report.kv_recomputes, report.num_running, report.num_free_blocks) == (2, 0, 64)
     finally:
         await decode.stop()
+
+
+@pytest.fixture(scope="module")
+def worded_checkpoint(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with a word-level tokenizer (token i is the word ``w<i>``), so stop strings work."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = tmp_path_factory.mktemp("tiny-llama-worded")
+    shutil.copytree(llama_checkpoint, directory, dirs_exist_ok=True)
+    words = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(512)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="w1", eos_token=f"w{EOS_TOKEN_ID}", pad_token="w0", unk_token="w0"
+    ).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.asyncio
+async def test_stop_strings_wait_for_min_tokens_across_prefill_and_decode(worded_checkpoint: Path) -> None:
+    prompt = random_prompts([21], seed=62)[0]
+    llm = LLM(model=str(worded_checkpoint), dtype="float32", num_kv_blocks=64)
+    free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    stop = f"w{free.token_ids[0]}"  # the first token's text
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop])
+    held = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop], min_tokens=3)
+    stopped, continued = llm.generate([prompt, prompt], [plain, held])
+    # Without min_tokens the first token ends the request, its text cut; with it, the stop string
+    # cannot end the request at the first (prefill) token nor at the second.
+    assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (free.token_ids[:1], "", "stop")
+    assert len(continued.token_ids) >= 3 and continued.token_ids == free.token_ids[: len(continued.token_ids)]
+    cluster = InProcessCluster(worded_checkpoint)
+    try:
+        await cluster.start()
+        for params, expected in ((plain, stopped), (held, continued)):
+            responses = await cluster.generate(_request(prompt, params))
+            tokens = [token for response in responses for token in response.token_ids]
+            text = "".join(response.text for response in responses)
+            assert (tokens, text) == (expected.token_ids, expected.text)
+            assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
+    finally:
+        await cluster.stop()
