@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     gateway.add_argument("--http-port", type=int, default=None,
                          help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off)")
+    gateway.add_argument("--max-n", type=int, default=16,
+                         help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
+    gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
+                         help="largest HTTP request body; larger ones are answered 413 unread")
     gateway.set_defaults(func=_run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")
+    up.add_argument("--max-n", type=int, default=None, help="largest n the HTTP API accepts (default: the gateway's, 16)")
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
@@ -333,7 +338,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
                                    args.redis_prefix, args.kv_transport, routing=args.routing,
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
-                                   http_port=args.http_port, metrics_port=args.metrics_port), args)
+                                   http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
+                                   http_max_body_bytes=args.http_max_body_bytes), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:
@@ -348,6 +354,7 @@ def _run_up(args: argparse.Namespace) -> int:
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
+        http_max_n=args.max_n,
     )
     stop = False
 

@@ -36,6 +36,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API; None: off
+    http_max_n: int | None = None  # the most choices one HTTP request may ask for; None: the gateway's default
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
@@ -116,6 +117,8 @@ class LocalCluster:
             gateway_args += ["--model", config.model]
         if config.http_port is not None:
             gateway_args += ["--http-port", str(config.http_port)]
+        if config.http_max_n is not None:
+            gateway_args += ["--max-n", str(config.http_max_n)]
         for address in self.prefill_addresses:
             gateway_args += ["--prefill", address]
         for address in self.decode_addresses:
