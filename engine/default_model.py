@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,6 +37,8 @@ _CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
 _MARKER_FILE_NAME = "pdserve-converted.json"
 # Bump when the conversion itself changes, to make old caches convert again.
 _CONVERSION_VERSION = 1
+# How often a process without torch looks for the folder a worker is converting.
+_TOKENIZER_POLL_S = 0.5
 
 
 def default_cache_dir() -> Path:
@@ -81,6 +84,31 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         if not _is_converted(target_dir, expected_marker):
             _remove_leftovers(models_dir)
             _convert(gguf_path, target_dir, expected_marker)
+    return target_dir
+
+
+def ensure_default_tokenizer(cache_dir: Path | None = None, wait_s: float = 0.0) -> Path:
+    """A folder holding the default model's tokenizer: the converted model's folder.
+
+    Where torch is installed this converts it if need be (``ensure_default_model``).
+    Where it is not (the gateway's image), transformers cannot read the GGUF file,
+    so this waits up to ``wait_s`` seconds for a worker sharing the cache to
+    convert it, and then names the two ways out.
+    """
+    if importlib.util.find_spec("torch") is not None:
+        return ensure_default_model(cache_dir)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target_dir = cache_dir / "models" / DEFAULT_MODEL_ID
+    expected_marker = _marker_for(default_gguf_path())
+    deadline = time.monotonic() + wait_s
+    while not _is_converted(target_dir, expected_marker):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"The default model's tokenizer is read from {target_dir}, which a worker writes on its first "
+                f"start, and it was not there after {wait_s:g} s; without torch this process cannot convert it. "
+                f"Share the cache ({_CACHE_DIR_ENV}) with a worker, or pass --model a folder with tokenizer files."
+            )
+        time.sleep(_TOKENIZER_POLL_S)
     return target_dir
 
 

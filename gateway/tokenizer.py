@@ -13,15 +13,17 @@ def load_tokenizer(model: str | None) -> Any | None:
     """AutoTokenizer for ``model`` (a local folder, a hub id, or None for the embedded default).
 
     None for a local folder without tokenizer files: the gateway then serves
-    token-id prompts only. The default model's folder is produced by the
-    workers' first start; its locator imports neither torch nor the model code.
+    token-id prompts only. The default model's tokenizer comes from the workers'
+    converted folder, or straight from the GGUF file's metadata when no worker
+    has converted it yet: either way without torch, so a gateway runs where
+    torch is not installed (transformers loads torch itself only where it is).
     """
     from transformers import AutoTokenizer
 
     if model is None or model == "default":
-        from engine.default_model import ensure_default_model
+        from engine.default_model import ensure_default_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+        return AutoTokenizer.from_pretrained(str(ensure_default_tokenizer()))
     path = Path(model).expanduser()
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
