@@ -1,0 +1,1 @@
+"""The gateway and the client without torch: import hygiene, a torch-free gateway process, the client package."""
