@@ -79,11 +79,24 @@ def _pip_list(python: Path) -> set[str]:
     return {entry["name"].lower().replace("_", "-") for entry in json.loads(listed)}
 
 
+def _checkout_copy(destination: Path) -> Path:
+    """The repository's files (tracked and new, not ignored) copied, so in-tree builds leave nothing behind."""
+    listed = subprocess.run(["git", "-C", str(REPO_ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            check=True, capture_output=True, text=True).stdout
+    for name in filter(None, listed.split("\0")):
+        source = REPO_ROOT / name
+        if source.is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+    return destination
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    checkout = _checkout_copy(tmp_path_factory.mktemp("checkout"))
     out = tmp_path_factory.mktemp("wheels")
-    return {"client": _build_wheel(REPO_ROOT / "client", out / "client"),
-            "server": _build_wheel(REPO_ROOT, out / "server")}
+    return {"client": _build_wheel(checkout / "client", out / "client"),
+            "server": _build_wheel(checkout, out / "server")}
 
 
 def _payload(wheel: Path) -> set[str]:
