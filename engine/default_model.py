@@ -20,9 +20,9 @@ import logging
 import os
 import shutil
 import tempfile
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,6 @@ _CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
 _MARKER_FILE_NAME = "pdserve-converted.json"
 # Bump when the conversion itself changes, to make old caches convert again.
 _CONVERSION_VERSION = 1
-# How often a process without torch looks for the folder a worker is converting.
-_TOKENIZER_POLL_S = 0.5
 
 
 def default_cache_dir() -> Path:
@@ -83,32 +81,36 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         # Another process may have finished the conversion while we waited for the lock.
         if not _is_converted(target_dir, expected_marker):
             _remove_leftovers(models_dir)
-            _convert(gguf_path, target_dir, expected_marker)
+            _convert(gguf_path, target_dir, expected_marker, _write_checkpoint)
     return target_dir
 
 
-def ensure_default_tokenizer(cache_dir: Path | None = None, wait_s: float = 0.0) -> Path:
-    """A folder holding the default model's tokenizer: the converted model's folder.
+def ensure_default_tokenizer(cache_dir: Path | None = None) -> Path:
+    """A folder holding the default model's tokenizer, found or made without torch.
 
-    Where torch is installed this converts it if need be (``ensure_default_model``).
-    Where it is not (the gateway's image), transformers cannot read the GGUF file,
-    so this waits up to ``wait_s`` seconds for a worker sharing the cache to
-    convert it, and then names the two ways out.
+    The converted model's folder when a worker has written it; else
+    ``<cache>/tokenizers/smollm2-135m-instruct-q4_1``, built once from the GGUF
+    file's metadata (``engine.gguf_tokenizer``: the ``gguf`` package and
+    transformers' tokenizer conversion, no weights read): the same tokenizer the
+    model conversion saves, in seconds, where torch is installed or not. Same
+    locking and atomic publication as the model.
     """
-    if importlib.util.find_spec("torch") is not None:
-        return ensure_default_model(cache_dir)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target_dir = cache_dir / "models" / DEFAULT_MODEL_ID
-    expected_marker = _marker_for(default_gguf_path())
-    deadline = time.monotonic() + wait_s
-    while not _is_converted(target_dir, expected_marker):
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"The default model's tokenizer is read from {target_dir}, which a worker writes on its first "
-                f"start, and it was not there after {wait_s:g} s; without torch this process cannot convert it. "
-                f"Share the cache ({_CACHE_DIR_ENV}) with a worker, or pass --model a folder with tokenizer files."
-            )
-        time.sleep(_TOKENIZER_POLL_S)
+    gguf_path = default_gguf_path()
+    expected_marker = _marker_for(gguf_path)
+    model_dir = cache_dir / "models" / DEFAULT_MODEL_ID
+    if _is_converted(model_dir, expected_marker):
+        return model_dir
+    tokenizers_dir = cache_dir / "tokenizers"
+    target_dir = tokenizers_dir / DEFAULT_MODEL_ID
+    if _is_converted(target_dir, expected_marker):
+        return target_dir
+
+    tokenizers_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.tokenizer.lock"):
+        if not _is_converted(target_dir, expected_marker):
+            _remove_leftovers(tokenizers_dir)
+            _convert(gguf_path, target_dir, expected_marker, _write_tokenizer)
     return target_dir
 
 
@@ -150,11 +152,13 @@ def _remove_leftovers(models_dir: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _convert(gguf_path: Path, target_dir: Path, marker: dict[str, Any]) -> None:
-    logger.info("Converting the default model %s once into %s (about 20 s)", gguf_path.name, target_dir)
+def _convert(
+    gguf_path: Path, target_dir: Path, marker: dict[str, Any], write: Callable[[Path, Path], None]
+) -> None:
+    logger.info("Converting the default model's %s once into %s", gguf_path.name, target_dir)
     temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target_dir.parent))
     try:
-        _write_checkpoint(gguf_path, temp_dir)
+        write(gguf_path, temp_dir)
         (temp_dir / _MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _publishable_permissions(temp_dir)
         _fsync_tree(temp_dir)
@@ -189,6 +193,12 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     _check_reloads_identically(model, out_dir)
+
+
+def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from engine.gguf_tokenizer import load_gguf_tokenizer
+
+    load_gguf_tokenizer(gguf_path).save_pretrained(out_dir)
 
 
 def _drop_quantization_state(model: Any) -> None:

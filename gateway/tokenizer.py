@@ -9,22 +9,21 @@ from typing import Any
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(model: str | None, wait_s: float = 0.0) -> Any | None:
+def load_tokenizer(model: str | None) -> Any | None:
     """AutoTokenizer for ``model`` (a local folder, a hub id, or None for the embedded default).
 
     None for a local folder without tokenizer files: the gateway then serves
-    token-id prompts only. The default model's tokenizer is read from the
-    folder the workers convert on their first start; where torch is not
-    installed the gateway cannot convert it and waits up to ``wait_s`` seconds
-    for it (``ensure_default_tokenizer``). Nothing here imports torch or the
-    model code; transformers loads torch by itself only where it is installed.
+    token-id prompts only. The default model's tokenizer comes from the
+    workers' converted folder, or is built from the GGUF file's metadata
+    (``ensure_default_tokenizer``): nothing here needs torch or the model code,
+    and transformers loads torch by itself only where it is installed.
     """
     from transformers import AutoTokenizer
 
     if model is None or model == "default":
         from engine.default_model import ensure_default_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(ensure_default_tokenizer(wait_s=wait_s)))
+        return AutoTokenizer.from_pretrained(str(ensure_default_tokenizer()))
     path = Path(model).expanduser()
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None

@@ -318,7 +318,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
                                  grace_s=args.drain_seconds, tls=server_tls_from_args(args),
                                  auth_token=auth_token_from_args(args))
     client_tls = client_tls_from_args(args)
-    tokenizer = load_tokenizer(args.model, wait_s=args.wait_for_workers)
+    tokenizer = load_tokenizer(args.model)
 
     class _Gateway(GatewayServer):
         advertise_host = args.host

@@ -1,11 +1,10 @@
 """A gateway in a process where torch is not installed (tests/torchfree/environment.py) serves text prompts,
-and finds the default model's tokenizer in the cache its workers share."""
+and gets the default model's tokenizer without torch."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -117,43 +116,52 @@ async def test_a_gateway_without_torch_serves_text_prompts_exactly(tmp_path: Pat
             await server.stop()
 
 
-def test_without_torch_the_default_tokenizer_is_the_workers_converted_folder(tmp_path: Path) -> None:
-    """It waits for a worker to publish the folder (here: this test, by one rename), then loads it."""
+def test_without_torch_the_default_tokenizer_is_built_from_the_gguf_metadata(tmp_path: Path) -> None:
+    """Exactly what transformers' own GGUF path (which needs torch) saves, bookkeeping keys aside."""
     from transformers import AutoTokenizer
 
-    gguf_path = default_gguf_path()
     cache = tmp_path / "cache"
     reading = (
-        "import json, sys; from gateway.tokenizer import load_tokenizer; "
-        "tokenizer = load_tokenizer(None, wait_s=float(sys.argv[1])); "
-        "print(json.dumps([tokenizer('The capital of France is')['input_ids'], "
-        "'torch' in sys.modules, tokenizer.eos_token]))"
+        "import json, sys; from gateway.tokenizer import load_tokenizer; tokenizer = load_tokenizer(None); "
+        "print(json.dumps([tokenizer.name_or_path, tokenizer('The capital of France is')['input_ids'], "
+        "tokenizer.eos_token, 'torch' in sys.modules]))"
     )
-    env_dir = tmp_path / "site-packages"
-    argv, env = torch_free_command(env_dir, "-c", reading, "0.2")
+    argv, env = torch_free_command(tmp_path / "site-packages", "-c", reading)
     env["PDSERVE_CACHE_DIR"] = str(cache)
-    missing = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 1
-    assert "which a worker writes on its first start, and it was not there after 0.2 s" in missing.stderr
-    assert "pass --model a folder with tokenizer files" in missing.stderr
+    result = subprocess.run(argv, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    folder, ids, eos, loaded_torch = json.loads(result.stdout.splitlines()[-1])
+    built = cache / "tokenizers" / DEFAULT_MODEL_ID
+    assert (folder, ids, eos, loaded_torch) == (str(built), [504, 3575, 282, 4649, 314], "<|im_end|>", False)
+    assert sorted(p.name for p in built.iterdir()) == [
+        "chat_template.jinja", "pdserve-converted.json", "tokenizer.json", "tokenizer_config.json"
+    ]
 
-    argv, env = torch_free_command(env_dir, "-c", reading, "120")
-    env["PDSERVE_CACHE_DIR"] = str(cache)
-    waiting = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # What the conversion publishes, tokenizer-wise: the GGUF's tokenizer, saved, and the marker last.
-        staged = tmp_path / "staged"
-        reference = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-        reference.save_pretrained(staged)
-        (staged / "pdserve-converted.json").write_text(json.dumps(_marker_for(gguf_path)))
-        (cache / "models").mkdir(parents=True)
-        os.replace(staged, cache / "models" / DEFAULT_MODEL_ID)
-        stdout, stderr = waiting.communicate(timeout=120)
-    finally:
-        if waiting.poll() is None:
-            waiting.kill()
-            waiting.wait()
-    assert waiting.returncode == 0, stderr
-    ids, loaded_torch, eos = json.loads(stdout.splitlines()[-1])
-    assert ids == reference("The capital of France is")["input_ids"] == [504, 3575, 282, 4649, 314]
-    assert (loaded_torch, eos) == (False, "<|im_end|>")
+    gguf_path = default_gguf_path()
+    reference = tmp_path / "reference"
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True).save_pretrained(
+        reference
+    )
+    assert json.loads((built / "tokenizer.json").read_text()) == json.loads((reference / "tokenizer.json").read_text())
+    assert (built / "chat_template.jinja").read_text() == (reference / "chat_template.jinja").read_text()
+    bookkeeping = {"is_local", "local_files_only"}
+    expected_config = {k: v for k, v in json.loads((reference / "tokenizer_config.json").read_text()).items()
+                       if k not in bookkeeping}
+    assert json.loads((built / "tokenizer_config.json").read_text()) == expected_config
+    assert json.loads((built / "pdserve-converted.json").read_text()) == _marker_for(gguf_path)
+
+
+def test_the_workers_converted_folder_is_the_default_tokenizer_when_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.default_model
+
+    converted = tmp_path / "models" / DEFAULT_MODEL_ID
+    converted.mkdir(parents=True)
+    (converted / "pdserve-converted.json").write_text(json.dumps(_marker_for(default_gguf_path())))
+
+    def must_not_convert(*args: object) -> None:
+        raise AssertionError("converted although the workers' folder is there")
+
+    monkeypatch.setattr(engine.default_model, "_convert", must_not_convert)
+    assert engine.default_model.ensure_default_tokenizer(tmp_path) == converted
