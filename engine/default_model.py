@@ -68,21 +68,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     Converts on first use. Safe against concurrent processes: the conversion runs
     under an exclusive lock and the folder appears in one rename, complete.
     """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    gguf_path = default_gguf_path()
-    expected_marker = _marker_for(gguf_path)
-    models_dir = cache_dir / "models"
-    target_dir = models_dir / DEFAULT_MODEL_ID
-    if _is_converted(target_dir, expected_marker):
-        return target_dir
-
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.lock"):
-        # Another process may have finished the conversion while we waited for the lock.
-        if not _is_converted(target_dir, expected_marker):
-            _remove_leftovers(models_dir)
-            _convert(gguf_path, target_dir, expected_marker, _write_checkpoint)
-    return target_dir
+    return _ensure_converted(cache_dir, "models", _write_checkpoint)
 
 
 def ensure_default_tokenizer(cache_dir: Path | None = None) -> Path:
@@ -96,21 +82,28 @@ def ensure_default_tokenizer(cache_dir: Path | None = None) -> Path:
     locking and atomic publication as the model.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    model_dir = cache_dir / "models" / DEFAULT_MODEL_ID
+    if _is_converted(model_dir, _marker_for(default_gguf_path())):
+        return model_dir
+    return _ensure_converted(cache_dir, "tokenizers", _write_tokenizer)
+
+
+def _ensure_converted(cache_dir: Path | None, kind: str, write: Callable[[Path, Path], None]) -> Path:
+    """``<cache>/<kind>/<model id>``, written by ``write`` from the GGUF file unless already there."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     gguf_path = default_gguf_path()
     expected_marker = _marker_for(gguf_path)
-    model_dir = cache_dir / "models" / DEFAULT_MODEL_ID
-    if _is_converted(model_dir, expected_marker):
-        return model_dir
-    tokenizers_dir = cache_dir / "tokenizers"
-    target_dir = tokenizers_dir / DEFAULT_MODEL_ID
+    kind_dir = cache_dir / kind
+    target_dir = kind_dir / DEFAULT_MODEL_ID
     if _is_converted(target_dir, expected_marker):
         return target_dir
 
-    tokenizers_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.tokenizer.lock"):
+    kind_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.{kind}.lock"):
+        # Another process may have finished the conversion while we waited for the lock.
         if not _is_converted(target_dir, expected_marker):
-            _remove_leftovers(tokenizers_dir)
-            _convert(gguf_path, target_dir, expected_marker, _write_tokenizer)
+            _remove_leftovers(kind_dir)
+            _convert(gguf_path, target_dir, expected_marker, write)
     return target_dir
 
 

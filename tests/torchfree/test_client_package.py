@@ -15,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
 from gateway.server import GatewayServer
-from prefill_service.server import PrefillServer
 from service_common.server import ServerConfig
-from service_common.worker import WorkerConfig
 from tests.conftest import Oracle, random_prompts
+from tests.torchfree import workers
 from tests.torchfree.environment import REPO_ROOT
 
 # What a request from the fresh venv prints: the client's result and where it was imported from.
@@ -137,36 +133,24 @@ async def test_the_client_installs_alone_with_grpcio_and_protobuf_and_serves_a_r
     assert installed - before == {"grpcio", "protobuf", "typing-extensions", "pdserve-client"}
     assert "torch" not in installed
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=ModelConfig(model=str(llama_checkpoint), dtype="float32"),
-                                      cache=CacheConfig(num_kv_blocks=64)))
-
     prompt = random_prompts([11], seed=71)[0]
     expected = Oracle(llama_checkpoint).generate(prompt, 9)
-    prefill = PrefillServer(engine(), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(engine(), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"])
-        g_port = await gateway.start()
-        servers.append(gateway)
-        assert await gateway.pool.wait_ready(10.0)
-        script = tmp_path / "request.py"
-        script.write_text(_CLIENT_SCRIPT)
-        # -I: neither this repository nor PYTHONPATH is on the path, only the venv.
-        process = await asyncio.create_subprocess_exec(
-            str(python), "-I", str(script), f"127.0.0.1:{g_port}", json.dumps(prompt), "9",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
-        )
-        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
-        assert process.returncode == 0, stderr.decode()
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    script = tmp_path / "request.py"
+    script.write_text(_CLIENT_SCRIPT)
+    async with workers(llama_checkpoint) as (prefill, decode):
+        gateway = GatewayServer(ServerConfig(), None, [prefill], [decode])
+        try:
+            g_port = await gateway.start()
+            assert await gateway.pool.wait_ready(10.0)
+            # -I: neither this repository nor PYTHONPATH is on the path, only the venv.
+            process = await asyncio.create_subprocess_exec(
+                str(python), "-I", str(script), f"127.0.0.1:{g_port}", json.dumps(prompt), "9",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+            )
+            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+            assert process.returncode == 0, stderr.decode()
+        finally:
+            await gateway.stop()
     result = json.loads(stdout)
     assert Path(result["file"]).is_relative_to(site_dir)
     assert result["token_ids"] == expected

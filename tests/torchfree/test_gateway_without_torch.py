@@ -8,21 +8,17 @@ import json
 import re
 import shutil
 import subprocess
-import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.default_model import DEFAULT_MODEL_ID, _marker_for, default_gguf_path
-from engine.llm_engine import LLMEngine
 from pdserve.client import AsyncClient, SamplingOptions
-from prefill_service.server import PrefillServer
-from service_common.server import ServerConfig
-from service_common.worker import WorkerConfig
 from tests.conftest import VOCAB_SIZE, Oracle
+from tests.torchfree import workers
 from tests.torchfree.environment import REPO_ROOT, torch_free_command
 
 MAX_TOKENS = 10
@@ -42,14 +38,32 @@ def _word_tokenizer(directory: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(directory)
 
 
-async def _wait_for_file(path: Path, process: asyncio.subprocess.Process, log: Path, timeout_s: float = 120.0) -> str:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not path.exists():
-        assert process.returncode is None, f"the gateway exited with {process.returncode}:\n{log.read_text()}"
-        assert loop.time() < deadline, f"no {path.name} after {timeout_s} s:\n{log.read_text()}"
-        await asyncio.sleep(0.1)
-    return path.read_text()
+@asynccontextmanager
+async def _gateway_without_torch(
+    tmp_path: Path, model_dir: Path, prefill: str, decode: str
+) -> AsyncIterator[tuple[str, Path]]:
+    """``pdserve gateway`` in a process without torch; yields its gRPC address and its log file."""
+    ready, log = tmp_path / "ready", tmp_path / "gateway.log"
+    argv, env = torch_free_command(
+        tmp_path / "site-packages", "-m", "pdserve", "gateway", "--model", str(model_dir), "--port", "0",
+        "--http-port", "0", "--ready-file", str(ready), "--prefill", prefill, "--decode", decode,
+        "--wait-for-workers", "30",
+    )
+    with open(log, "wb") as log_file:
+        process = await asyncio.create_subprocess_exec(*argv, env=env, cwd=REPO_ROOT, stdout=log_file,
+                                                       stderr=subprocess.STDOUT)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 120.0
+        while not ready.exists():
+            assert process.returncode is None, f"the gateway exited with {process.returncode}:\n{log.read_text()}"
+            assert loop.time() < deadline, f"the gateway did not start in 120 s:\n{log.read_text()}"
+            await asyncio.sleep(0.1)
+        yield ready.read_text(), log
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), timeout=30)
 
 
 def test_the_torch_free_environment_has_no_torch(tmp_path: Path) -> None:
@@ -68,31 +82,8 @@ async def test_a_gateway_without_torch_serves_text_prompts_exactly(tmp_path: Pat
     prompt = [12, 300, 45, 9, 128, 77, 3]
     expected = Oracle(model_dir).generate(prompt, MAX_TOKENS)
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"),
-                                      cache=CacheConfig(num_kv_blocks=64)))
-
-    prefill = PrefillServer(engine(), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(engine(), ServerConfig(), WorkerConfig("decode", "d0"))
-    servers: list = []
-    process = None
-    log = tmp_path / "gateway.log"
-    try:
-        p_port = await prefill.start()
-        servers.append(prefill)
-        d_port = await decode.start()
-        servers.append(decode)
-        ready = tmp_path / "ready"
-        argv, env = torch_free_command(
-            tmp_path / "site-packages", "-m", "pdserve", "gateway", "--model", str(model_dir), "--port", "0",
-            "--http-port", "0", "--ready-file", str(ready), "--prefill", f"127.0.0.1:{p_port}",
-            "--decode", f"127.0.0.1:{d_port}", "--wait-for-workers", "30",
-        )
-        with open(log, "wb") as log_file:
-            process = await asyncio.create_subprocess_exec(*argv, env=env, cwd=REPO_ROOT, stdout=log_file,
-                                                           stderr=subprocess.STDOUT)
-        target = await _wait_for_file(ready, process, log)
-
+    async with workers(model_dir) as (prefill, decode), \
+            _gateway_without_torch(tmp_path, model_dir, prefill, decode) as (target, log):
         async with AsyncClient(target, timeout=60) as client:
             completion = await client.generate(text, SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
         assert list(completion.token_ids) == expected
@@ -108,12 +99,6 @@ async def test_a_gateway_without_torch_serves_text_prompts_exactly(tmp_path: Pat
                 body = await response.json()
         assert body["choices"][0]["text"] == completion.text
         assert body["usage"]["prompt_tokens"] == len(prompt)
-    finally:
-        if process is not None and process.returncode is None:
-            process.terminate()
-            await asyncio.wait_for(process.wait(), timeout=30)
-        for server in reversed(servers):
-            await server.stop()
 
 
 def test_without_torch_the_default_tokenizer_is_built_from_the_gguf_metadata(tmp_path: Path) -> None:
