@@ -21,6 +21,7 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "LOOPBACK_HOSTS", "Server", "ServerConfi
            "install_uvloop", "run_until_signal"]
 
 log = logging.getLogger(__name__)
+
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
