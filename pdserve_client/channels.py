@@ -108,6 +108,7 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def read_pem(path: str, flag: str) -> bytes:
+    """The PEM file at ``path``; a ValueError naming ``flag`` (the option that gave it) when it is unreadable or not PEM."""
     try:
         data = Path(path).read_bytes()
     except OSError as error:
@@ -118,4 +119,5 @@ def read_pem(path: str, flag: str) -> bytes:
 
 
 def os_error_reason(error: Exception) -> str:
+    """``error``'s reason without the errno and path that the caller's message already names."""
     return error.strerror if isinstance(error, OSError) and error.strerror else str(error)
