@@ -148,7 +148,7 @@ def _remove_leftovers(models_dir: Path) -> None:
 def _convert(
     gguf_path: Path, target_dir: Path, marker: dict[str, Any], write: Callable[[Path, Path], None]
 ) -> None:
-    logger.info("Converting the default model's %s once into %s", gguf_path.name, target_dir)
+    logger.info("Converting %s once into %s", gguf_path.name, target_dir)
     temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target_dir.parent))
     try:
         write(gguf_path, temp_dir)
