@@ -13,14 +13,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve_client.channels import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service_common.errors import Unparsable
 from service_common.security import BearerTokenInterceptor, TlsConfig, server_credentials
 
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "LOOPBACK_HOSTS", "Server", "ServerConfig", "channel_options",
+           "install_uvloop", "run_until_signal"]
+
 log = logging.getLogger(__name__)
 
-# Internal messages carry KV chunks of at most 1 MiB plus framing; public ones
-# carry prompts. Both limits are explicit so a bad peer cannot make us buffer more.
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
@@ -39,13 +40,6 @@ class ServerConfig:
     @property
     def options(self) -> list[tuple[str, int]]:
         return channel_options(self.max_message_bytes)
-
-
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
 
 
 def install_uvloop() -> bool:
