@@ -202,7 +202,11 @@ class MetricsEndpoint:
 
     async def start(self) -> int:
         """Bind and serve; the bound port (``port`` 0 picks an ephemeral one)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as error:
+            raise OSError(f"could not serve metrics on {self.host}:{self.port}: {error.strerror or error}; "
+                          "stop what holds the port or choose another with --metrics-port") from error
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("metrics on http://%s:%d/metrics", self.host, self.port)
         return self.port
