@@ -269,7 +269,11 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
 
     async def run() -> int:
         server = make_server()
-        port = await server.start()
+        try:
+            port = await server.start()
+        except BaseException:
+            await server.stop()  # what started before the failure: a bound port, the engine thread
+            raise
         host = getattr(server, "advertise_host", args.host)
         _write_ready(args.ready_file, f"{host}:{port}")
         # A worker whose engine died can only refuse work: exit, so that a supervisor starts a fresh one.

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from service_common.server import port_free
+
 log = logging.getLogger(__name__)
 
 
@@ -235,7 +237,7 @@ class LocalCluster:
         if config.metrics_port:
             wanted += [(port, f"{name}'s metrics port", "--metrics-port") for name, port in self.metrics_ports.items()]
         for port, what, flag in wanted:
-            if port and not _port_free(config.host, port):
+            if port and not port_free(config.host, port):
                 raise StartupError(f"port {port} on {config.host} ({what}) is already in use: stop what holds it "
                                    f"or choose another with {flag}")
 
@@ -327,16 +329,6 @@ def _cause(log_text: str) -> str:
         if line.startswith("pdserve: error: "):
             return line.removeprefix("pdserve: error: ")
     return lines[-1] if lines else "(its log is empty)"
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is not "in use"
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _free_port(host: str) -> int:

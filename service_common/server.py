@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,17 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (a port in TIME_WAIT counts as free, as it does for servers)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
 
 
 def install_uvloop() -> bool:
@@ -96,6 +108,11 @@ class Server:
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
+        # Asked first, so a taken port gets our one-line error instead of grpc's log line and
+        # reasonless "Failed to bind"; grpc's own failure below still covers a race.
+        if self.config.port and not port_free(self.config.host, self.config.port):
+            raise OSError(f"could not serve on {address}: the port is in use; stop what holds it or choose another "
+                          "with --port")
         if self._credentials is None:
             try:
                 self.port = self.grpc_server.add_insecure_port(address)
