@@ -251,17 +251,22 @@ async def test_a_killed_decode_worker_loses_only_its_streams_and_rejoins_with_a_
             code, tokens = await _outcome(call, tokens)
             return code, tokens, time.monotonic() - killed_at
 
-        outcomes = await asyncio.gather(*(finish(c, t) for c, t in zip(calls, received)))
-    assert sum(running) == 6 and running[0] >= 1
+        streams = [asyncio.create_task(finish(c, t)) for c, t in zip(calls, received)]
+        assert sum(running) == 6 and running[0] >= 1
+        # Once the killed worker's streams have ended, while the others still run and before it is back
+        # (the restart waits 1 s, then imports torch and loads), new requests are served by decode-1.
+        deadline = time.monotonic() + 30
+        while sum(task.done() for task in streams) < running[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await _all_exact(up, model, seed=81)
+        assert up.count(r"^decode-0 is back on") == 0
+        outcomes = await asyncio.gather(*streams)
     failed = [o for o in outcomes if o[0] != grpc.StatusCode.OK]
     # The killed worker's streams, and only those, end with UNAVAILABLE within seconds.
     assert [code for code, _, _ in failed] == [grpc.StatusCode.UNAVAILABLE] * running[0]
     assert max(elapsed for _, _, elapsed in failed) < 10.0
     for (code, tokens, _), (_, expected) in zip(outcomes, chosen):
         assert tokens == expected if code == grpc.StatusCode.OK else tokens == expected[: len(tokens)]
-    # While it is down (the restart waits 1 s, then imports torch and loads), new requests go to decode-1.
-    await _all_exact(up, model, seed=81)
-    assert up.count(r"^decode-0 is back on") == 0
     assert up.count(r"^decode-0 exited with status -9 \(SIGKILL\); restarting it in 1\.0 s") == 1
     up.wait_for(r"^decode-0 is back on ", 90)
     assert await _epoch(up, "decode-0") != epoch_before
