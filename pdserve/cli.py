@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -272,7 +273,10 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
         try:
             port = await server.start()
         except BaseException:
-            await server.stop()  # what started before the failure: a bound port, the engine thread
+            # Release what started before the failure (a bound port, the engine thread); the
+            # failure itself is what the user must see, not one of this cleanup.
+            with contextlib.suppress(Exception):
+                await server.stop()
             raise
         host = getattr(server, "advertise_host", args.host)
         _write_ready(args.ready_file, f"{host}:{port}")
