@@ -154,7 +154,7 @@ def up(model_copy: Path, faults: Path, tmp_path_factory: pytest.TempPathFactory)
     # Each test restarts a child at most once: two restarts in the window are allowed, a third exit gives up.
     args = ["--model", str(model_copy), "--dtype", "float32", "--port", "0", "--prefill-workers", "2",
             "--decode-workers", "2", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0", "--redis-prefix", PREFIX,
-            "--num-kv-blocks", "256", "--metrics-port", "0", "--restart-delay", "1", "--unhealthy-after", "2",
+            "--num-kv-blocks", "256", "--metrics-port", "0", "--restart-delay", "1", "--unhealthy-after", "3",
             "--max-restarts", "2", "--restart-window", "600"]
     process = Up(args, tmp_path_factory.mktemp("up") / "output.txt",
                  _env(PDSERVE_TEST_ENGINE_FAULT_DIR=str(faults)))
@@ -335,6 +335,13 @@ async def test_a_hung_worker_is_killed_after_failing_its_health_checks_and_resta
     await _all_exact(up, model, seed=141)
 
 
+@pytest.mark.asyncio
+async def test_a_killed_gateway_comes_back_on_its_port(up: Up, model: torch.nn.Module) -> None:
+    os.kill(up.pid("gateway"), signal.SIGKILL)
+    up.wait_for(r"^gateway exited with status -9 \(SIGKILL\); restarting it in ", 10)
+    up.wait_for(r"^gateway is back on ", 90)
+    await _all_exact(up, model, seed=150)  # the same endpoint as before
+
 # Last of the shared cluster's tests: it ends `pdserve up`.
 def test_a_crash_loop_is_given_up_on_with_one_error_and_a_non_zero_exit(up: Up, model_copy: Path) -> None:
     shutil.rmtree(model_copy)  # from now on decode-0 cannot start
@@ -372,6 +379,29 @@ def test_up_on_a_taken_port_fails_with_one_line_naming_the_flag(flag: str, messa
         result = _run(args)
     assert result.returncode == 1
     assert result.stderr == f"pdserve: error: port {port} on 127.0.0.1 ({message}\n"
+
+
+def test_the_port_check_names_the_process_whose_metrics_port_is_taken() -> None:
+    from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
+    from service_common.server import port_free
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        if not all(port_free("127.0.0.1", p) for p in range(port - 3, port)):
+            pytest.skip(f"ports {port - 3}-{port - 1} are not all free")
+        # The gateway gets base, then prefill-0, prefill-1, decode-0: decode-0's is the taken one.
+        cluster = LocalCluster(ClusterConfig(port=0, prefill_workers=2, metrics_port=port - 3, redis_url=None))
+        try:
+            with pytest.raises(StartupError) as caught:
+                cluster.start()
+        finally:
+            cluster.stop()
+    assert cluster.processes == []
+    assert cluster.metrics_ports == {"gateway": port - 3, "prefill-0": port - 2, "prefill-1": port - 1, "decode-0": port}
+    assert str(caught.value) == (f"port {port} on 127.0.0.1 (decode-0's metrics port) is already in use: stop what "
+                                 "holds it or choose another with --metrics-port")
 
 
 def test_up_with_a_bad_model_fails_with_the_workers_one_line_reason(tmp_path: Path) -> None:
