@@ -149,8 +149,8 @@ class Supervisor:
         if delay is None:
             policy = self.policy
             raise GaveUp(f"{name} exited with status {describe_exit(returncode)} ({why}{policy.max_restarts} restarts "
-                         f"within {policy.window_s:g} s already); giving up (raise --max-restarts or "
-                         f"--restart-window, or see its log above)\n{tail}".rstrip())
+                         f"within {policy.window_s:g} s already); giving up: fix the cause its log ends with "
+                         f"(below), or allow more with --max-restarts / --restart-window\n{tail}".rstrip())
         log.warning("%s exited with status %s; %srestarting it in %.1f s (restart %d within %g s); its log ends with:\n%s",
                     name, describe_exit(returncode), why, delay, state.budget.restarts_in_window,
                     self.policy.window_s, tail)

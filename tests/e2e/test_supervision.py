@@ -351,8 +351,8 @@ def test_a_crash_loop_is_given_up_on_with_one_error_and_a_non_zero_exit(up: Up, 
     # Its restarts fail at once, each logged with the reason from its log; the third exit in the window gives up.
     assert f"    | pdserve: error: Model '{model_copy}' is neither a local folder" in output
     error = [line for line in output.splitlines() if line.startswith("pdserve: error: ")]
-    assert error == ["pdserve: error: decode-0 exited with status 2 (2 restarts within 600 s already); giving up "
-                     "(raise --max-restarts or --restart-window, or see its log above)"]
+    assert error == ["pdserve: error: decode-0 exited with status 2 (2 restarts within 600 s already); giving up: fix "
+                     "the cause its log ends with (below), or allow more with --max-restarts / --restart-window"]
     assert output.rstrip().endswith("pdserve stopped")
 
 

@@ -154,8 +154,8 @@ def test_a_crash_loop_is_given_up_on_with_the_childs_name_status_and_log() -> No
     with pytest.raises(GaveUp) as caught:
         supervisor.tick()
     assert str(caught.value) == (
-        "decode-0 exited with status 1 (2 restarts within 60 s already); giving up (raise --max-restarts or "
-        "--restart-window, or see its log above)\n    | last words of decode-0"
+        "decode-0 exited with status 1 (2 restarts within 60 s already); giving up: fix the cause its log ends with "
+        "(below), or allow more with --max-restarts / --restart-window\n    | last words of decode-0"
     )
 
 
