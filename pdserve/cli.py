@@ -388,11 +388,11 @@ def _run_up(args: argparse.Namespace) -> int:
                            unhealthy_after_s=args.unhealthy_after)
     engine_args = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
     config = ClusterConfig(
-        model=args.model, dtype=args.dtype, device=args.device, prefill_workers=args.prefill_workers,
+        model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
+        prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
-        metrics_port=args.metrics_port,
     )
     stop = False
 

@@ -49,17 +49,6 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
-def port_free(host: str, port: int) -> bool:
-    """Whether a server could bind ``host:port`` now (a port in TIME_WAIT counts as free, as it does for servers)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host.strip("[]"), port))
-        except OSError:
-            return False
-    return True
-
-
 def install_uvloop() -> bool:
     """Use uvloop's event loop policy when it is installed."""
     try:
@@ -69,6 +58,16 @@ def install_uvloop() -> bool:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True
 
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (a port in TIME_WAIT counts as free, as it does for servers)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
 
 class Server:
     """A grpc.aio server with health and reflection, bound to one port."""
