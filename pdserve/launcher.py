@@ -39,15 +39,15 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API; None: off
-    # Prometheus /metrics of every process started: the gateway on this port, the workers on the
-    # next ones in start order (prefill-0.., decode-0..); 0: a free port each. None: off.
-    metrics_port: int | None = None
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
+    # Prometheus /metrics of every process started: the gateway on this port, the workers on the
+    # next ones in start order (prefill-0.., decode-0..); 0: a free port each. None: off.
+    metrics_port: int | None = None
     start_timeout_s: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
 

@@ -69,6 +69,7 @@ def port_free(host: str, port: int) -> bool:
             return False
     return True
 
+
 class Server:
     """A grpc.aio server with health and reflection, bound to one port."""
 
