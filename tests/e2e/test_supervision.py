@@ -293,13 +293,22 @@ async def test_a_killed_prefill_worker_loses_no_request_and_rejoins(up: Up, mode
 
 @pytest.mark.asyncio
 async def test_redis_started_by_up_is_restarted_and_serving_never_stops(up: Up, model: torch.nn.Module) -> None:
+    recovered = asyncio.Event()
+
+    async def serve_throughout() -> int:
+        """Exact-checked batches back to back, from the kill until the registry is whole again."""
+        rounds = 0
+        while not recovered.is_set():
+            await _all_exact(up, model, seed=100 + rounds)  # routed by load alone while the index is gone
+            rounds += 1
+        return rounds
+
     os.kill(up.pid("redis"), signal.SIGKILL)
-    await _all_exact(up, model, seed=100)  # routed by load alone while the index is gone
-    up.wait_for(r"^redis is back on ", 30)
-    await _all_exact(up, model, seed=101)
-    # Every worker re-registers in the new, empty Redis at its next heartbeat (every 3.3 s).
+    traffic = asyncio.create_task(serve_throughout())
     redis = connect(up.redis_url)
     try:
+        await asyncio.to_thread(up.wait_for, r"^redis is back on ", 30)
+        # Every worker re-registers in the new, empty Redis at its next heartbeat (every 3.3 s).
         deadline = time.monotonic() + 30
         while True:
             live = sorted(w.worker_id for w in await WorkerRegistry(redis, PREFIX).live_workers())
@@ -307,17 +316,29 @@ async def test_redis_started_by_up_is_restarted_and_serving_never_stops(up: Up, 
                 break
             await asyncio.sleep(0.2)
     finally:
+        recovered.set()
         await redis.aclose()
+        rounds = await traffic
     assert live == WORKERS
+    assert rounds >= 1
 
 
 @pytest.mark.asyncio
 async def test_a_worker_whose_engine_died_exits_and_is_restarted(up: Up, model: torch.nn.Module, faults: Path) -> None:
     (faults / str(up.pid("decode-1"))).touch()  # its next engine step raises
+    failures: list[grpc.StatusCode] = []
     for seed in range(110, 130):
-        await asyncio.gather(*(_generate(up.endpoint, p, 10) for p in random_prompts([48] * 4, seed=seed)))
+        prompts = random_prompts([48] * 4, seed=seed)
+        results = await asyncio.gather(*(_generate(up.endpoint, p, 10) for p in prompts))
+        for (code, tokens), expected in zip(results, _greedy(model, prompts, 10)):
+            if code == grpc.StatusCode.OK:
+                assert tokens == expected
+            else:
+                failures.append(code)
         if up.count(r"^decode-1 exited"):
             break
+    # Only the requests on decode-1 when its engine died fail, with UNAVAILABLE; then it exits.
+    assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}
     up.wait_for(r"^decode-1 exited with status 3 \(its engine thread died\); restarting it in ", 10)
     up.wait_for(r"^decode-1 is back on ", 90)
     await _all_exact(up, model, seed=130)
