@@ -167,6 +167,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         response.usage.CopyFrom(usage)
                         finished = True
                     yield response
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    # Crashed or its engine died: out of rotation now, not at the next load poll,
+                    # so requests arriving meanwhile go to the other decode workers.
+                    decode.healthy = False
+                raise
             finally:
                 if not finished:
                     # Client cancel, deadline or a failed decode: stop the decode
