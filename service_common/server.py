@@ -19,7 +19,7 @@ from service_common.errors import Unparsable
 from service_common.security import BearerTokenInterceptor, TlsConfig, server_credentials
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "LOOPBACK_HOSTS", "Server", "ServerConfig", "channel_options",
-           "install_uvloop", "run_until_signal"]
+           "install_uvloop", "port_free", "run_until_signal"]
 
 log = logging.getLogger(__name__)
 
