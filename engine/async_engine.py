@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.block_manager import BlockEvent
+from engine.errors import EngineDeadError
 from engine.llm_engine import EngineStats, KVExport, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -25,10 +26,6 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can progress."""
 
 
 @dataclass

@@ -20,8 +20,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +68,42 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     Converts on first use. Safe against concurrent processes: the conversion runs
     under an exclusive lock and the folder appears in one rename, complete.
     """
+    return _ensure_converted(cache_dir, "models", _write_checkpoint)
+
+
+def ensure_default_tokenizer(cache_dir: Path | None = None) -> Path:
+    """A folder holding the default model's tokenizer, found or made without torch.
+
+    The converted model's folder when a worker has written it; else
+    ``<cache>/tokenizers/smollm2-135m-instruct-q4_1``, built once from the GGUF
+    file's metadata (``engine.gguf_tokenizer``: the ``gguf`` package and
+    transformers' tokenizer conversion, no weights read): the same tokenizer the
+    model conversion saves, in seconds, where torch is installed or not. Same
+    locking and atomic publication as the model.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    model_dir = cache_dir / "models" / DEFAULT_MODEL_ID
+    if _is_converted(model_dir, _marker_for(default_gguf_path())):
+        return model_dir
+    return _ensure_converted(cache_dir, "tokenizers", _write_tokenizer)
+
+
+def _ensure_converted(cache_dir: Path | None, kind: str, write: Callable[[Path, Path], None]) -> Path:
+    """``<cache>/<kind>/<model id>``, written by ``write`` from the GGUF file unless already there."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     gguf_path = default_gguf_path()
     expected_marker = _marker_for(gguf_path)
-    models_dir = cache_dir / "models"
-    target_dir = models_dir / DEFAULT_MODEL_ID
+    kind_dir = cache_dir / kind
+    target_dir = kind_dir / DEFAULT_MODEL_ID
     if _is_converted(target_dir, expected_marker):
         return target_dir
 
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.lock"):
+    kind_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.{kind}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         if not _is_converted(target_dir, expected_marker):
-            _remove_leftovers(models_dir)
-            _convert(gguf_path, target_dir, expected_marker)
+            _remove_leftovers(kind_dir)
+            _convert(gguf_path, target_dir, expected_marker, write)
     return target_dir
 
 
@@ -122,11 +145,13 @@ def _remove_leftovers(models_dir: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _convert(gguf_path: Path, target_dir: Path, marker: dict[str, Any]) -> None:
-    logger.info("Converting the default model %s once into %s (about 20 s)", gguf_path.name, target_dir)
+def _convert(
+    gguf_path: Path, target_dir: Path, marker: dict[str, Any], write: Callable[[Path, Path], None]
+) -> None:
+    logger.info("Converting %s once into %s", gguf_path.name, target_dir)
     temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target_dir.parent))
     try:
-        _write_checkpoint(gguf_path, temp_dir)
+        write(gguf_path, temp_dir)
         (temp_dir / _MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         _publishable_permissions(temp_dir)
         _fsync_tree(temp_dir)
@@ -161,6 +186,12 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     _check_reloads_identically(model, out_dir)
+
+
+def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from engine.gguf_tokenizer import load_gguf_tokenizer
+
+    load_gguf_tokenizer(gguf_path).save_pretrained(out_dir)
 
 
 def _drop_quantization_state(model: Any) -> None:

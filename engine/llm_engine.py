@@ -105,7 +105,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, Sampler(model_cfg.seed), self.device)
+        sampler = Sampler(model_cfg.seed, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
         self._requests: dict[str, Sequence] = {}
         # Requests whose blocks stay pinned after they finish, until release_kv.
         self._hold_on_finish: set[str] = set()
@@ -200,6 +201,9 @@ class LLMEngine:
         return self._update(result)
 
     def _update(self, result: StepResult) -> list[RequestOutput]:
+        for seq, entries in result.prompt_logprobs:
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs.extend(entries)
         sampled = result.sampled
         if sampled is None:
             return []
@@ -229,13 +233,16 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
         params = seq.params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        # Nothing ends a request before min_tokens tokens (vLLM): EOS and stop ids were
+        # masked until then, and stop strings count from the token after the min_tokens-th.
+        may_stop = seq.num_output_tokens > params.min_tokens
+        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
-        if token_id in params.stop_token_ids:
+        if may_stop and token_id in params.stop_token_ids:
             return "stop"
         if detokenizer is not None:
             new_text = detokenizer.add(seq.output_token_ids)
-            if params.stop and new_text:
+            if may_stop and params.stop and new_text:
                 index = find_stop(detokenizer.text, len(new_text), params.stop)
                 if index is not None:
                     detokenizer.text = detokenizer.text[:index]
@@ -288,6 +295,7 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         token_ids = self.validate_request(prompt_token_ids, params)
         seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
+        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
         seq.append_token(first_token_id)
         hashes = list(kv.block_hashes)
         if not self.block_manager.can_import(seq, hashes, kv.num_tokens):
@@ -322,6 +330,7 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         token_ids = self.validate_request(prompt_token_ids, params)
         seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
+        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
         seq.append_token(first_token_id)
         seq.num_cached_tokens = 0
         self._register(seq)
@@ -358,6 +367,9 @@ class LLMEngine:
         for token_id in token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+        for token_id, _ in params.logit_bias:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias key {token_id} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
         if len(token_ids) + params.max_tokens > self.max_model_len:
@@ -400,6 +412,9 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            # Complete from the first output on (the step that samples it ends the
+            # prompt); an abort before then reports none rather than a part.
+            prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs,
         )
 
 

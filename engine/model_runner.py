@@ -8,18 +8,29 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.kv_cache import KVCache
+from engine.logits_processors import TokenHistory
 from engine.models.llama import LlamaForCausalLM
+from engine.outputs import TokenLogprobs
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 
+# Prompt logprobs need the logits of every prompt position: computed this many
+# positions at a time, so a 2048-token chunk never holds (2048, vocab) at once.
+PROMPT_LOGITS_ROWS = 256
+
 
 @dataclass(frozen=True)
 class StepResult:
-    """The sequences that got a new token this step, in the order of ``sampled.token_ids``."""
+    """The sequences that got a new token this step, in the order of ``sampled.token_ids``.
+
+    ``prompt_logprobs``: for each sequence that asked, the entries of the prompt
+    positions this step computed for the first time, in prompt order.
+    """
 
     sampled_seqs: tuple[Sequence, ...]
     sampled: SamplerOutput | None
+    prompt_logprobs: tuple[tuple[Sequence, list[TokenLogprobs]], ...] = ()
 
 
 class ModelRunner:
@@ -43,15 +54,69 @@ class ModelRunner:
         input_ids, positions, batch, sample_rows = self._prepare(items)
         metadata = self.backend.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_layers, self.backend, metadata)
+        prompt_logprobs = self._prompt_logprobs(items, hidden)
         sampled_seqs = tuple(item.seq for item in items if item.samples)
         if not sampled_seqs:
-            return StepResult((), None)
+            return StepResult((), None, prompt_logprobs)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # (num_sampled, vocab)
-        sampled = self.sampler(
-            logits, [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs]
-        )
-        return StepResult(sampled_seqs, sampled)
+        params = [seq.params for seq in sampled_seqs]
+        histories = None
+        if any(p.adjusts_logits for p in params):
+            histories = [
+                TokenHistory(seq.token_ids, seq.num_prompt_tokens) if seq.params.adjusts_logits else None
+                for seq in sampled_seqs
+            ]
+        sampled = self.sampler(logits, params, [seq.generator for seq in sampled_seqs], histories)
+        return StepResult(sampled_seqs, sampled, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, items: list[ScheduledSequence], hidden: torch.Tensor
+    ) -> tuple[tuple[Sequence, list[TokenLogprobs]], ...]:
+        """Log-probabilities of the prompt tokens whose context this step computed, for the sequences that ask.
+
+        Position ``p``'s logits give the distribution of token ``p + 1``; the last
+        prompt position's is the first output token's, which is sampled instead.
+        Positions reported before a preemption are not reported again.
+        """
+        results = []
+        offset = 0  # row of the item's first token in ``hidden``
+        for item in items:
+            seq, item_offset = item.seq, offset
+            offset += item.num_new_tokens
+            if not seq.needs_prompt_logprobs:
+                continue
+            assert seq.prompt_logprobs is not None
+            num_done = len(seq.prompt_logprobs)
+            # A sequence that needs them is never admitted on a prefix hit, so its
+            # chunks start at or before the first position still to report.
+            assert item.start <= num_done, (item.start, num_done)
+            last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if num_done < last:
+                row_of_position_zero = item_offset - item.start
+                results.append((seq, self._positions_logprobs(hidden, seq, row_of_position_zero, num_done, last)))
+        return tuple(results)
+
+    def _positions_logprobs(
+        self, hidden: torch.Tensor, seq: Sequence, row_of_position_zero: int, first: int, last: int
+    ) -> list[TokenLogprobs]:
+        """Entries for positions [first, last) of ``seq``: the next prompt token's logprob and the top N."""
+        num_top = seq.params.prompt_logprobs or 0
+        entries: list[TokenLogprobs] = []
+        for start in range(first, last, PROMPT_LOGITS_ROWS):
+            end = min(start + PROMPT_LOGITS_ROWS, last)
+            rows = hidden[row_of_position_zero + start : row_of_position_zero + end]  # (m, hidden)
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)  # (m, vocab)
+            targets = seq.token_ids[start + 1 : end + 1]
+            target_index = torch.tensor(targets, dtype=torch.long, device=logprobs.device).unsqueeze(1)
+            own = logprobs.gather(1, target_index).squeeze(1).tolist()
+            if num_top:
+                top_lps, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1, sorted=True)
+                tops = [tuple(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lps.tolist())]
+            else:
+                tops = [()] * len(targets)
+            entries.extend(TokenLogprobs(t, lp, top) for t, lp, top in zip(targets, own, tops))
+        return entries
 
     def _prepare(
         self, items: list[ScheduledSequence]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Log-probabilities around one generated token (raw model distribution)."""
+    """Log-probabilities around one generated (or prompt) token, under the raw model distribution."""
 
     token_id: int
     logprob: float
@@ -21,6 +21,11 @@ class RequestOutput:
 
     ``token_ids`` and ``text`` are cumulative. ``num_cached_tokens`` counts the
     prompt tokens served from the prefix cache when the request was admitted.
+    ``prompt_logprobs`` (when the request set ``prompt_logprobs``): one entry per
+    prompt token from the second on, ``token_id`` being the prompt token; there
+    from the request's first output on, computed once (a preempted request does
+    not compute them again). None on an engine that continues a request
+    prefilled elsewhere: they were delivered there.
     """
 
     request_id: str
@@ -30,6 +35,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

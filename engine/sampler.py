@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
+from engine.logits_processors import TokenHistory, adjust_logits_
 from engine.sampling_params import SamplingParams
 
 
@@ -30,9 +31,12 @@ class SamplerOutput:
 class Sampler:
     """Samples the next token of every row in a batch with per-row parameters.
 
-    Greedy rows (``temperature == 0``) take the argmax of the raw logits and draw
-    no randomness. Every other row is tempered, filtered by top-k then top-p, and
-    sampled with the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per
+    Rows whose parameters adjust logits (min_tokens, logit_bias, penalties: see
+    ``engine.logits_processors``) have them adjusted first; the others are left
+    bit for bit as the model produced them, at no cost. Greedy rows
+    (``temperature == 0``) then take the argmax and draw no randomness. Every
+    other row is tempered, filtered by top-k then top-p, and sampled with the
+    exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per
     vocabulary entry, which picks token ``i`` with probability ``p_i``.
 
     Randomness: each sampled row draws exactly one vector of ``vocab_size``
@@ -43,7 +47,9 @@ class Sampler:
     their generator untouched.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: Collection[int] = ()) -> None:
+        # What min_tokens masks besides a row's stop_token_ids (unless it ignores EOS).
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._generator = torch.Generator(device="cpu")
         if seed is None:
             self._generator.seed()
@@ -59,7 +65,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
+        """``histories[i]``: row ``i``'s tokens, needed (only) by rows whose parameters adjust logits.
+
+        Those rows are adjusted in place: a float32 ``logits`` is changed (the
+        model runner's is a temporary).
+        """
         if logits.dim() != 2:
             raise ValueError(f"logits must be (num_seqs, vocab_size), got shape {tuple(logits.shape)}")
         num_seqs, vocab_size = logits.shape
@@ -70,6 +82,11 @@ class Sampler:
             )
         device = logits.device
         logits = logits.float()  # (num_seqs, vocab_size); bf16 model outputs are upcast once here
+        # vLLM's default: logprobs of the raw model distribution, before any
+        # adjustment, temperature or filtering, so they do not depend on how we sampled.
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        all_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # (num_seqs, vocab_size)
+        adjust_logits_(logits, params, histories, self.eos_token_ids)
 
         token_ids = logits.argmax(dim=-1)  # (num_seqs,) greedy choice, overwritten for sampled rows
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -81,7 +98,7 @@ class Sampler:
                 [generators[i] for i in sampled_rows],
             )
 
-        return self._with_logprobs(logits, token_ids, params)
+        return self._with_logprobs(all_logprobs, token_ids, params)
 
     def _sample(
         self,
@@ -182,16 +199,13 @@ class Sampler:
 
     @staticmethod
     def _with_logprobs(
-        logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+        all_logprobs: torch.Tensor | None, token_ids: torch.Tensor, params: Sequence[SamplingParams]
     ) -> SamplerOutput:
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        if not requested:
+        if all_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_token_ids=None, top_logprobs=None)
-        # vLLM's default: logprobs of the raw model distribution, before
-        # temperature and filtering, so they do not depend on how we sampled.
-        all_logprobs = torch.log_softmax(logits, dim=-1)  # (num_seqs, vocab_size)
+        requested = [p.logprobs for p in params if p.logprobs is not None]
         sampled_logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # (num_seqs,)
-        max_n = min(max(requested), logits.shape[1])
+        max_n = min(max(requested), all_logprobs.shape[1])
         if max_n == 0:
             return SamplerOutput(token_ids=token_ids, logprobs=sampled_logprobs, top_token_ids=None, top_logprobs=None)
         top_logprobs, top_token_ids = all_logprobs.topk(max_n, dim=-1, sorted=True)  # (num_seqs, max_n)

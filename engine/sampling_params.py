@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
 _GREEDY_BELOW = 1e-5
+# vLLM's (and OpenAI's) ranges.
+_MAX_ABS_PENALTY = 2.0
+_MAX_REPETITION_PENALTY = 10.0
+_MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -17,7 +23,22 @@ class SamplingParams:
     between the two. ``temperature == 0`` means greedy. ``top_k == -1`` and
     ``top_p == 1`` disable those filters. ``logprobs=N`` returns, for every
     generated token, its own log-probability and the ``N`` most likely tokens
-    under the raw (untempered, unfiltered) model distribution.
+    under the raw (untempered, unfiltered) model distribution, before any of the
+    logit adjustments below.
+
+    Logit adjustments, in vLLM's order: ``min_tokens`` masks the end-of-sequence
+    ids (unless ``ignore_eos``) and ``stop_token_ids`` until that many tokens
+    were generated; ``logit_bias`` (token id -> bias; given as a mapping, kept
+    as sorted ``(token_id, bias)`` pairs so the parameters stay immutable) is
+    added; then ``repetition_penalty`` divides the positive and multiplies the
+    negative logits of every token of the prompt or the output (1 disables),
+    and ``frequency_penalty`` / ``presence_penalty`` subtract per occurrence /
+    once for every token of the output (0 disables). Greedy rows take the argmax
+    of the adjusted logits.
+
+    ``prompt_logprobs=N`` returns the log-probability of every prompt token
+    after the first, with the ``N`` most likely tokens at each position; such a
+    request computes its whole prompt even when its prefix is cached.
     """
 
     max_tokens: int = 16
@@ -29,6 +50,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -36,6 +63,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _frozen_logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -59,9 +87,68 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
         ):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            # Written so that NaN fails too.
+            if not _is_number(value) or not -_MAX_ABS_PENALTY <= value <= _MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= _MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for token_id, bias in self.logit_bias:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+            if not _is_number(bias) or not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
         # Below this, dividing logits by the temperature overflows float32 to NaN;
         # the distribution is a point mass on the argmax anyway (vLLM does the same).
         return self.temperature < _GREEDY_BELOW
+
+    @functools.cached_property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this row's logits before choosing (min_tokens, bias, penalties).
+
+        Read for every row of every step: computed once (the parameters are frozen).
+        """
+        return (
+            self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _frozen_logit_bias(
+    logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None,
+) -> tuple[tuple[int, float], ...]:
+    """Sorted ``(token_id, bias)`` pairs from a mapping or pairs; values are checked by ``_validate``."""
+    if logit_bias is None:
+        return ()
+    pairs = list(logit_bias.items()) if isinstance(logit_bias, Mapping) else list(logit_bias)
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got entry {pair!r}")
+    token_ids = [token_id for token_id, _ in pairs]
+    # Sorting needs comparable keys: a wrong key type is reported by _validate instead.
+    if not all(_is_int(token_id) for token_id in token_ids):
+        return tuple(pairs)
+    if len(set(token_ids)) != len(token_ids):
+        raise ValueError("logit_bias holds a token id twice")
+    return tuple(sorted(pairs))

@@ -138,7 +138,11 @@ class Scheduler:
             if seq.is_finished:
                 self.waiting.popleft()
                 continue
-            computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            if seq.needs_prompt_logprobs:
+                # Cached KV has no logits: such a prompt is computed in full (as vLLM does).
+                computed_blocks, num_cached = [], 0
+            else:
+                computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - num_cached, budget)
             # First come, first served: a request that does not fit blocks the ones
             # behind it, so long prompts are not starved by a stream of short ones.

@@ -50,6 +50,9 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        # Grows chunk by chunk as the prompt is computed; None when not asked for
+        # (or delivered by the engine that prefilled the request).
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if params.prompt_logprobs is not None else None
         self._block_hashes: list[BlockHash] = []
 
     @property
@@ -67,6 +70,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt position still has to report its log-probability (no prefix-cache hit then)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

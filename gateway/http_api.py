@@ -3,35 +3,28 @@
 Requests run through the gateway's ``GenerationServicer`` in-process rather than
 over a loopback gRPC channel: the same validation, admission and routing, with
 no second hop, and no client certificate needed when the gRPC port requires mTLS.
-gRPC status codes become HTTP statuses in one place, ``_STATUS``.
+gRPC status codes become HTTP statuses in one place, ``_STATUS``. A request
+for n choices is n calls of the servicer (``_Choices``): choice 0 first, the
+others once it has answered, so they find its prompt in the prefix cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from aiohttp import web
 
-from gateway.openai_protocol import (
-    Decoder,
-    InvalidRequest,
-    ParsedRequest,
-    chat_logprobs,
-    completion_logprobs,
-    finish_reason,
-    now,
-    parse_chat,
-    parse_completion,
-    usage_json,
-)
+from gateway.openai_protocol import DEFAULT_MAX_N, InvalidRequest, ParsedRequest, parse_chat, parse_completion
+from gateway.openai_responses import ChatFormat, CompletionFormat, Decoder, ResponseFormat, now
 from protos.pdserve.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -48,6 +41,7 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 _FIELD_NAMES = {"prompt_token_ids": "prompt"}  # GenerateRequest field -> OpenAI field, where they differ
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt as JSON token ids is about 1 MiB
 
 
 class RpcAbort(Exception):
@@ -85,16 +79,21 @@ class OpenAIHttpApi:
         auth_token: str | None = None,  # None: no authentication
         grace_s: float = 5.0,
         request_timeout_s: float | None = None,  # None: no deadline, as with a gRPC call without one
+        max_n: int = DEFAULT_MAX_N,  # the most choices one request may ask for
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,  # larger bodies are answered 413 unread
     ) -> None:
+        if max_n < 1 or max_body_bytes < 1:
+            raise ValueError("max_n and max_body_bytes must be >= 1")
         self.servicer, self.host, self.port = servicer, host, port
         self.model_name, self.tokenizer = model_name, tokenizer
         self.auth_token, self.grace_s, self.request_timeout_s = auth_token, grace_s, request_timeout_s
+        self.max_n, self.max_body_bytes = max_n, max_body_bytes
         self.draining = False
         self._decoder = Decoder(tokenizer)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:
-        app = web.Application(middlewares=[self._errors, self._authenticate])
+        app = web.Application(middlewares=[self._errors, self._authenticate], client_max_size=self.max_body_bytes)
         app.add_routes([
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
@@ -130,7 +129,12 @@ class OpenAIHttpApi:
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            return error_response(error.status, error.reason, "invalid_request_error" if error.status < 500 else "server_error")
+            message = error.reason
+            if error.status == 413:
+                message = (f"the request body exceeds this server's limit of {self.max_body_bytes} bytes "
+                           "(--http-max-body-bytes)")
+            kind = "invalid_request_error" if error.status < 500 else "server_error"
+            return error_response(error.status, message, kind)
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
@@ -159,45 +163,59 @@ class OpenAIHttpApi:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_completion(await _json_body(request))
-        return await self._generate(request, parsed, _CompletionFormat(self._model_name(), self._decoder, parsed))
+        parsed = parse_completion(await _json_body(request), self.max_n)
+        generate = parsed.generate
+        prompt_text = generate.prompt
+        if generate.prompt and self.tokenizer is not None:
+            # Tokenized once here rather than once per choice; echo needs the ids too.
+            token_ids = self.servicer.prompt_token_ids(generate)
+            if token_ids:
+                generate.prompt_token_ids.extend(token_ids)
+                generate.ClearField("prompt")
+        if parsed.echo:
+            if self.tokenizer is None:
+                raise InvalidRequest("echo needs the model's tokenizer to give the prompt as text, and this gateway "
+                                     "has none", "echo")
+            prompt_text = prompt_text or self.tokenizer.decode(list(generate.prompt_token_ids))
+        form = CompletionFormat(self._model_name(), self._decoder, parsed, prompt_text)
+        return await self._generate(request, parsed, form)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_chat(await _json_body(request), self.tokenizer)
-        return await self._generate(request, parsed, _ChatFormat(self._model_name(), self._decoder, parsed))
+        parsed = parse_chat(await _json_body(request), self.tokenizer, self.max_n)
+        return await self._generate(request, parsed, ChatFormat(self._model_name(), self._decoder, parsed))
 
     # --- generation ---
 
-    async def _generate(self, request: web.Request, parsed: ParsedRequest, form: _Format) -> web.StreamResponse:
-        stream = self.servicer.Generate(parsed.generate, _LocalContext(self.request_timeout_s))
-        # aclosing: however the handler ends (client gone, error), the servicer's
-        # cleanup runs at once: the decode call is cancelled and the lease released.
-        async with contextlib.aclosing(stream):
-            # The first response comes before any byte is sent, so an error up
-            # to here (validation, admission, no worker) gets its HTTP status.
-            first = await anext(stream)
+    async def _generate(self, request: web.Request, parsed: ParsedRequest, form: ResponseFormat) -> web.StreamResponse:
+        choices = _Choices(self.servicer, parsed.choice_requests(), self.request_timeout_s)
+        # However the handler ends (client gone, error), every choice's servicer
+        # call is closed at once: decode calls cancelled, leases released.
+        try:
+            # Every choice's first response comes before any byte is sent, so an
+            # error up to here (validation, admission, no worker) gets its HTTP status.
+            firsts = await choices.start()
             if not parsed.stream:
-                responses = [first] + [response async for response in stream]
+                responses = firsts + [item async for item in choices]
                 return web.json_response(form.whole(responses))
             sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await sse.prepare(request)
-            last = first
             try:
-                for chunk in form.opening():
-                    await _send(sse, chunk)
-                await _send(sse, form.chunk(first))
-                async for last in stream:
-                    await _send(sse, form.chunk(last))
+                for index, response in firsts:
+                    await _send_all(sse, form.chunks(index, response))
+                async for index, response in choices:
+                    await _send_all(sse, form.chunks(index, response))
             except RpcAbort as error:
                 # Headers are gone: the error travels as an event, as OpenAI's own servers do.
                 status, kind = _STATUS.get(error.code, (500, "server_error"))
                 await _send(sse, {"error": _error_body(error.details, kind, None, status)})
             else:
                 if parsed.include_usage:
-                    await _send(sse, form.usage_chunk(last.usage))
+                    await _send(sse, form.usage_chunk())
             await sse.write(b"data: [DONE]\n\n")
             await sse.write_eof()
             return sse
+        finally:
+            await choices.close()
 
     def _model_name(self) -> str:
         if self.model_name:
@@ -219,77 +237,93 @@ class OpenAIHttpApi:
         return error_response(status, message, kind, param)
 
 
-class _Format:
-    """One endpoint's response objects, built from GenerateResponses."""
+class _Choices:
+    """A request's n choices, each a call of the servicer, as one stream of ``(index, response)``.
 
-    prefix = ""  # of the response id
-    object_name = ""
-    chunk_object_name = ""
+    Choice 0 runs alone until its first response (its prompt is then in the
+    prefix cache); the others start then.
+    """
 
-    def __init__(self, model: str, decoder: Decoder, parsed: ParsedRequest) -> None:
-        self.model, self.decoder, self.parsed = model, decoder, parsed
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.created = now()
-        self.text_length = 0  # characters of completion text so far, for logprobs' text_offset
+    def __init__(self, servicer: Any, requests: list[generation_pb2.GenerateRequest], timeout_s: float | None) -> None:
+        self._servicer, self._requests = servicer, requests
+        self._context = _LocalContext(timeout_s)  # one deadline for all choices
+        # Items: a response, the exception that ended a choice, or None when a choice is done.
+        self._queue: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | Exception | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running = 0
 
-    def head(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+    async def start(self) -> list[tuple[int, generation_pb2.GenerateResponse]]:
+        """Every choice up to its first response (those responses, in arrival order); raises the first error."""
+        self._start(0)
+        firsts = [await self._next_response()]
+        for index in range(1, len(self._requests)):
+            self._start(index)
+        started = {0}
+        while len(started) < len(self._requests):
+            index, response = await self._next_response()
+            started.add(index)
+            firsts.append((index, response))
+        return firsts
 
-    def opening(self) -> list[dict[str, Any]]:
-        return []
+    def __aiter__(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        return self._rest()
 
-    def usage_chunk(self, usage: generation_pb2.Usage) -> dict[str, Any]:
-        return {**self.head(self.chunk_object_name), "choices": [], "usage": usage_json(usage)}
+    async def _rest(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        while self._running:
+            index, item = await self._next()
+            if item is not None:
+                yield index, item
 
-    def whole(self, responses: list[generation_pb2.GenerateResponse]) -> dict[str, Any]:
-        merged = generation_pb2.GenerateResponse(text="".join(r.text for r in responses))
-        for response in responses:
-            merged.token_ids.extend(response.token_ids)
-            merged.logprobs.extend(response.logprobs)
-        merged.finish_reason = responses[-1].finish_reason
-        return {**self.head(self.object_name), "choices": [self.choice(merged)], "usage": usage_json(responses[-1].usage)}
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def chunk(self, response: generation_pb2.GenerateResponse) -> dict[str, Any]:
-        return {**self.head(self.chunk_object_name), "choices": [self.choice(response, delta=True)]}
+    def _start(self, index: int) -> None:
+        self._running += 1
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(index)))
 
-    def choice(self, response: generation_pb2.GenerateResponse, delta: bool = False) -> dict[str, Any]:
-        raise NotImplementedError
+    async def _pump(self, index: int) -> None:
+        stream = self._servicer.Generate(self._requests[index], self._context)
+        try:
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    self._queue.put_nowait((index, response))
+        except Exception as error:  # noqa: BLE001 - raised in the handler, which answers it
+            self._queue.put_nowait((index, error))
+        else:
+            self._queue.put_nowait((index, None))
 
+    async def _next(self) -> tuple[int, generation_pb2.GenerateResponse | None]:
+        index, item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item is None:
+            self._running -= 1
+        return index, item
 
-class _CompletionFormat(_Format):
-    prefix, object_name, chunk_object_name = "cmpl", "text_completion", "text_completion"
-
-    def choice(self, response: generation_pb2.GenerateResponse, delta: bool = False) -> dict[str, Any]:
-        logprobs = None
-        if self.parsed.logprobs:
-            logprobs = completion_logprobs(list(response.logprobs), self.decoder, self.text_length)
-        self.text_length += len(response.text)
-        return {"index": 0, "text": response.text, "logprobs": logprobs, "finish_reason": finish_reason(response)}
-
-
-class _ChatFormat(_Format):
-    prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def opening(self) -> list[dict[str, Any]]:
-        # OpenAI's first chunk names the role; the content follows.
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [{**self.head(self.chunk_object_name), "choices": [first]}]
-
-    def choice(self, response: generation_pb2.GenerateResponse, delta: bool = False) -> dict[str, Any]:
-        logprobs = chat_logprobs(list(response.logprobs), self.decoder) if self.parsed.logprobs else None
-        key, message = ("delta", {"content": response.text}) if delta else (
-            "message", {"role": "assistant", "content": response.text})
-        return {"index": 0, key: message, "logprobs": logprobs, "finish_reason": finish_reason(response)}
+    async def _next_response(self) -> tuple[int, generation_pb2.GenerateResponse]:
+        while True:
+            index, item = await self._next()
+            if item is not None:
+                return index, item
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        body = json.loads(await request.text())  # over client_max_size: 413, before any of it is parsed
+    except RecursionError as error:
+        raise InvalidRequest("the request body is nested too deeply") from error
+    except ValueError as error:  # not JSON, or an integer of more digits than Python converts
         raise InvalidRequest(f"the request body is not valid JSON: {error}") from error
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
+
+
+async def _send_all(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
+    for event in events:
+        await _send(response, event)
 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:

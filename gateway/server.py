@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 
 from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
-from gateway.http_api import OpenAIHttpApi
+from gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
+from gateway.openai_protocol import DEFAULT_MAX_N
 from gateway.router import NoWorkerAvailable, Router
 from gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from gateway.workers import WorkerHandle, WorkerPool
@@ -57,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ):
         request_id = request.request_id or f"gw-{uuid.uuid4().hex}"
         with request_id_context(request_id), self.metrics.track(lambda: _deadline_passed(context)) as tracker:
-            token_ids = self._prompt_token_ids(request)
+            token_ids = self.prompt_token_ids(request)
             validate_generate_request(request, token_ids, self._request_limits())
             assert token_ids is not None  # validation rejects a prompt it could not tokenize
             log.debug("generate: %d prompt tokens, max_tokens %d", len(token_ids), request.sampling_params.max_tokens)
@@ -90,9 +91,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prefill = choice.worker
             self.metrics.routed("prefill", prefill.worker_id)
             try:
-                # Count the work this adds there: the tokens its cache does not already hold.
-                with _Inflight(prefill, len(token_ids) - choice.expected_cached_tokens):
+                # Count the work this adds there: the tokens its cache does not already hold
+                # (all of them when the prompt's logprobs are asked for: those skip the cache).
+                cached = 0 if request.sampling_params.HasField("prompt_logprobs") else choice.expected_cached_tokens
+                with _Inflight(prefill, len(token_ids) - cached):
                     response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
+                self.router.prefilled(choice)
                 return prefill, response
             except BaseException as error:
                 # Cancelled or failed after the worker may have granted the lease:
@@ -126,6 +130,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         if prefill_response.HasField("logprobs"):
             first.logprobs.append(prefill_response.logprobs)
+        # Only here: the decode worker (even when it recomputes the prompt) never sends them.
+        first.prompt_logprobs.extend(prefill_response.prompt_logprobs)
         if prefill_response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
             first.finish_reason = prefill_response.finish_reason
             first.usage.CopyFrom(usage)
@@ -161,6 +167,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         response.usage.CopyFrom(usage)
                         finished = True
                     yield response
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    # Crashed or its engine died: out of rotation now, not at the next load poll,
+                    # so requests arriving meanwhile go to the other decode workers.
+                    decode.healthy = False
+                raise
             finally:
                 if not finished:
                     # Client cancel, deadline or a failed decode: stop the decode
@@ -184,7 +196,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=report.eos_token_ids,
         )
 
-    def _prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | None:
+    def prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | None:
         """The prompt as token ids; None for a text prompt this gateway cannot tokenize.
 
         Which of prompt and prompt_token_ids must be set is checked by validation.
@@ -288,8 +300,10 @@ class GatewayServer:
         client_tls: TlsConfig | None = None,  # of the channels to workers; None: plaintext
         http_port: int | None = None,  # OpenAI-compatible HTTP API on the gRPC host; None: off, 0: ephemeral
         metrics_port: int | None = None,  # Prometheus /metrics on the gRPC host; None: off, 0: ephemeral
+        http_max_n: int = DEFAULT_MAX_N,  # the most choices (n) one HTTP request may ask for
+        http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
-        self.http_port = http_port
+        self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         self.http_api: OpenAIHttpApi | None = None
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
@@ -319,7 +333,8 @@ class GatewayServer:
         if self.http_port is not None:
             config = self.server.config
             self.http_api = OpenAIHttpApi(self.servicer, config.host, self.http_port, None, self.servicer.tokenizer,
-                                          auth_token=config.auth_token, grace_s=config.grace_s)
+                                          auth_token=config.auth_token, grace_s=config.grace_s,
+                                          max_n=self.http_max_n, max_body_bytes=self.http_max_body_bytes)
             self.http_port = await self.http_api.start()
         return port
 

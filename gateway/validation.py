@@ -36,6 +36,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256  # characters
     max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024  # entries
     max_request_id_len: int = 256  # characters
 
     def for_model(self, vocab_size: int, max_context_length: int) -> RequestLimits:
@@ -95,6 +96,28 @@ def _check_sampling_params(params: generation_pb2.SamplingParams, limits: Reques
         raise ValueError(f"sampling_params.seed must be >= 0, got {params.seed}")
     if params.HasField("logprobs") and not 0 <= params.logprobs <= limits.max_logprobs:
         raise ValueError(f"sampling_params.logprobs must be in [0, {limits.max_logprobs}], got {params.logprobs}")
+    if params.HasField("prompt_logprobs") and not 0 <= params.prompt_logprobs <= limits.max_logprobs:
+        raise ValueError(
+            f"sampling_params.prompt_logprobs must be in [0, {limits.max_logprobs}], got {params.prompt_logprobs}"
+        )
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if params.HasField("min_tokens") and not 0 <= params.min_tokens <= max_tokens:
+        raise ValueError(
+            f"sampling_params.min_tokens must be in [0, max_tokens={max_tokens}], got {params.min_tokens}"
+        )
+    # The range checks below are written so that NaN fails too.
+    for name in ("presence_penalty", "frequency_penalty"):
+        if params.HasField(name) and not -2.0 <= getattr(params, name) <= 2.0:
+            raise ValueError(f"sampling_params.{name} must be in [-2, 2], got {getattr(params, name)!r}")
+    if params.HasField("repetition_penalty") and not 0.0 < params.repetition_penalty <= 10.0:
+        raise ValueError(f"sampling_params.repetition_penalty must be in (0, 10], got {params.repetition_penalty!r}")
+    if len(params.logit_bias) > limits.max_logit_bias:
+        raise ValueError(
+            f"sampling_params.logit_bias holds {len(params.logit_bias)} entries; the limit is {limits.max_logit_bias}"
+        )
+    for token_id, bias in params.logit_bias.items():
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"sampling_params.logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
     if len(params.stop) > limits.max_stop_strings:
         raise ValueError(
             f"sampling_params.stop holds {len(params.stop)} strings; the limit is {limits.max_stop_strings}"
@@ -136,3 +159,8 @@ def _check_model_fit(
             if ids and max(ids) >= vocab_size:
                 index = next(i for i, token_id in enumerate(ids) if token_id >= vocab_size)
                 raise ValueError(f"{field}[{index}] = {ids[index]} is outside the vocabulary [0, {vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            token_id = min(t for t in params.logit_bias if t >= vocab_size)
+            raise ValueError(
+                f"sampling_params.logit_bias key {token_id} is outside the vocabulary [0, {vocab_size})"
+            )

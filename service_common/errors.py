@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from engine.async_engine import EngineDeadError
+from engine.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 

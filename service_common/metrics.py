@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -202,7 +203,12 @@ class MetricsEndpoint:
 
     async def start(self) -> int:
         """Bind and serve; the bound port (``port`` 0 picks an ephemeral one)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as error:
+            why = "the port is in use" if error.errno == errno.EADDRINUSE else str(error)
+            raise OSError(f"could not serve metrics on {self.host}:{self.port}: {why}; "
+                          "stop what holds the port or choose another with --metrics-port") from error
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("metrics on http://%s:%d/metrics", self.host, self.port)
         return self.port

@@ -2,17 +2,44 @@
 
 Servers take a ``TlsConfig`` (and a token) through ``ServerConfig``; every client
 opens its channel with ``open_channel``, so one place decides plaintext or TLS.
+The client side (``TlsConfig``, channels, call metadata) lives in the client
+package, ``pdserve_client.channels``, and is re-exported here for the services.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from pdserve_client.channels import (
+    CLIENT_FLAGS,
+    TlsConfig,
+    bearer_metadata,
+    channel_credentials,
+    open_blocking_channel,
+    open_channel,
+    os_error_reason,
+    read_pem,
+)
+
+__all__ = [
+    "CLIENT_FLAGS",
+    "OPEN_METHOD_PREFIXES",
+    "SERVER_FLAGS",
+    "UNAUTHENTICATED_MESSAGE",
+    "BearerTokenInterceptor",
+    "TlsConfig",
+    "bearer_metadata",
+    "channel_credentials",
+    "load_auth_token",
+    "open_blocking_channel",
+    "open_channel",
+    "server_credentials",
+]
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
 # Open without a token: load balancers and orchestrators probe health without
@@ -20,99 +47,20 @@ UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
 # Every other method, pdserve's own services included, needs the token.
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-# The flag that sets each field, per side, so an error names what the user typed.
+# The flag that sets each field on the server side, so an error names what the user typed.
 SERVER_FLAGS = {"cert_file": "--tls-cert", "key_file": "--tls-key", "ca_file": "--tls-client-ca"}
-CLIENT_FLAGS = {"cert_file": "--tls-client-cert", "key_file": "--tls-client-key", "ca_file": "--tls-ca"}
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """PEM files of one side of a TLS connection; paths only, read when credentials are built.
-
-    For a server: ``cert_file``/``key_file`` are its certificate (chain) and key;
-    ``ca_file`` is the CA that client certificates must chain to, and with
-    ``require_client_cert`` a client without such a certificate is refused (mTLS).
-    For a client: ``ca_file`` is the CA that verifies servers (None: the system's
-    roots); ``cert_file``/``key_file`` are an optional client certificate for mTLS;
-    ``server_name`` is the name servers' certificates are checked against instead of
-    the host in the address (workers are often reached by IP).
-    """
-
-    cert_file: str | None = None
-    key_file: str | None = None
-    ca_file: str | None = None
-    require_client_cert: bool = False
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("a TLS certificate and its key go together: give both the certificate and the key file")
-        if self.require_client_cert and self.ca_file is None:
-            raise ValueError("requiring client certificates needs the CA that signs them (--tls-client-ca)")
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     """The server side of ``tls``; a ValueError naming the flag when a file is missing or not PEM."""
     if tls.cert_file is None or tls.key_file is None:
         raise ValueError("a TLS server needs --tls-cert and --tls-key")
-    key = _read_pem(tls.key_file, SERVER_FLAGS["key_file"])
-    chain = _read_pem(tls.cert_file, SERVER_FLAGS["cert_file"])
-    client_ca = _read_pem(tls.ca_file, SERVER_FLAGS["ca_file"]) if tls.ca_file is not None else None
+    key = read_pem(tls.key_file, SERVER_FLAGS["key_file"])
+    chain = read_pem(tls.cert_file, SERVER_FLAGS["cert_file"])
+    client_ca = read_pem(tls.ca_file, SERVER_FLAGS["ca_file"]) if tls.ca_file is not None else None
     return grpc.ssl_server_credentials(
         [(key, chain)], root_certificates=client_ca, require_client_auth=tls.require_client_cert
     )
-
-
-def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
-    """The client side of ``tls``; a ValueError naming the flag when a file is missing or not PEM."""
-    roots = _read_pem(tls.ca_file, CLIENT_FLAGS["ca_file"]) if tls.ca_file is not None else None
-    key = _read_pem(tls.key_file, CLIENT_FLAGS["key_file"]) if tls.key_file is not None else None
-    chain = _read_pem(tls.cert_file, CLIENT_FLAGS["cert_file"]) if tls.cert_file is not None else None
-    return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=chain)
-
-
-def open_channel(
-    address: str,
-    tls: TlsConfig | None,
-    options: Sequence[tuple[str, Any]] = (),
-    *,
-    server_name_override: str | None = None,
-) -> grpc.aio.Channel:
-    """A grpc.aio channel to ``address``: plaintext when ``tls`` is None, else TLS (mTLS with a client certificate).
-
-    ``server_name_override`` (default ``tls.server_name``) is the name the server's
-    certificate must carry when it differs from the host in ``address``.
-    """
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(
-        address, channel_credentials(tls), options=_tls_options(tls, options, server_name_override)
-    )
-
-
-def open_blocking_channel(
-    address: str,
-    tls: TlsConfig | None,
-    options: Sequence[tuple[str, Any]] = (),
-    *,
-    server_name_override: str | None = None,
-) -> grpc.Channel:
-    """``open_channel`` for grpc's blocking API (the synchronous client)."""
-    if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, channel_credentials(tls), options=_tls_options(tls, options, server_name_override))
-
-
-def _tls_options(
-    tls: TlsConfig, options: Sequence[tuple[str, Any]], server_name_override: str | None
-) -> list[tuple[str, Any]]:
-    server_name = server_name_override or tls.server_name
-    return [*options, ("grpc.ssl_target_name_override", server_name)] if server_name else list(options)
-
-
-def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying ``token`` (none when it is None), for a server with bearer auth."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def load_auth_token(token_file: str | None, env_value: str | None, env_name: str) -> str | None:
@@ -124,7 +72,7 @@ def load_auth_token(token_file: str | None, env_value: str | None, env_name: str
         try:
             text = Path(token_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"--auth-token-file {token_file}: cannot read it: {_reason(error)}") from None
+            raise ValueError(f"--auth-token-file {token_file}: cannot read it: {os_error_reason(error)}") from None
         return _check_token(text.strip(), f"--auth-token-file {token_file}")
     if env_value:
         return _check_token(env_value.strip(), env_name)
@@ -181,16 +129,6 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def _read_pem(path: str, flag: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise ValueError(f"{flag} {path}: cannot read it: {_reason(error)}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{flag} {path}: not a PEM file (no '-----BEGIN' line)")
-    return data
-
-
 def _check_token(token: str, source: str) -> str:
     # What an HTTP/2 header value and RFC 6750's token syntax allow: visible ASCII, no spaces.
     if not token:
@@ -200,5 +138,3 @@ def _check_token(token: str, source: str) -> str:
     return token
 
 
-def _reason(error: Exception) -> str:
-    return error.strerror if isinstance(error, OSError) and error.strerror else str(error)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,14 +14,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve_client.channels import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service_common.errors import Unparsable
 from service_common.security import BearerTokenInterceptor, TlsConfig, server_credentials
 
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "LOOPBACK_HOSTS", "Server", "ServerConfig", "channel_options",
+           "install_uvloop", "port_free", "run_until_signal"]
+
 log = logging.getLogger(__name__)
 
-# Internal messages carry KV chunks of at most 1 MiB plus framing; public ones
-# carry prompts. Both limits are explicit so a bad peer cannot make us buffer more.
-DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
@@ -41,13 +43,6 @@ class ServerConfig:
         return channel_options(self.max_message_bytes)
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
 def install_uvloop() -> bool:
     """Use uvloop's event loop policy when it is installed."""
     try:
@@ -55,6 +50,17 @@ def install_uvloop() -> bool:
     except ImportError:
         return False
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (a port in TIME_WAIT counts as free, as it does for servers)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return False
     return True
 
 
@@ -68,7 +74,9 @@ class Server:
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token is not None else None
         if config.auth_token is not None and config.tls is None and config.host not in LOOPBACK_HOSTS:
             log.warning("bearer auth without TLS on %s: tokens cross the network in clear text", config.host)
-        self.grpc_server = grpc.aio.server(options=config.options, interceptors=interceptors)
+        # Without SO_REUSEPORT a second server on a taken port fails to bind instead of silently
+        # sharing the port (and its traffic) with the first; grpc turns it on by default.
+        self.grpc_server = grpc.aio.server(options=[*config.options, ("grpc.so_reuseport", 0)], interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -94,8 +102,17 @@ class Server:
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
+        # Asked first, so a taken port gets our one-line error instead of grpc's log line and
+        # reasonless "Failed to bind"; grpc's own failure below still covers a race.
+        if self.config.port and not port_free(self.config.host, self.config.port):
+            raise OSError(f"could not serve on {address}: the port is in use; stop what holds it or choose another "
+                          "with --port")
         if self._credentials is None:
-            self.port = self.grpc_server.add_insecure_port(address)
+            try:
+                self.port = self.grpc_server.add_insecure_port(address)
+            except RuntimeError as error:  # grpc's "Failed to bind", with no reason
+                raise OSError(f"could not serve on {address}: the port is in use (or {self.config.host} is not "
+                              f"an address of this machine); stop what holds it or choose another with --port") from error
         else:
             try:
                 self.port = self.grpc_server.add_secure_port(address, self._credentials)
@@ -145,12 +162,18 @@ def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return parse
 
 
-async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
-    """Wait for SIGINT or SIGTERM, then run ``stop``."""
+async def run_until_signal(stop: Callable[[], Awaitable[None]], failed: asyncio.Event | None = None) -> bool:
+    """Wait for SIGINT or SIGTERM (or ``failed`` to be set), then run ``stop``; True when a signal came."""
     loop = asyncio.get_running_loop()
     stopped = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopped.set)
-    await stopped.wait()
+    waits = [asyncio.ensure_future(stopped.wait())]
+    if failed is not None:
+        waits.append(asyncio.ensure_future(failed.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
     log.info("shutting down")
     await stop()
+    return stopped.is_set()

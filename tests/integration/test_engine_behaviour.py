@@ -135,6 +135,16 @@ def test_unknown_model_folder_raises_value_error(tmp_path: Path) -> None:
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"logprobs": -1}, "logprobs"),
+        ({"min_tokens": -1}, r"^min_tokens must be an integer in \[0, max_tokens=16\], got -1$"),
+        ({"max_tokens": 3, "min_tokens": 4}, r"^min_tokens must be an integer in \[0, max_tokens=3\], got 4$"),
+        ({"presence_penalty": 2.5}, r"^presence_penalty must be in \[-2, 2\], got 2.5$"),
+        ({"frequency_penalty": float("nan")}, r"^frequency_penalty must be in \[-2, 2\], got nan$"),
+        ({"repetition_penalty": 0.0}, r"^repetition_penalty must be in \(0, 10\], got 0.0$"),
+        ({"repetition_penalty": 10.5}, r"^repetition_penalty must be in \(0, 10\], got 10.5$"),
+        ({"logit_bias": {3: 100.5}}, r"^logit_bias\[3\] must be in \[-100, 100\], got 100.5$"),
+        ({"logit_bias": {-1: 1.0}}, r"^logit_bias keys must be non-negative token ids, got -1$"),
+        ({"logit_bias": [(3, 1.0), (3, 2.0)]}, r"^logit_bias holds a token id twice$"),
+        ({"prompt_logprobs": -1}, r"^prompt_logprobs must be a non-negative integer or None, got -1$"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error_naming_them(kwargs: dict[str, object], field: str) -> None:
@@ -152,6 +162,8 @@ def test_invalid_prompts_raise_value_error_and_leave_the_engine_clean(tiny_llm: 
         tiny_llm.generate([[3] * 1020], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="tokenizer"):
         tiny_llm.generate(["text needs a tokenizer"], greedy)
+    with pytest.raises(ValueError, match=r"^logit_bias key 512 is outside the vocabulary \[0, 512\)$"):
+        tiny_llm.generate([[1, 2]], SamplingParams(logit_bias={5: 1.0, 512: 1.0}))
     with pytest.raises(ValueError, match="sampling_params has 2 entries"):
         tiny_llm.generate([[1, 2]], [greedy, greedy])
     # A bad prompt in a batch rejects the batch; nothing is left queued or held.

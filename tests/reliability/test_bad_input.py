@@ -102,6 +102,26 @@ CORPUS = [
     _bad("logprobs_above_max", _params(logprobs=21), "sampling_params.logprobs"),
     _bad("logprobs_above_vocab", _params(logprobs=VOCAB_SIZE + 1), "sampling_params.logprobs"),
     _bad("logprobs_int32_max", _params(logprobs=2**31 - 1), "sampling_params.logprobs"),
+    # prompt_logprobs (same limit as logprobs).
+    _bad("prompt_logprobs_negative", _params(prompt_logprobs=-1), "sampling_params.prompt_logprobs must be in [0, 20]"),
+    _bad("prompt_logprobs_above_max", _params(prompt_logprobs=21), "sampling_params.prompt_logprobs"),
+    # min_tokens: 0 <= min_tokens <= max_tokens (16 when unset).
+    _bad("min_tokens_negative", _params(min_tokens=-1), "sampling_params.min_tokens must be in [0, max_tokens=16]"),
+    _bad("min_tokens_above_max_tokens", _params(max_tokens=4, min_tokens=5), "sampling_params.min_tokens"),
+    # Penalties.
+    _bad("presence_penalty_above_two", _params(presence_penalty=2.5), "sampling_params.presence_penalty must be in"),
+    _bad("presence_penalty_nan", _params(presence_penalty=float("nan")), "sampling_params.presence_penalty"),
+    _bad("frequency_penalty_below", _params(frequency_penalty=-2.01), "sampling_params.frequency_penalty must be"),
+    _bad("frequency_penalty_inf", _params(frequency_penalty=float("inf")), "sampling_params.frequency_penalty"),
+    _bad("repetition_penalty_zero", _params(repetition_penalty=0.0), "sampling_params.repetition_penalty must be"),
+    _bad("repetition_penalty_negative", _params(repetition_penalty=-1.0), "sampling_params.repetition_penalty"),
+    _bad("repetition_penalty_above_ten", _params(repetition_penalty=10.5), "sampling_params.repetition_penalty"),
+    _bad("repetition_penalty_nan", _params(repetition_penalty=float("nan")), "sampling_params.repetition_penalty"),
+    # logit_bias.
+    _bad("logit_bias_above_100", _params(logit_bias={5: 100.5}), "sampling_params.logit_bias[5] must be in"),
+    _bad("logit_bias_nan", _params(logit_bias={5: float("nan")}), "sampling_params.logit_bias[5]"),
+    _bad("logit_bias_key_at_vocab", _params(logit_bias={VOCAB_SIZE: 1.0}), f"sampling_params.logit_bias key {VOCAB_SIZE}"),
+    _bad("logit_bias_too_many", _params(logit_bias={i: 1.0 for i in range(1025)}), "sampling_params.logit_bias holds"),
     # request_id.
     _bad("request_id_too_long", GenerateRequest(request_id="r" * 257, prompt_token_ids=[1]), "request_id is 257"),
     _bad("request_id_huge", GenerateRequest(request_id="r" * 100_000, prompt_token_ids=[1]), "request_id"),
@@ -166,7 +186,9 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
         request_id="good-1",
         prompt_token_ids=[1, 2, 3],
         sampling_params=SamplingParams(
-            max_tokens=4, temperature=0.7, top_p=0.9, top_k=50, seed=3, stop_token_ids=[7], logprobs=20, ignore_eos=True
+            max_tokens=4, temperature=0.7, top_p=0.9, top_k=50, seed=3, stop_token_ids=[7], logprobs=20, ignore_eos=True,
+            min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+            logit_bias={9: 2.0, 10: -2.0}, prompt_logprobs=20,
         ),
     )
     for request in (at_limit, full):
@@ -179,6 +201,7 @@ async def test_after_the_corpus_good_requests_are_served_and_workers_are_idle(cl
         assert last.usage.prompt_tokens == len(request.prompt_token_ids)
         assert last.usage.completion_tokens == len(tokens) <= request.sampling_params.max_tokens
     assert [len(entry.top_token_ids) for response in responses for entry in response.logprobs] == [20] * len(tokens)
+    assert [(entry.token_id, len(entry.top_token_ids)) for entry in responses[0].prompt_logprobs] == [(2, 20), (3, 20)]
     for report in await cluster.wait_idle():
         assert (report.num_running, report.num_waiting) == (0, 0), report.role
         assert report.num_free_blocks == report.num_total_blocks == NUM_KV_BLOCKS, report.role
@@ -222,3 +245,25 @@ def test_max_logprobs_is_configurable() -> None:
     validate_generate_request(request, [1, 2, 3], RequestLimits(max_logprobs=64))
     with pytest.raises(ValueError, match=r"^sampling_params\.logprobs must be in \[0, 20\], got 64$"):
         validate_generate_request(request, [1, 2, 3], RequestLimits())
+
+
+def test_prompt_logprobs_share_the_configurable_max_logprobs() -> None:
+    request = _params(prompt_logprobs=64)
+    validate_generate_request(request, [1, 2, 3], RequestLimits(max_logprobs=64))
+    with pytest.raises(ValueError, match=r"^sampling_params\.prompt_logprobs must be in \[0, 20\], got 64$"):
+        validate_generate_request(request, [1, 2, 3], RequestLimits())
+
+
+def test_new_sampling_fields_at_their_limits_are_accepted() -> None:
+    limits = RequestLimits().for_model(vocab_size=512, max_context_length=1024)
+    request = _params(
+        max_tokens=4, min_tokens=4, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=10.0,
+        logit_bias={0: -100.0, 511: 100.0}, prompt_logprobs=20,
+    )
+    validate_generate_request(request, [1, 2, 3], limits)
+    # min_tokens is checked against the default max_tokens (16) when max_tokens is unset.
+    validate_generate_request(_params(min_tokens=16), [1, 2, 3], limits)
+    with pytest.raises(ValueError, match=r"^sampling_params\.min_tokens must be in \[0, max_tokens=16\], got 17$"):
+        validate_generate_request(_params(min_tokens=17), [1, 2, 3], limits)
+    with pytest.raises(ValueError, match=r"^sampling_params\.logit_bias key 512 is outside the vocabulary \[0, 512\)$"):
+        validate_generate_request(_params(logit_bias={3: 1.0, 512: 1.0, 900: 1.0}), [1, 2, 3], limits)

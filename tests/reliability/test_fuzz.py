@@ -43,6 +43,16 @@ SAMPLING_PARAMS = st.fixed_dictionaries(
         "stop_token_ids": st.one_of(st.lists(VALID_TOKEN_ID, max_size=4), st.lists(ANY_TOKEN_ID, max_size=300)),
         "ignore_eos": st.booleans(),
         "logprobs": st.one_of(st.integers(0, 25), INT32),
+        "min_tokens": st.one_of(st.integers(0, 4), INT32),
+        "presence_penalty": st.one_of(st.floats(-2.0, 2.0), ANY_FLOAT),
+        "frequency_penalty": st.one_of(st.floats(-2.0, 2.0), ANY_FLOAT),
+        "repetition_penalty": st.one_of(st.floats(0.0, 10.0, exclude_min=True), ANY_FLOAT),
+        "logit_bias": st.dictionaries(
+            st.one_of(VALID_TOKEN_ID, ANY_TOKEN_ID),
+            st.one_of(st.floats(-100.0, 100.0, width=32), st.floats(width=32)),
+            max_size=8,
+        ),
+        "prompt_logprobs": st.one_of(st.integers(0, 25), INT32),
     },
 )
 PROMPT_TOKEN_IDS = st.one_of(
@@ -139,6 +149,18 @@ async def test_random_request_gets_a_valid_stream_or_a_client_error(cluster: InP
         assert [entry.token_id for entry in entries] == tokens
         assert all(len(entry.top_token_ids) == params.logprobs for entry in entries)
         assert all(not math.isnan(entry.logprob) and entry.logprob <= 0 for entry in entries)
+    if last.finish_reason == generation_pb2.FINISH_REASON_STOP:
+        # EOS and stop ids are masked for the first min_tokens tokens.
+        assert len(tokens) > params.min_tokens
+    # The prompt's log-probabilities come once, on the first response, when asked for.
+    assert all(len(response.prompt_logprobs) == 0 for response in responses[1:])
+    prompt_entries = responses[0].prompt_logprobs
+    if params.HasField("prompt_logprobs"):
+        assert [entry.token_id for entry in prompt_entries] == list(request.prompt_token_ids)[1:]
+        assert all(len(entry.top_token_ids) == params.prompt_logprobs for entry in prompt_entries)
+        assert all(not math.isnan(entry.logprob) and entry.logprob <= 0 for entry in prompt_entries)
+    else:
+        assert len(prompt_entries) == 0
 
 
 @pytest.mark.asyncio(loop_scope="module")

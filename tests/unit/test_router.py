@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import NoWorkerAvailable, Router
+from gateway.router import NoWorkerAvailable, RecentPrefills, Router
 from gateway.workers import WorkerHandle, WorkerPool
 from protos.pdserve.v1.internal import worker_pb2
 
@@ -86,3 +86,37 @@ async def test_no_healthy_worker_raises() -> None:
         Router(pool, None).choose_decode()
     with pytest.raises(ValueError, match="routing policy"):
         Router(pool, None, policy="random")
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_just_prefilled_draws_its_followers_before_the_index_has_it() -> None:
+    # The index knows nothing yet (the worker has not published): without the router's own
+    # memory the followers would alternate between a and b on the round-robin tie-break.
+    pool = _pool([("prefill", "a", 0, 0, 100), ("prefill", "b", 0, 0, 100)])
+    router = Router(pool, _FakeLookup({}))  # type: ignore[arg-type]
+    prompt = list(range(100))
+    first = await router.choose_prefill(prompt)
+    assert (first.expected_cached_tokens, len(first.block_hashes)) == (0, 6)
+    router.prefilled(first)
+    followers = [await router.choose_prefill(prompt) for _ in range(3)]
+    assert [(c.worker.worker_id, c.expected_cached_tokens) for c in followers] == [(first.worker.worker_id, 96)] * 3
+    # Another prompt sharing only the first block: one block's worth.
+    other = await router.choose_prefill(list(range(16)) + [500] * 40)
+    assert (other.worker.worker_id, other.expected_cached_tokens) == (first.worker.worker_id, 16)
+
+
+def test_recent_prefills_expire_count_leading_blocks_only_and_are_bounded() -> None:
+    now = [100.0]
+    recent = RecentPrefills(ttl_s=10.0, max_blocks=4, clock=lambda: now[0])
+    h = [bytes([i]) for i in range(6)]
+    recent.add("a", 1, h[:3])
+    assert recent.longest_prefix(h, {"a": 1, "b": 1}) == {"a": 3}
+    assert recent.longest_prefix([h[0], h[5], h[1]], {"a": 1}) == {"a": 1}  # the leading run only
+    assert recent.longest_prefix(h, {"a": 2}) == {}  # a restarted worker holds nothing of its past self
+    now[0] = 105.0
+    recent.add("b", 1, h[:2])  # 5 blocks in all: a's oldest block goes
+    assert recent.longest_prefix(h, {"a": 1, "b": 1}) == {"b": 2}
+    assert recent.longest_prefix(h[1:], {"a": 1}) == {"a": 2}
+    now[0] = 110.0  # a's entries expire; b's (added at 105) do not
+    assert recent.longest_prefix(h, {"a": 1, "b": 1}) == {"b": 2}
+    assert recent.longest_prefix(h[1:], {"a": 1}) == {}
