@@ -13,25 +13,17 @@ import shutil
 import socket
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
-from decode_service.colocated import ColocatedServer
-from decode_service.server import DecodeServer
 from engine import LLM, SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from gateway.server import GatewayServer
 from kv_transfer.descriptor import KVHandoff, KVLayout
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import generation_pb2
+from protos.pdserve.v1.internal import worker_pb2
 from service_common.convert import sampling_params_from_proto, sampling_params_to_proto
-from service_common.server import ServerConfig, channel_options
-from service_common.worker import WorkerConfig
-from tests.conftest import EOS_TOKEN_ID, random_prompts
-from tests.reliability import InProcessCluster
+from tests.conftest import EOS_TOKEN_ID, StartInProcessCluster, random_prompts
+from tests.support.cluster import ClusterOptions
 
 MAX_TOKENS = 12
 FINISH_REASONS = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
@@ -53,11 +45,6 @@ REQUESTS = [
                    prompt_logprobs=1, ignore_eos=True),
     SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
 ]
-
-
-def _engine(path: Path, num_blocks: int = 128) -> LLMEngine:
-    model = ModelConfig(model=str(path), dtype="float32")
-    return LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_blocks)))
 
 
 def _request(prompt: list[int], params: SamplingParams) -> generation_pb2.GenerateRequest:
@@ -113,75 +100,56 @@ def test_every_new_field_survives_the_proto_round_trip() -> None:
 
 @pytest.mark.asyncio
 async def test_prefill_and_decode_workers_give_what_llm_generate_gives(
-    llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput]
+    llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput],
+    start_inprocess_cluster: StartInProcessCluster,
 ) -> None:
-    cluster = InProcessCluster(llama_checkpoint)
-    try:
-        await cluster.start()
-        results = await asyncio.gather(
-            *(cluster.generate(_request(prompt, params)) for prompt, params in zip(prompts, REQUESTS))
-        )
-        for responses, expected in zip(results, offline):
-            _assert_same_as_offline(responses, expected)
-        for report in await cluster.wait_idle():
-            assert (report.num_running, report.num_free_blocks) == (0, report.num_total_blocks), report.role
-    finally:
-        await cluster.stop()
+    cluster = await start_inprocess_cluster(llama_checkpoint)
+    results = await asyncio.gather(
+        *(cluster.generate(_request(prompt, params)) for prompt, params in zip(prompts, REQUESTS))
+    )
+    for responses, expected in zip(results, offline):
+        _assert_same_as_offline(responses, expected)
+    for report in await cluster.wait_idle():
+        assert (report.num_running, report.num_free_blocks) == (0, report.num_total_blocks), report.role
 
 
 @pytest.mark.asyncio
 async def test_colocated_worker_gives_what_llm_generate_gives(
-    llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput]
+    llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput],
+    start_inprocess_cluster: StartInProcessCluster,
 ) -> None:
-    worker = ColocatedServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("colocated", "c0"))
-    servers: list[ColocatedServer | GatewayServer] = []
-    try:
-        port = await worker.start()
-        servers.append(worker)
-        address = f"127.0.0.1:{port}"
-        gateway = GatewayServer(ServerConfig(), None, [address], [address])
-        g_port = await gateway.start()
-        servers.append(gateway)
-        assert await gateway.pool.wait_ready(5.0)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{g_port}", options=channel_options()) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            for prompt, params, expected in zip(prompts, REQUESTS, offline):
-                responses = [r async for r in stub.Generate(_request(prompt, params), timeout=30)]
-                _assert_same_as_offline(responses, expected)
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    options = ClusterOptions(prefill_workers=0, decode_workers=0, colocated_workers=1)
+    cluster = await start_inprocess_cluster(llama_checkpoint, options)
+    for prompt, params, expected in zip(prompts, REQUESTS, offline):
+        responses = await cluster.generate(_request(prompt, params), timeout_s=30)
+        _assert_same_as_offline(responses, expected)
 
 
 @pytest.mark.asyncio
 async def test_decode_recompute_after_a_failed_transfer_continues_the_adjustments(
-    llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput]
+    llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput],
+    start_inprocess_cluster: StartInProcessCluster,
 ) -> None:
     with socket.socket() as probe:  # a loopback port nobody listens on: the prefill worker is gone
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
-    decode = DecodeServer(_engine(llama_checkpoint, 64), ServerConfig(), WorkerConfig("decode", "d0"))
-    port = await decode.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-            for index in (0, 2):  # greedy with a penalty; seeded with penalties
-                prompt, params, expected = prompts[index], REQUESTS[index], offline[index]
-                handoff = KVHandoff(
-                    request_id=f"orphan-{index}", model_id=str(llama_checkpoint), layout=KVLayout(3, 2, 16, 16, "float32"),
-                    block_hashes=(), num_tokens=len(prompt), first_token_id=expected.token_ids[0], transport="grpc",
-                    address=dead, lease_deadline_ms=2**40, worker_id="gone", epoch=1,
-                )
-                request = worker_pb2.DecodeRequest(
-                    request_id=f"orphan-{index}", prompt_token_ids=prompt, handoff=handoff.to_proto(),
-                    sampling_params=sampling_params_to_proto(params),
-                )
-                tokens = [t async for r in stub.Decode(request, timeout=30) for t in r.token_ids]
-                assert tokens == expected.token_ids[1:]
-            report = await stub.Load(worker_pb2.LoadRequest(), timeout=5)
-            assert (report.kv_recomputes, report.num_running, report.num_free_blocks) == (2, 0, 64)
-    finally:
-        await decode.stop()
+    options = ClusterOptions(num_kv_blocks=64, prefill_workers=0, gateway=False)
+    stub = (await start_inprocess_cluster(llama_checkpoint, options)).worker_stubs[0]
+    for index in (0, 2):  # greedy with a penalty; seeded with penalties
+        prompt, params, expected = prompts[index], REQUESTS[index], offline[index]
+        handoff = KVHandoff(
+            request_id=f"orphan-{index}", model_id=str(llama_checkpoint), layout=KVLayout(3, 2, 16, 16, "float32"),
+            block_hashes=(), num_tokens=len(prompt), first_token_id=expected.token_ids[0], transport="grpc",
+            address=dead, lease_deadline_ms=2**40, worker_id="gone", epoch=1,
+        )
+        request = worker_pb2.DecodeRequest(
+            request_id=f"orphan-{index}", prompt_token_ids=prompt, handoff=handoff.to_proto(),
+            sampling_params=sampling_params_to_proto(params),
+        )
+        tokens = [t async for r in stub.Decode(request, timeout=30) for t in r.token_ids]  # type: ignore[union-attr]
+        assert tokens == expected.token_ids[1:]
+    report = await stub.Load(worker_pb2.LoadRequest(), timeout=5)
+    assert (report.kv_recomputes, report.num_running, report.num_free_blocks) == (2, 0, 64)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +169,9 @@ def worded_checkpoint(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.asyncio
-async def test_stop_strings_wait_for_min_tokens_across_prefill_and_decode(worded_checkpoint: Path) -> None:
+async def test_stop_strings_wait_for_min_tokens_across_prefill_and_decode(
+    worded_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
     prompt = random_prompts([21], seed=62)[0]
     llm = LLM(model=str(worded_checkpoint), dtype="float32", num_kv_blocks=64)
     free = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
@@ -213,21 +183,19 @@ async def test_stop_strings_wait_for_min_tokens_across_prefill_and_decode(worded
     # cannot end the request at the first (prefill) token nor at the second.
     assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (free.token_ids[:1], "", "stop")
     assert len(continued.token_ids) >= 3 and continued.token_ids == free.token_ids[: len(continued.token_ids)]
-    cluster = InProcessCluster(worded_checkpoint)
-    try:
-        await cluster.start()
-        for params, expected in ((plain, stopped), (held, continued)):
-            responses = await cluster.generate(_request(prompt, params))
-            tokens = [token for response in responses for token in response.token_ids]
-            text = "".join(response.text for response in responses)
-            assert (tokens, text) == (expected.token_ids, expected.text)
-            assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
-    finally:
-        await cluster.stop()
+    cluster = await start_inprocess_cluster(worded_checkpoint)
+    for params, expected in ((plain, stopped), (held, continued)):
+        responses = await cluster.generate(_request(prompt, params))
+        tokens = [token for response in responses for token in response.token_ids]
+        text = "".join(response.text for response in responses)
+        assert (tokens, text) == (expected.token_ids, expected.text)
+        assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
 
 
 @pytest.mark.asyncio
-async def test_stop_strings_count_from_the_token_after_min_tokens(worded_checkpoint: Path) -> None:
+async def test_stop_strings_count_from_the_token_after_min_tokens(
+    worded_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
     # vLLM's boundary: with min_tokens=k-1 a stop string completed by token k ends the request;
     # with min_tokens=k it does not. Offline and through the cluster alike.
     prompt = random_prompts([16], seed=63)[0]
@@ -245,14 +213,10 @@ async def test_stop_strings_count_from_the_token_after_min_tokens(worded_checkpo
     (_, at_k), (_, past_k) = cases
     assert (at_k.token_ids, at_k.text, at_k.finish_reason) == (free.token_ids[:k], free.text[:start], "stop")
     assert past_k.token_ids[: k + 1] == free.token_ids[: k + 1]
-    cluster = InProcessCluster(worded_checkpoint)
-    try:
-        await cluster.start()
-        for params, expected in cases:
-            responses = await cluster.generate(_request(prompt, params))
-            tokens = [token for response in responses for token in response.token_ids]
-            text = "".join(response.text for response in responses)
-            assert (tokens, text) == (expected.token_ids, expected.text)
-            assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
-    finally:
-        await cluster.stop()
+    cluster = await start_inprocess_cluster(worded_checkpoint)
+    for params, expected in cases:
+        responses = await cluster.generate(_request(prompt, params))
+        tokens = [token for response in responses for token in response.token_ids]
+        text = "".join(response.text for response in responses)
+        assert (tokens, text) == (expected.token_ids, expected.text)
+        assert responses[-1].finish_reason == FINISH_REASONS[expected.finish_reason]
