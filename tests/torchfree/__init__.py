@@ -6,17 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from prefill_service.server import PrefillServer
-from service_common.server import ServerConfig
-from service_common.worker import WorkerConfig
-
-
-def _engine(checkpoint: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=str(checkpoint), dtype="float32"),
-                                  cache=CacheConfig(num_kv_blocks=64)))
+from tests.support.cluster import ClusterOptions, InProcessCluster
 
 
 @asynccontextmanager
@@ -25,15 +15,5 @@ async def workers(checkpoint: Path) -> AsyncIterator[tuple[str, str]]:
 
     The gateway under test runs elsewhere: in another process, or started by the test.
     """
-    prefill = PrefillServer(_engine(checkpoint), ServerConfig(), WorkerConfig("prefill", "p0"))
-    decode = DecodeServer(_engine(checkpoint), ServerConfig(), WorkerConfig("decode", "d0"))
-    started: list[PrefillServer | DecodeServer] = []
-    try:
-        p_port = await prefill.start()
-        started.append(prefill)
-        d_port = await decode.start()
-        started.append(decode)
-        yield f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
-    finally:
-        for server in reversed(started):
-            await server.stop()
+    async with InProcessCluster(checkpoint, ClusterOptions(num_kv_blocks=64, gateway=False)) as cluster:
+        yield cluster.prefill_addresses[0], cluster.decode_addresses[0]

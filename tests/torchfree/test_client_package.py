@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import GatewayServer
-from service_common.server import ServerConfig
 from tests.conftest import Oracle, random_prompts
-from tests.torchfree import workers
+from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.torchfree.environment import REPO_ROOT
 
 # What a request from the fresh venv prints: the client's result and where it was imported from.
@@ -137,20 +135,14 @@ async def test_the_client_installs_alone_with_grpcio_and_protobuf_and_serves_a_r
     expected = Oracle(llama_checkpoint).generate(prompt, 9)
     script = tmp_path / "request.py"
     script.write_text(_CLIENT_SCRIPT)
-    async with workers(llama_checkpoint) as (prefill, decode):
-        gateway = GatewayServer(ServerConfig(), None, [prefill], [decode])
-        try:
-            g_port = await gateway.start()
-            assert await gateway.pool.wait_ready(10.0)
-            # -I: neither this repository nor PYTHONPATH is on the path, only the venv.
-            process = await asyncio.create_subprocess_exec(
-                str(python), "-I", str(script), f"127.0.0.1:{g_port}", json.dumps(prompt), "9",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
-            )
-            stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
-            assert process.returncode == 0, stderr.decode()
-        finally:
-            await gateway.stop()
+    async with InProcessCluster(llama_checkpoint, ClusterOptions(num_kv_blocks=64)) as cluster:
+        # -I: neither this repository nor PYTHONPATH is on the path, only the venv.
+        process = await asyncio.create_subprocess_exec(
+            str(python), "-I", str(script), str(cluster.gateway_address), json.dumps(prompt), "9",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+        assert process.returncode == 0, stderr.decode()
     result = json.loads(stdout)
     assert Path(result["file"]).is_relative_to(site_dir)
     assert result["token_ids"] == expected

@@ -18,6 +18,7 @@ import pytest
 from engine.default_model import DEFAULT_MODEL_ID, _marker_for, default_gguf_path
 from pdserve.client import AsyncClient, SamplingOptions
 from tests.conftest import VOCAB_SIZE, Oracle
+from tests.support.waiting import wait_until
 from tests.torchfree import workers
 from tests.torchfree.environment import REPO_ROOT, torch_free_command
 
@@ -53,12 +54,11 @@ async def _gateway_without_torch(
         process = await asyncio.create_subprocess_exec(*argv, env=env, cwd=REPO_ROOT, stdout=log_file,
                                                        stderr=subprocess.STDOUT)
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 120.0
-        while not ready.exists():
-            assert process.returncode is None, f"the gateway exited with {process.returncode}:\n{log.read_text()}"
-            assert loop.time() < deadline, f"the gateway did not start in 120 s:\n{log.read_text()}"
-            await asyncio.sleep(0.1)
+        try:
+            await wait_until(lambda: ready.exists() or process.returncode is not None, "the gateway to start", 120.0)
+        except AssertionError as error:
+            raise AssertionError(f"{error}:\n{log.read_text()}") from None
+        assert process.returncode is None, f"the gateway exited with {process.returncode}:\n{log.read_text()}"
         yield ready.read_text(), log
     finally:
         if process.returncode is None:
