@@ -3,7 +3,6 @@ prompt logprobs, every sampling parameter (exact against the gRPC API and transf
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,15 +15,13 @@ import openai
 import pytest
 import torch
 
-from decode_service.server import DecodeServer
 from gateway.server import GatewayServer
 from gateway.tokenizer import load_tokenizer
-from prefill_service.server import PrefillServer
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.server import ServerConfig
-from service_common.worker import WorkerConfig
-from tests.conftest import Oracle
-from tests.http.test_openai_api import _client, _cluster, _engine
+from tests.conftest import Oracle, StartInProcessCluster
+from tests.http.test_openai_api import _client, _cluster
+from tests.support.cluster import ClusterOptions
+from tests.support.waiting import wait_until
 
 PROMPT = list(range(10, 50))  # 40 tokens: two full blocks of 16 for the prefix cache
 BLOCK = 16
@@ -151,37 +148,22 @@ class _IndexNotYetPublished:
 
 @pytest.mark.asyncio
 async def test_with_two_prefill_workers_every_other_choice_goes_where_choice_0_left_the_prompt(
-    llama_checkpoint: Path,
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     # Workers publish their blocks to Redis a moment after computing them. Even if the
     # index never catches up, the router remembers what it just had prefilled, so the
     # choices 1..n-1 go to choice 0's worker instead of alternating on the tie-break.
-    servers: list[Any] = []
-    try:
-        ports = []
-        for index in range(2):
-            prefill = PrefillServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("prefill", f"p{index}"))
-            ports.append(await prefill.start())
-            servers.append(prefill)
-        decode = DecodeServer(_engine(llama_checkpoint), ServerConfig(), WorkerConfig("decode", "d0"))
-        decode_port = await decode.start()
-        servers.append(decode)
-        gateway = GatewayServer(ServerConfig(), None, [f"127.0.0.1:{port}" for port in ports],
-                                [f"127.0.0.1:{decode_port}"], http_port=0)
-        gateway.router.lookup = _IndexNotYetPublished()  # type: ignore[assignment]
-        await gateway.start()
-        servers.append(gateway)
-        assert await gateway.pool.wait_ready(10)
-        usages = _record_usages(gateway)
-        async with _client(gateway) as client:
-            for offset in range(4):
-                usages.clear()
-                prompt = [(token * 7 + offset * 31) % 500 + 8 for token in range(40)]
-                await client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0.0, n=4)
-                assert sorted(u.cached_prompt_tokens for u in usages) == [0] + [2 * BLOCK] * 3, offset
-    finally:
-        for server in reversed(servers):
-            await server.stop()
+    options = ClusterOptions(num_kv_blocks=64, prefill_workers=2, http=True)
+    gateway = (await start_inprocess_cluster(llama_checkpoint, options)).gateway
+    assert gateway is not None
+    gateway.router.lookup = _IndexNotYetPublished()  # type: ignore[assignment]
+    usages = _record_usages(gateway)
+    async with _client(gateway) as client:
+        for offset in range(4):
+            usages.clear()
+            prompt = [(token * 7 + offset * 31) % 500 + 8 for token in range(40)]
+            await client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0.0, n=4)
+            assert sorted(u.cached_prompt_tokens for u in usages) == [0] + [2 * BLOCK] * 3, offset
 
 
 @pytest.mark.asyncio
@@ -252,10 +234,7 @@ async def test_a_client_disconnect_cancels_every_choice(llama_checkpoint: Path) 
                 break
         assert gateway.servicer.admission.requests == 3
         await stream.close()
-        for _ in range(200):  # generous: a loaded machine
-            if gateway.servicer.admission.requests == 0:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: gateway.servicer.admission.requests == 0, "every choice's admission slot freed")
         assert gateway.servicer.admission.requests == 0
         assert all(w.inflight_requests == 0 for w in gateway.pool.healthy("prefill") + gateway.pool.healthy("decode"))
 
@@ -269,10 +248,7 @@ async def test_a_choice_refused_before_streaming_fails_the_request_and_cancels_t
                 await client.completions.create(model="m", prompt=PROMPT, max_tokens=900, n=2, stream=stream,
                                                 extra_body={"ignore_eos": True})
             assert caught.value.status_code == 429 and "admission limit" in caught.value.message
-            for _ in range(200):
-                if gateway.servicer.admission.requests == 0:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: gateway.servicer.admission.requests == 0, "every choice's admission slot freed")
             assert gateway.servicer.admission.requests == 0
         registry = gateway.servicer.metrics.registry
         outcomes = {o: registry.get_sample_value("pdserve_requests_total", {"outcome": o})
