@@ -31,6 +31,7 @@ from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from service_common.server import channel_options
 from tests.conftest import EOS_TOKEN_ID, random_prompts
 from tests.e2e.conftest import load
+from tests.support.waiting import wait_until, wait_until_sync
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAULTS = Path(__file__).resolve().parent / "faults"
@@ -63,15 +64,18 @@ class Up:
 
     def wait_for(self, pattern: str, timeout_s: float = 60.0) -> re.Match[str]:
         """The first match of ``pattern`` (multiline) in the output, polled until ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            match = re.search(pattern, self.output(), re.MULTILINE)
-            if match is not None:
-                return match
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no {pattern!r} in the output of pdserve up "
-                                     f"(exit status {self.process.returncode}):\n{self.output()[-4000:]}")
-            time.sleep(0.1)
+
+        def match_or_exited() -> re.Match[str] | bool:
+            return re.search(pattern, self.output(), re.MULTILINE) or self.process.poll() is not None
+
+        try:
+            match = wait_until_sync(match_or_exited, f"{pattern!r} in the output of pdserve up", timeout_s)
+        except AssertionError:
+            match = None
+        if not isinstance(match, re.Match):
+            raise AssertionError(f"no {pattern!r} in the output of pdserve up "
+                                 f"(exit status {self.process.returncode}):\n{self.output()[-4000:]}")
+        return match
 
     def wait_serving(self) -> None:
         line = self.wait_for(r"^pdserve is serving .*$", START_TIMEOUT_S).group(0)
@@ -255,9 +259,8 @@ async def test_a_killed_decode_worker_loses_only_its_streams_and_rejoins_with_a_
         assert sum(running) == 6 and running[0] >= 1
         # Once the killed worker's streams have ended, while the others still run and before it is back
         # (the restart waits 1 s, then imports torch and loads), new requests are served by decode-1.
-        deadline = time.monotonic() + 30
-        while sum(task.done() for task in streams) < running[0] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: sum(task.done() for task in streams) >= running[0],
+                         "the killed worker's streams to end")
         await _all_exact(up, model, seed=81)
         assert up.count(r"^decode-0 is back on") == 0
         outcomes = await asyncio.gather(*streams)
@@ -309,12 +312,11 @@ async def test_redis_started_by_up_is_restarted_and_serving_never_stops(up: Up, 
     try:
         await asyncio.to_thread(up.wait_for, r"^redis is back on ", 30)
         # Every worker re-registers in the new, empty Redis at its next heartbeat (every 3.3 s).
-        deadline = time.monotonic() + 30
-        while True:
-            live = sorted(w.worker_id for w in await WorkerRegistry(redis, PREFIX).live_workers())
-            if live == WORKERS or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
+
+        async def live_ids() -> list[str]:
+            return sorted(w.worker_id for w in await WorkerRegistry(redis, PREFIX).live_workers())
+
+        live = await wait_until(live_ids, "every worker registered again", until=lambda live: live == WORKERS)
     finally:
         recovered.set()
         await redis.aclose()
