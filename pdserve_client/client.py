@@ -8,7 +8,7 @@ which aborts the request on every worker.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -54,13 +54,21 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> bias added to its logit
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many alternatives each
 
     def to_proto(self) -> generation_pb2.SamplingParams:
         """The message with only the given optional fields set, so unset ones keep proto3 presence 'absent'."""
         message = generation_pb2.SamplingParams(
-            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos
+            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            logit_bias=dict(self.logit_bias),
         )
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 setattr(message, name, value)
@@ -96,6 +104,8 @@ class StreamChunk:
     finish_reason: str | None  # "stop", "length", "abort"; None until the last chunk
     usage: Usage | None
     logprobs: tuple[TokenLogprob, ...] = ()
+    # On the first chunk, when prompt_logprobs was asked: one per prompt token from the second on.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class Completion:
     finish_reason: str | None
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,17 +164,21 @@ def _chunk(response: generation_pb2.GenerateResponse) -> StreamChunk:
             completion_tokens=response.usage.completion_tokens,
             cached_prompt_tokens=response.usage.cached_prompt_tokens,
         )
-    logprobs = tuple(
-        TokenLogprob(entry.token_id, entry.logprob, tuple(zip(entry.top_token_ids, entry.top_logprobs)))
-        for entry in response.logprobs
-    )
     return StreamChunk(
         request_id=response.request_id,
         token_ids=tuple(response.token_ids),
         text=response.text,
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=usage,
-        logprobs=logprobs,
+        logprobs=_token_logprobs(response.logprobs),
+        prompt_logprobs=_token_logprobs(response.prompt_logprobs),
+    )
+
+
+def _token_logprobs(entries: Iterable[generation_pb2.TokenLogprobs]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(entry.token_id, entry.logprob, tuple(zip(entry.top_token_ids, entry.top_logprobs)))
+        for entry in entries
     )
 
 
@@ -190,6 +205,7 @@ def _fold(chunks: Iterable[StreamChunk]) -> Completion:
         finish_reason=last.finish_reason,
         usage=last.usage,
         logprobs=tuple(entry for chunk in chunks for entry in chunk.logprobs),
+        prompt_logprobs=chunks[0].prompt_logprobs,
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError, SamplingOptions, Usage
 from service_common.server import ServerConfig
 from tests.conftest import Oracle, random_prompts
@@ -29,6 +30,10 @@ def test_sampling_options_set_only_the_given_optional_fields() -> None:
     assert message.max_tokens == 5 and message.HasField("temperature") and message.temperature == 0.0
     assert not message.HasField("top_p") and not message.HasField("seed") and not message.HasField("logprobs")
     assert list(message.stop) == ["x"]
+    assert not message.HasField("min_tokens") and not message.HasField("prompt_logprobs") and not message.logit_bias
+    message = SamplingOptions(repetition_penalty=1.5, logit_bias={3: -2.0}, prompt_logprobs=0).to_proto()
+    assert message.repetition_penalty == 1.5 and dict(message.logit_bias) == {3: -2.0}
+    assert message.HasField("prompt_logprobs") and message.prompt_logprobs == 0
 
 
 @pytest.mark.asyncio
@@ -55,6 +60,27 @@ async def test_async_generate_equals_the_oracle_and_stream_concatenates_to_it(ll
             assert all(chunk.finish_reason is None and chunk.usage is None for chunk in chunks[:-1])
             assert chunks[-1].finish_reason == completion.finish_reason
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(expected)
+
+
+@pytest.mark.asyncio
+async def test_penalties_bias_and_prompt_logprobs_give_what_the_offline_engine_gives(llama_checkpoint: Path) -> None:
+    prompt = random_prompts([21], seed=52)[0]
+    extras = dict(min_tokens=4, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.4,
+                  logit_bias={12: 2.5, 30: -4.0}, prompt_logprobs=2)
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=NUM_BLOCKS)
+    expected = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **extras))[0]
+    async with _cluster(llama_checkpoint) as cluster, AsyncClient(cluster.gateway_address, timeout=60) as client:
+        options = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, **extras)
+        completion = await client.generate(prompt, options)
+        chunks = [chunk async for chunk in client.stream(prompt, options)]
+    assert list(completion.token_ids) == expected.token_ids
+    assert expected.prompt_logprobs is not None and len(expected.prompt_logprobs) == len(prompt) - 1
+    got = completion.prompt_logprobs
+    assert [entry.token_id for entry in got] == prompt[1:]
+    assert [[t for t, _ in entry.top] for entry in got] == [[t for t, _ in entry.top] for entry in expected.prompt_logprobs]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(got, expected.prompt_logprobs)) < 1e-5
+    # Streamed: on the first chunk only.
+    assert chunks[0].prompt_logprobs == got and all(not chunk.prompt_logprobs for chunk in chunks[1:])
 
 
 @pytest.mark.asyncio
