@@ -251,7 +251,7 @@ async def load_report(address: str, role: str) -> worker_pb2.LoadReport:
 
 def worker_roles(cluster: LocalCluster) -> dict[str, str]:
     """Worker name -> the role its Load is asked as (a colocated worker answers either)."""
-    return {name: "decode" if name.startswith("decode") else "prefill" for name in cluster.addresses}
+    return {name: "decode" if role == "decode" else "prefill" for role, name in cluster.worker_names()}
 
 
 async def wait_idle(cluster: LocalCluster, timeout_s: float) -> dict[str, worker_pb2.LoadReport]:
@@ -283,7 +283,7 @@ def rss_kib(pid: int) -> int:
 
 def cluster_rss_kib(cluster: LocalCluster) -> dict[str, int]:
     """VmRSS of the workers and the gateway (not Redis)."""
-    return {name: rss_kib(cluster.process(name).pid) for name in [*cluster.addresses, "gateway"]}
+    return {name: rss_kib(cluster.process(name).pid) for name in [*worker_roles(cluster), "gateway"]}
 
 
 async def soak(cluster: LocalCluster, args: argparse.Namespace) -> dict[str, object]:

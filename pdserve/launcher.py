@@ -97,7 +97,7 @@ class LocalCluster:
     def start(self) -> str:
         """Start everything; returns the gateway's host:port. Raises ``StartupError`` with a one-line cause."""
         config = self.config
-        workers = self._worker_names()
+        workers = self.worker_names()
         self._assign_metrics_ports(["gateway", *(name for _, name in workers)])
         self._check_ports_free()
         self._ensure_redis()
@@ -212,7 +212,8 @@ class LocalCluster:
     def log_tail(self, name: str, lines: int = 15) -> str:
         return "\n".join(self.log_of(name).rstrip().splitlines()[-lines:])
 
-    def _worker_names(self) -> list[tuple[str, str]]:
+    def worker_names(self) -> list[tuple[str, str]]:
+        """(role, name) of every worker this cluster runs, in start order."""
         config = self.config
         roles = (
             (("colocated", config.colocated_workers),)
