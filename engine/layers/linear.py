@@ -16,8 +16,9 @@ then ``apply``):
   ``group_size`` input columns of each output channel.
 
 The quantized methods dispatch by row count: up to ``kernel_max_rows`` rows
-(decode at small batch) aten's weight-only kernels read the small weights
-directly; above it the weights are dequantized to bf16 for this call only and
+(decode batches) aten's weight-only kernels read the small weights directly,
+with bf16 activations whatever the model dtype; above it the weights are
+dequantized to bf16 for this call only and
 multiplied on the matrix units (no dequantized copy is kept, so the memory
 saving holds).
 """
@@ -33,8 +34,14 @@ from torch import nn
 _MKL_PACK_BATCH_SIZE = 32
 QUANTIZATIONS = ("int8", "int4")
 # Above this many rows the quantized methods dequantize to bf16 and use the
-# matrix units; at or below it aten's weight-only kernels win (BENCHMARKS.md, issue 11).
-QUANT_KERNEL_MAX_ROWS = 4
+# matrix units; at or below it aten's weight-only kernels win (measured at 1, 8,
+# 32 rows for the kernels and at 256, 2,048 for dequantizing: BENCHMARKS.md, issue 11).
+QUANT_KERNEL_MAX_ROWS = 64
+# The quantized methods' activations, scales and dequantized weights: bf16 runs
+# on the AMX/AVX512-BF16 units (6.5x float32 at 2,048 rows, issue 11), and
+# aten's int kernels with float32 activations are 10-100x slower than with bf16
+# at 8 rows and up (BENCHMARKS.md, issue 11).
+_GEMM_DTYPE = torch.bfloat16
 # aten's CPU int4 packing: its inner_k_tiles argument, and the output rows it packs together.
 _INT4_INNER_K_TILES = 2
 _INT4_PACK_ROWS = 64
@@ -80,16 +87,15 @@ class Int8LinearMethod(LinearMethod):
         weight = layer.weight.detach().to(torch.float32)  # (out, in)
         scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # (out,)
         qweight = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        dtype = layer.weight.dtype
         del layer.weight
         layer.register_buffer("qweight", qweight)  # (out, in) int8
-        # The aten kernel wants the scales in the activations' dtype.
-        layer.register_buffer("scales", scales.to(dtype))  # (out,)
+        # The aten kernel wants the scales in the activations' dtype, always bf16 (see _GEMM_DTYPE).
+        layer.register_buffer("scales", scales.to(_GEMM_DTYPE))  # (out,)
         layer._mkl_weight = None
 
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.kernel_max_rows and x.device.type == "cpu":
-            out = torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+            out = torch._weight_int8pack_mm(x.to(_GEMM_DTYPE), layer.qweight, layer.scales).to(x.dtype)
         else:
             weight = layer.qweight.to(_GEMM_DTYPE) * layer.scales.to(_GEMM_DTYPE)[:, None]
             out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
@@ -105,7 +111,7 @@ class Int4LinearMethod(LinearMethod):
     """Weight-only INT4, group-wise: ``W ≈ (q - 8) * scale + zero`` per ``group_size`` input columns, q in [0, 15].
 
     The weights are kept in aten's CPU int4 packing (two values a byte) with
-    scales and zeros as (in / group_size, out, 2) in the activations' dtype.
+    scales and zeros as (in / group_size, out, 2) in bf16.
     """
 
     def __init__(self, group_size: int, kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS) -> None:
@@ -127,17 +133,19 @@ class Int4LinearMethod(LinearMethod):
         scale = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
         zero = low + 8.0 * scale  # the value of q = 8
         q = torch.round((weight - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
-        dtype = layer.weight.dtype
         del layer.weight
         packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), _INT4_INNER_K_TILES)
         layer.register_buffer("qweight", packed)  # (out, in / 2) uint8
-        layer.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # (groups, out, 2)
+        layer.register_buffer("scales_and_zeros", scales_and_zeros.to(_GEMM_DTYPE).contiguous())
         layer.in_features, layer.out_features = in_features, out_features
         layer._mkl_weight = None
 
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.kernel_max_rows:
-            out = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, self.group_size, layer.scales_and_zeros)
+            out = torch._weight_int4pack_mm_for_cpu(
+                x.to(_GEMM_DTYPE), layer.qweight, self.group_size, layer.scales_and_zeros
+            ).to(x.dtype)
         else:
             weight = self._dequantize(layer, _GEMM_DTYPE)
             out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
@@ -158,11 +166,6 @@ class Int4LinearMethod(LinearMethod):
         zero = layer.scales_and_zeros[..., 1].t().to(dtype)[..., None]
         weight = (q.view(out_features, groups, self.group_size).to(dtype) - 8.0) * scale + zero
         return weight.view(out_features, in_features)
-
-
-# The dtype quantized weights are dequantized to for multi-row products: bf16
-# runs on the AMX/AVX512-BF16 units (6.5x float32 at 2,048 rows, issue 11).
-_GEMM_DTYPE = torch.bfloat16
 
 
 class PackedLinear(nn.Module):
