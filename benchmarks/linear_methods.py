@@ -15,7 +15,9 @@ per-kernel, not per-step. Candidates:
 - ``fp32 F.linear``; ``bf16 F.linear`` (oneDNN; AMX where present);
 - ``bf16 onednn packed``: ``mkldnn._linear_pointwise`` on a weight prepacked by ``mkldnn._reorder_linear_weight``;
 - ``int8 kernel`` / ``int4 kernel``: aten's weight-only ``_weight_int8pack_mm`` /
-  ``_weight_int4pack_mm_for_cpu`` (bf16 activations; ``fp32 act.``: float32);
+  ``_weight_int4pack_mm_for_cpu`` with bf16 activations (the methods convert
+  float32 ones: with float32 activations these kernels ran 10-100x slower at
+  8 rows and up in a first run, BENCHMARKS.md);
 - ``int8 deq+bf16`` / ``int4 deq+bf16``: the quantized methods' multi-row path,
   dequantizing the weight to bf16 for the call and running ``F.linear``.
 
@@ -51,8 +53,6 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> d
     weight_bf16 = linear.weight.detach().to(torch.bfloat16)
     onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, rows)
     int8, int4 = PackedLinear([linear], Int8LinearMethod()), PackedLinear([linear], Int4LinearMethod(64))
-    int8_bf16 = PackedLinear([nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)], Int8LinearMethod())
-    int4_bf16 = PackedLinear([nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)], Int4LinearMethod(64))
     x = torch.randn(rows, in_features)
     x_bf16 = x.to(torch.bfloat16)
     candidates = {
@@ -63,16 +63,14 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> d
     }
     if rows < 2048 or slow:
         candidates |= {
-            "int8 kernel": lambda: torch._weight_int8pack_mm(x_bf16, int8_bf16.qweight, int8_bf16.scales),
-            "int8 kernel fp32 act.": lambda: torch._weight_int8pack_mm(x, int8.qweight, int8.scales),
+            "int8 kernel": lambda: torch._weight_int8pack_mm(x_bf16, int8.qweight, int8.scales),
             "int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(
-                x_bf16, int4_bf16.qweight, 64, int4_bf16.scales_and_zeros
+                x_bf16, int4.qweight, 64, int4.scales_and_zeros
             ),
-            "int4 kernel fp32 act.": lambda: torch._weight_int4pack_mm_for_cpu(x, int4.qweight, 64, int4.scales_and_zeros),
         }
     candidates |= {
-        "int8 deq+bf16": lambda: int8.method.apply(int8, x) if rows > int8.method.kernel_max_rows else _force(int8, x),
-        "int4 deq+bf16": lambda: int4.method.apply(int4, x) if rows > int4.method.kernel_max_rows else _force(int4, x),
+        "int8 deq+bf16": lambda: _force(int8, x_bf16),
+        "int4 deq+bf16": lambda: _force(int4, x_bf16),
     }
     return candidates
 

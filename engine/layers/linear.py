@@ -33,10 +33,11 @@ from torch import nn
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
 QUANTIZATIONS = ("int8", "int4")
-# Above this many rows the quantized methods dequantize to bf16 and use the
-# matrix units; at or below it aten's weight-only kernels win (measured at 1, 8,
-# 32 rows for the kernels and at 256, 2,048 for dequantizing: BENCHMARKS.md, issue 11).
-QUANT_KERNEL_MAX_ROWS = 64
+# Above these many rows the quantized methods dequantize to bf16 and use the
+# matrix units; at or below them aten's weight-only kernels win (the crossovers
+# measured at 1-2,048 rows: BENCHMARKS.md, issue 11).
+INT8_KERNEL_MAX_ROWS = 32
+INT4_KERNEL_MAX_ROWS = 64
 # The quantized methods' activations, scales and dequantized weights: bf16 runs
 # on the AMX/AVX512-BF16 units (6.5x float32 at 2,048 rows, issue 11), and
 # aten's int kernels with float32 activations are 10-100x slower than with bf16
@@ -64,12 +65,20 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The weights as loaded, in the model dtype: MKL packed GEMM on CPU float32, ``F.linear`` elsewhere."""
+    """The weights as loaded, in the model dtype.
+
+    On CPU: float32 as an MKL packed GEMM; bf16 as a oneDNN prepacked GEMM
+    (bit for bit ``F.linear``'s result, 10-35% faster at 1-256 rows,
+    BENCHMARKS.md issue 11). ``F.linear`` elsewhere.
+    """
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         layer._mkl_weight = _mkl_packed(layer.weight)
+        layer._onednn_weight = _onednn_packed(layer.weight)
 
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        if layer._onednn_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, layer._onednn_weight, layer.bias, "none", [], "")
         if layer._mkl_weight is None:
             return nn.functional.linear(x, layer.weight, layer.bias)
         # The last argument names the batch size the packed weight serves; the
@@ -80,7 +89,7 @@ class UnquantizedLinearMethod(LinearMethod):
 class Int8LinearMethod(LinearMethod):
     """Weight-only INT8: ``W ≈ qweight * scales[:, None]``, qweight int8 in [-127, 127], one scale per output row."""
 
-    def __init__(self, kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS) -> None:
+    def __init__(self, kernel_max_rows: int = INT8_KERNEL_MAX_ROWS) -> None:
         self.kernel_max_rows = kernel_max_rows
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
@@ -114,7 +123,7 @@ class Int4LinearMethod(LinearMethod):
     scales and zeros as (in / group_size, out, 2) in bf16.
     """
 
-    def __init__(self, group_size: int, kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS) -> None:
+    def __init__(self, group_size: int, kernel_max_rows: int = INT4_KERNEL_MAX_ROWS) -> None:
         self.group_size = group_size
         self.kernel_max_rows = kernel_max_rows
 
@@ -163,8 +172,9 @@ class Int4LinearMethod(LinearMethod):
         q = torch.cat([blocks & 15, blocks >> 4], dim=-1).transpose(1, 2).reshape(out_features, in_features)
         groups = in_features // self.group_size
         scale = layer.scales_and_zeros[..., 0].t().to(dtype)[..., None]  # (out, groups, 1)
-        zero = layer.scales_and_zeros[..., 1].t().to(dtype)[..., None]
-        weight = (q.view(out_features, groups, self.group_size).to(dtype) - 8.0) * scale + zero
+        offset = layer.scales_and_zeros[..., 1].t().to(dtype)[..., None] - 8.0 * scale  # the value of q = 0
+        # In place on the fresh contiguous copy: two passes over the weight after the unpacking.
+        weight = q.view(out_features, groups, self.group_size).to(dtype).mul_(scale).add_(offset)
         return weight.view(out_features, in_features)
 
 
@@ -193,16 +203,16 @@ class PackedLinear(nn.Module):
             self.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
         self.method = method or UnquantizedLinearMethod()
         self._mkl_weight: torch.Tensor | None = None
+        self._onednn_weight: torch.Tensor | None = None
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, sum out)
         return self.method.apply(self, x)
 
     def weight_bytes(self) -> int:
-        """Bytes of every tensor this layer keeps for its weight and bias (an MKL packed copy included)."""
+        """Bytes of the tensors this layer keeps for its weight and bias (packed GEMM copies counted at their dense size)."""
         tensors = [*self.parameters(recurse=False), *self.buffers(recurse=False)]
-        if self._mkl_weight is not None:
-            tensors.append(self._mkl_weight)
+        tensors += [t for t in (self._mkl_weight, self._onednn_weight) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -212,6 +222,19 @@ def _mkl_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     # The batch size is a hint for MKL's blocking; a packed matrix computes correctly for any batch size.
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_BATCH_SIZE)
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` prepacked for oneDNN's bf16 GEMM (AMX/AVX512-BF16), or None where that does not apply."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or not torch.backends.mkldnn.is_available()
+        or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        return None
+    # As for MKL, the batch size is a blocking hint; any batch size computes correctly.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _MKL_PACK_BATCH_SIZE)
 
 
 def check_int4_group_size(in_features: int, group_size: int) -> None:

@@ -8,7 +8,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.linear import (
-    QUANT_KERNEL_MAX_ROWS,
+    INT4_KERNEL_MAX_ROWS,
+    INT8_KERNEL_MAX_ROWS,
     Int4LinearMethod,
     Int8LinearMethod,
     PackedLinear,
@@ -16,7 +17,7 @@ from engine.layers.linear import (
 )
 
 # Row counts on both sides of the kernel/dequantize dispatch, decode and prefill sizes.
-ROWS = (1, 8, QUANT_KERNEL_MAX_ROWS, QUANT_KERNEL_MAX_ROWS + 1, 256)
+ROWS = (1, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 256)
 # The shapes of the tiny test checkpoints' q/k/v and down projections, and the default model's gate/up.
 SHAPES = [(64, [64, 32, 32]), (160, [64]), (576, [1536, 1536])]
 
@@ -24,6 +25,19 @@ SHAPES = [(64, [64, 32, 32]), (160, [64]), (576, [1536, 1536])]
 def _linears(in_features: int, outs: list[int], bias: bool, dtype: torch.dtype) -> list[nn.Linear]:
     torch.manual_seed(0)
     return [nn.Linear(in_features, out, bias=bias).to(dtype) for out in outs]
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs oneDNN bf16 on this CPU")
+def test_the_bf16_method_is_f_linear_bit_for_bit_through_a_prepacked_weight() -> None:
+    linears = _linears(576, [1536, 1536], True, torch.bfloat16)
+    packed = PackedLinear(linears)
+    assert packed._onednn_weight is not None and packed._mkl_weight is None
+    weight = torch.cat([l.weight.detach() for l in linears])
+    bias = torch.cat([l.bias.detach() for l in linears])
+    with torch.inference_mode():
+        for rows in (1, 7, 32, 33, 300, 2048):
+            x = torch.randn(rows, 576, dtype=torch.bfloat16)
+            assert torch.equal(packed(x), nn.functional.linear(x, weight, bias)), f"{rows} rows"
 
 
 def test_the_float32_method_is_the_mkl_packed_gemm_bit_for_bit() -> None:
@@ -100,7 +114,9 @@ def test_weight_memory_of_each_method_in_bytes() -> None:
     # Two values a byte, and a bf16 scale and zero per 64 inputs of each output channel.
     assert int4.weight_bytes() == out_features * in_features // 2 + (in_features // 64) * out_features * 2 * 2 + bias_bytes
     bf16 = PackedLinear([l.to(torch.bfloat16) for l in linears])
-    assert bf16.weight_bytes() == out_features * in_features * 2 + out_features * 2
+    # The weight, its oneDNN prepacked copy (where the CPU has bf16), and the bias.
+    copies = 2 if bf16._onednn_weight is not None else 1
+    assert bf16.weight_bytes() == copies * out_features * in_features * 2 + out_features * 2
     assert not hasattr(int8, "weight") and not hasattr(int4, "weight"), "the float weight is not kept"
 
 
