@@ -73,6 +73,7 @@ def main() -> None:
                 started = time.perf_counter()
                 llm.generate(prompts, params)
                 rate = batch * args.max_tokens / (time.perf_counter() - started)
+                print(f"  round: batch {batch} {name} {rate:.1f} tok/s", flush=True)
                 best[(name, batch)] = max(best.get((name, batch), 0.0), rate)
         for name in names:
             ratio = best[(name, batch)] / best[(names[0], batch)]

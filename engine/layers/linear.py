@@ -32,7 +32,6 @@ from torch import nn
 
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
-QUANTIZATIONS = ("int8", "int4")
 # Above these many rows the quantized methods dequantize to bf16 and use the
 # matrix units; at or below them aten's weight-only kernels win (the crossovers
 # measured at 1-2,048 rows: BENCHMARKS.md, issue 11).
@@ -254,4 +253,4 @@ def linear_method(quantization: str | None, group_size: int) -> LinearMethod:
         return Int8LinearMethod()
     if quantization == "int4":
         return Int4LinearMethod(group_size)
-    raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")

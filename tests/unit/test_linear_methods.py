@@ -129,5 +129,5 @@ def test_settings_the_checkpoint_cannot_serve_raise_value_errors_naming_the_fiel
         PackedLinear(_linears(160, [64], False, torch.float32), Int4LinearMethod(64))
     with pytest.raises(ValueError, match="out_features divisible by 64 .* got out_features=96"):
         PackedLinear(_linears(64, [96], False, torch.float32), Int4LinearMethod(32))
-    with pytest.raises(ValueError, match="quantization must be None or one of"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'fp8'"):
         linear_method("fp8", 64)
