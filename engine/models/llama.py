@@ -5,8 +5,9 @@ so checkpoints load by name. After loading, ``pack_weights(method)`` fuses the
 projections that share an input (q/k/v, gate/up) into one ``PackedLinear`` each,
 whose linear method (engine/layers/linear.py) decides how the matrix is kept
 and multiplied: float32 in MKL's packed GEMM format on CPU (about three times
-faster than ``F.linear`` at decode batch sizes, BENCHMARKS.md), bf16, INT8 or INT4. Every forward works on the tokens of one engine step
-flattened into a single dimension: no padding, no batch dimension.
+faster than ``F.linear`` at decode batch sizes, BENCHMARKS.md), bf16, INT8 or
+INT4. Every forward works on the tokens of one engine step flattened into a
+single dimension: no padding, no batch dimension.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from tests.conftest import random_prompts
 PROMPTS = random_prompts([40, 95, 160, 300], seed=1)
 TOP1 = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
 _FUSED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+_FIRST_OF_EACH_PACKED = ("q_proj.weight", "o_proj.weight", "gate_proj.weight", "down_proj.weight")
 
 
 def _top1(llm: LLM) -> list[int]:
@@ -77,8 +78,8 @@ def _fake_quantized_checkpoint(checkpoint: Path, directory: Path, method: Int4Li
             (directory / item.name).write_bytes(item.read_bytes())
     for file_path in checkpoint.glob("*.safetensors"):
         tensors = load_file(str(file_path))
-        for key in [k for k in tensors if k.endswith(("q_proj.weight", "o_proj.weight", "gate_proj.weight", "down_proj.weight"))]:
-            prefix, name = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        for key in [k for k in tensors if k.endswith(_FIRST_OF_EACH_PACKED)]:
+            prefix, name, _ = key.rsplit(".", 2)
             names = _FUSED.get(name, (name,))
             linears = []
             for part in names:
