@@ -8,6 +8,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn")
 # Weight-only quantization of the decoder's projections (engine/layers/linear.py); None keeps the checkpoint's floats.
 QUANTIZATIONS = (None, "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization_group_size not in (32, 64, 128, 256):
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(
-                f"quantization_group_size must be one of 32, 64, 128, 256, got {self.quantization_group_size!r}"
+                f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}"
             )
 
 

@@ -30,6 +30,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from engine.config import INT4_GROUP_SIZES
+
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
 # Above these many rows the quantized methods dequantize to bf16 and use the
@@ -238,10 +240,10 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 def check_int4_group_size(in_features: int, group_size: int) -> None:
     """ValueError unless ``group_size`` can quantize a projection with ``in_features`` inputs."""
-    if group_size not in (32, 64, 128, 256) or in_features % group_size:
+    if group_size not in INT4_GROUP_SIZES or in_features % group_size:
         raise ValueError(
             f"quantization_group_size={group_size} cannot serve a projection with in_features={in_features}: "
-            "it must be one of 32, 64, 128, 256 and divide in_features"
+            f"it must be one of {INT4_GROUP_SIZES} and divide in_features"
         )
 
 
