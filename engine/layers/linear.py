@@ -69,7 +69,7 @@ class UnquantizedLinearMethod(LinearMethod):
     """The weights as loaded, in the model dtype.
 
     On CPU: float32 as an MKL packed GEMM; bf16 as a oneDNN prepacked GEMM
-    (bit for bit ``F.linear``'s result, 10-35% faster at 1-256 rows,
+    (bit for bit ``F.linear``'s result, about 20% faster at 1-256 rows,
     BENCHMARKS.md issue 11). ``F.linear`` elsewhere.
     """
 
