@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn")
+# Weight-only quantization of the decoder's projections (engine/layers/linear.py); None keeps the checkpoint's floats.
+QUANTIZATIONS = (None, "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0  # seeds the sampler's generator for requests without a seed
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; engine/attention/backend.py says what auto picks
+    quantization: str | None = None  # one of QUANTIZATIONS, applied at load to any float checkpoint
+    quantization_group_size: int = 64  # input columns per INT4 scale/zero; must divide every projection's in_features
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -64,6 +69,12 @@ class ModelConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {self.quantization_group_size!r}"
+            )
 
 
 @dataclass(frozen=True)

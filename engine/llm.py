@@ -35,6 +35,8 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         kv_memory_fraction: float | None = None,
+        quantization: str | None = None,
+        quantization_group_size: int = 64,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -44,6 +46,8 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 attention_backend=attention_backend,
+                quantization=quantization,
+                quantization_group_size=quantization_group_size,
             ),
             cache=CacheConfig(
                 block_size=block_size,

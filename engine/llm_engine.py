@@ -20,6 +20,7 @@ from engine.default_model import DEFAULT_MODEL_ID
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, size_kv_pool
+from engine.layers.linear import linear_method
 from engine.model_loader import load_eos_token_ids, load_hf_config, load_weights, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.models import model_class
@@ -88,7 +89,7 @@ class LLMEngine:
 
         self.model = _build_model(hf_config, self.max_model_len, self.dtype, self.device)
         load_weights(self.model, self.model_path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
-        self.model.pack_weights()
+        self.model.pack_weights(linear_method(model_cfg.quantization, model_cfg.quantization_group_size))
         self.model.eval()
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)

@@ -44,6 +44,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    _add_quantization_args(parser)
+
+
+def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the decoder's projections at load (default: none)")
+    parser.add_argument("--quantization-group-size", type=int, default=64,
+                        help="input columns per INT4 scale and zero (32, 64, 128 or 256; must divide the projections)")
 
 
 def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -157,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None)
     up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     up.add_argument("--device", default="auto")
+    _add_quantization_args(up)
     up.add_argument("--prefill-workers", type=int, default=1)
     up.add_argument("--decode-workers", type=int, default=1)
     up.add_argument("--colocated-workers", type=int, default=0,
@@ -215,7 +224,8 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imp
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len),
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          quantization=args.quantization, quantization_group_size=args.quantization_group_size),
         cache=CacheConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching
         ),
@@ -382,6 +392,14 @@ def _run_gateway(args: argparse.Namespace) -> int:
                                    http_max_body_bytes=args.http_max_body_bytes), args)
 
 
+def _up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags ``up`` passes on to every worker it starts."""
+    engine_args: tuple[str, ...] = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
+    if args.quantization:
+        engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
+    return engine_args
+
+
 def _run_up(args: argparse.Namespace) -> int:
     import signal
 
@@ -392,7 +410,7 @@ def _run_up(args: argparse.Namespace) -> int:
     policy = RestartPolicy(initial_backoff_s=args.restart_delay, max_backoff_s=args.restart_max_delay,
                            max_restarts=args.max_restarts, window_s=args.restart_window,
                            unhealthy_after_s=args.unhealthy_after)
-    engine_args = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
+    engine_args = _up_engine_args(args)
     config = ClusterConfig(
         model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
         prefill_workers=args.prefill_workers,

@@ -1,12 +1,13 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2) over a flattened token batch and a paged KV cache.
 
 Parameter names match Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``
-so checkpoints load by name. After loading, ``pack_weights()`` fuses the
-projections that share an input (q/k/v, gate/up) into one matrix each and, on
-CPU, keeps every matrix in MKL's packed GEMM format: at decode batch sizes
-that runs about three times faster than ``F.linear`` on the same weights
-(BENCHMARKS.md). Every forward works on the tokens of one engine step
-flattened into a single dimension: no padding, no batch dimension.
+so checkpoints load by name. After loading, ``pack_weights(method)`` fuses the
+projections that share an input (q/k/v, gate/up) into one ``PackedLinear`` each,
+whose linear method (engine/layers/linear.py) decides how the matrix is kept
+and multiplied: float32 in MKL's packed GEMM format on CPU (about three times
+faster than ``F.linear`` at decode batch sizes, BENCHMARKS.md), bf16, INT8 or
+INT4. Every forward works on the tokens of one engine step flattened into a
+single dimension: no padding, no batch dimension.
 """
 
 from __future__ import annotations
@@ -17,52 +18,10 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.layers.linear import LinearMethod, PackedLinear, UnquantizedLinearMethod
 from engine.models.rope import RotaryEmbedding
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
-# A typical decode batch; see _mkl_packed.
-_MKL_PACK_BATCH_SIZE = 32
-
-
-class PackedLinear(nn.Module):
-    """Linear layers that read the same input, as one matrix: (sum of out_features, in_features).
-
-    Built from loaded ``nn.Linear`` layers by ``pack_weights``; the output's
-    columns are the layers' outputs side by side, in the order given. On CPU in
-    float32 with MKL the matrix is also kept in MKL's packed GEMM format
-    (the format torch's own CPU inference compiler uses). One packed copy
-    serves every batch size; results agree with ``F.linear`` to float32
-    rounding (tests/unit/test_packed_linear.py), often bit for bit.
-    """
-
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        super().__init__()
-        weights = [linear.weight.detach() for linear in linears]
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)  # (sum out, in)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias: nn.Parameter | None = None
-        if any(linear.bias is not None for linear in linears):
-            biases = [
-                linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
-                for linear in linears
-            ]
-            self.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
-        self._mkl_weight = _mkl_packed(weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, sum out)
-        if self._mkl_weight is None:
-            return nn.functional.linear(x, self.weight, self.bias)
-        # The last argument names the batch size the packed weight serves; the
-        # op falls back to F.linear for any other, so it is always this batch's.
-        return torch.ops.mkl._mkl_linear(x, self._mkl_weight, self.weight, self.bias, x.shape[0])
-
-
-def _mkl_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` in MKL's packed GEMM format, or None where that does not apply (GPU, half precision, no MKL)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
-        return None
-    # The batch size is a hint for MKL's blocking; a packed matrix computes correctly for any batch size.
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_PACK_BATCH_SIZE)
 
 
 class RMSNorm(nn.Module):
@@ -91,9 +50,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
 
-    def pack_weights(self) -> None:
-        self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj])
-        self.o_proj = PackedLinear([self.o_proj])
+    def pack_weights(self, method: LinearMethod) -> None:
+        self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj], method)
+        self.o_proj = PackedLinear([self.o_proj], method)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -127,9 +86,9 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
         self.intermediate_size = config.intermediate_size
 
-    def pack_weights(self) -> None:
-        self.gate_up_proj = PackedLinear([self.gate_proj, self.up_proj])
-        self.down_proj = PackedLinear([self.down_proj])
+    def pack_weights(self, method: LinearMethod) -> None:
+        self.gate_up_proj = PackedLinear([self.gate_proj, self.up_proj], method)
+        self.down_proj = PackedLinear([self.down_proj], method)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,14 +151,20 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_weights(self) -> None:
-        """Fuse the loaded projections that share an input (see the module docstring); call once, after loading."""
+    def pack_weights(self, method: LinearMethod | None = None) -> None:
+        """Fuse the loaded projections that share an input (see the module docstring); call once, after loading.
+
+        ``method`` (default: unquantized) serves the decoder's projections; the LM
+        head stays unquantized in the model dtype, as in vLLM (a tied head is the
+        embedding's tensor, which a quantized copy would only add to).
+        """
+        method = method or UnquantizedLinearMethod()
         if hasattr(self, "lm_head_packed"):
             raise RuntimeError("pack_weights() was already called")
         with torch.no_grad():
             for layer in self.model.layers:
-                layer.self_attn.pack_weights()
-                layer.mlp.pack_weights()
+                layer.self_attn.pack_weights(method)
+                layer.mlp.pack_weights(method)
             # A tied head stays the embedding's tensor (PackedLinear does not copy a single matrix).
             self.lm_head_packed = PackedLinear([self.lm_head])
             del self.lm_head

@@ -1,0 +1,116 @@
+"""Side-by-side timings of the linear methods' kernels at the engine's projection shapes (issue 11).
+
+    python -m benchmarks.linear_methods [--threads 2] [--rows 1,8,32,256,2048] [--repeats 7] [--json out.json]
+
+For every projection of the embedded default model (SmolLM2-135M: q/k/v fused
+576->960, o 576->576, gate/up fused 576->3072, down 1536->576, LM head
+576->49152) and every row count, each candidate kernel runs once per round,
+rounds alternating, in this process; the minimum (and median) microseconds are
+reported. Weights are random (the kernels' speed does not depend on values)
+and hot in cache after the warm-up, as in a decode loop over a small model
+whose layer weights fit the L2/L3 only partly, so read the figures as
+per-kernel, not per-step. Candidates:
+
+- ``fp32 mkl``: the float32 method (MKL packed GEMM), what the engine runs today;
+- ``fp32 F.linear``; ``bf16 F.linear`` (oneDNN; AMX where present);
+- ``bf16 onednn packed``: ``mkldnn._linear_pointwise`` on a weight prepacked by ``mkldnn._reorder_linear_weight``;
+- ``int8 kernel`` / ``int4 kernel``: aten's weight-only ``_weight_int8pack_mm`` /
+  ``_weight_int4pack_mm_for_cpu`` with bf16 activations (the methods convert
+  float32 ones: with float32 activations these kernels ran 10-100x slower at
+  8 rows and up in a first run, BENCHMARKS.md);
+- ``int8 deq+bf16`` / ``int4 deq+bf16``: the quantized methods' multi-row path,
+  dequantizing the weight to bf16 for the call and running ``F.linear``.
+
+The LM head is only ever computed for sampled rows (at most max_num_seqs), so it
+is not timed at 2,048 rows; the aten int kernels are not timed at 2,048 rows
+either unless ``--slow`` is given (they take tens of ms there; issue 11's table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from benchmarks.decode_step import _alternate
+from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
+
+SHAPES = {
+    "q/k/v": (576, 960),
+    "o": (576, 576),
+    "gate/up": (576, 3072),
+    "down": (1536, 576),
+    "lm_head": (576, 49152),
+}
+
+
+def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> dict:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    fp32 = PackedLinear([linear])
+    weight_bf16 = linear.weight.detach().to(torch.bfloat16)
+    onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, rows)
+    int8, int4 = PackedLinear([linear], Int8LinearMethod()), PackedLinear([linear], Int4LinearMethod(64))
+    x = torch.randn(rows, in_features)
+    x_bf16 = x.to(torch.bfloat16)
+    candidates = {
+        "fp32 mkl": lambda: fp32(x),
+        "fp32 F.linear": lambda: nn.functional.linear(x, linear.weight),
+        "bf16 F.linear": lambda: nn.functional.linear(x_bf16, weight_bf16),
+        "bf16 onednn packed": lambda: torch.ops.mkldnn._linear_pointwise(x_bf16, onednn_weight, None, "none", [], ""),
+    }
+    if rows < 2048 or slow:
+        candidates |= {
+            "int8 kernel": lambda: torch._weight_int8pack_mm(x_bf16, int8.qweight, int8.scales),
+            "int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(
+                x_bf16, int4.qweight, 64, int4.scales_and_zeros
+            ),
+        }
+    candidates |= {
+        "int8 deq+bf16": lambda: _force(int8, x_bf16),
+        "int4 deq+bf16": lambda: _force(int4, x_bf16),
+    }
+    return candidates
+
+
+def _force(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The method's multi-row path at any row count."""
+    saved = layer.method.kernel_max_rows
+    layer.method.kernel_max_rows = 0
+    try:
+        return layer(x)
+    finally:
+        layer.method.kernel_max_rows = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,8,32,256,2048")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--slow", action="store_true", help="also time the aten int kernels at 2,048 rows")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    with torch.inference_mode():
+        for shape in args.shapes.split(","):
+            in_features, out_features = SHAPES[shape]
+            for rows in (int(r) for r in args.rows.split(",")):
+                if shape == "lm_head" and rows >= 2048:
+                    continue
+                timings = _alternate(_candidates(in_features, out_features, rows, args.slow), args.repeats)
+                results.append({"shape": shape, "rows": rows, "timings": timings})
+                best = min(timings, key=lambda name: timings[name]["min_ms"])
+                cells = "  ".join(f"{name}={t['min_ms'] * 1000:.0f}" for name, t in timings.items())
+                print(f"{shape:<8} {rows:>5}  best={best:<20} {cells}", flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"threads": args.threads, "results": results}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The linear methods: float32 unchanged, INT8/INT4 weight-only against a float64 reference, memory, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.linear import (
+    INT4_KERNEL_MAX_ROWS,
+    INT8_KERNEL_MAX_ROWS,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    PackedLinear,
+    linear_method,
+)
+
+# Row counts on both sides of the kernel/dequantize dispatch, decode and prefill sizes.
+ROWS = (1, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 256)
+# The shapes of the tiny test checkpoints' q/k/v and down projections, and the default model's gate/up.
+SHAPES = [(64, [64, 32, 32]), (160, [64]), (576, [1536, 1536])]
+
+
+def _linears(in_features: int, outs: list[int], bias: bool, dtype: torch.dtype) -> list[nn.Linear]:
+    torch.manual_seed(0)
+    return [nn.Linear(in_features, out, bias=bias).to(dtype) for out in outs]
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs oneDNN bf16 on this CPU")
+def test_the_bf16_method_is_f_linear_bit_for_bit_through_a_prepacked_weight() -> None:
+    linears = _linears(576, [1536, 1536], True, torch.bfloat16)
+    packed = PackedLinear(linears)
+    assert packed._onednn_weight is not None and packed._mkl_weight is None
+    weight = torch.cat([l.weight.detach() for l in linears])
+    bias = torch.cat([l.bias.detach() for l in linears])
+    with torch.inference_mode():
+        for rows in (1, 7, 32, 33, 300, 2048):
+            x = torch.randn(rows, 576, dtype=torch.bfloat16)
+            assert torch.equal(packed(x), nn.functional.linear(x, weight, bias)), f"{rows} rows"
+
+
+def test_the_float32_method_is_the_mkl_packed_gemm_bit_for_bit() -> None:
+    # What PackedLinear computed before the seam existed, called directly.
+    linears = _linears(576, [576, 192, 192], True, torch.float32)
+    packed = PackedLinear(linears)
+    weight = torch.cat([l.weight.detach() for l in linears])
+    bias = torch.cat([l.bias.detach() for l in linears])
+    reordered = torch.ops.mkl._mkl_reorder_linear_weight(weight, 32)
+    with torch.inference_mode():
+        for rows in (1, 7, 32, 300):
+            x = torch.randn(rows, 576)
+            assert torch.equal(packed(x), torch.ops.mkl._mkl_linear(x, reordered, weight, bias, rows))
+
+
+@pytest.mark.parametrize(("in_features", "outs"), SHAPES)
+def test_int8_weights_are_within_half_a_step_of_the_checkpoints(in_features: int, outs: list[int]) -> None:
+    linears = _linears(in_features, outs, False, torch.float32)
+    weight = torch.cat([l.weight.detach() for l in linears])
+    layer = PackedLinear(linears, Int8LinearMethod())
+    assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == weight.shape
+    assert int(layer.qweight.abs().max()) == 127
+    step = weight.abs().amax(dim=1, keepdim=True) / 127  # the float32 scale, before rounding to bf16
+    # Half a step of rounding, plus the bf16 rounding of the scale (2**-9 relative) times |q| <= 127.
+    assert bool(((Int8LinearMethod.dequantize(layer) - weight).abs() <= step * (0.5 + 127 * 2**-8)).all())
+
+
+@pytest.mark.parametrize(("in_features", "outs"), SHAPES)
+def test_int4_weights_are_within_half_a_step_of_the_checkpoints(in_features: int, outs: list[int]) -> None:
+    linears = _linears(in_features, outs, False, torch.float32)
+    weight = torch.cat([l.weight.detach() for l in linears])
+    method = Int4LinearMethod(32)
+    layer = PackedLinear(linears, method)
+    groups = weight.view(weight.shape[0], -1, 32)
+    step = ((groups.amax(dim=2) - groups.amin(dim=2)) / 15).repeat_interleave(32, dim=1)
+    magnitude = groups.abs().amax(dim=2).repeat_interleave(32, dim=1)
+    # Half a step of rounding, plus bf16 rounding of the scale (times |q - 8| <= 8) and of the zero.
+    bound = step * (0.5 + 8 * 2**-8) + (magnitude + 8 * step) * 2**-8
+    assert bool(((method.dequantize(layer) - weight).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method_name", ["int8", "int4"])
+@pytest.mark.parametrize(("in_features", "outs"), SHAPES)
+def test_quantized_methods_match_a_float64_product_at_every_dispatched_row_count(
+    in_features: int, outs: list[int], method_name: str, dtype: torch.dtype
+) -> None:
+    linears = _linears(in_features, outs, True, dtype)
+    method = Int8LinearMethod() if method_name == "int8" else Int4LinearMethod(32)
+    layer = PackedLinear(linears, method)
+    weight = method.dequantize(layer).to(torch.float64)  # what the method multiplies by
+    bias = layer.bias.to(torch.float64)
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, dtype=dtype)
+            out = layer(x)
+            assert out.dtype == dtype and out.shape == (rows, sum(outs))
+            x64 = x.to(torch.float64)
+            expected = x64 @ weight.t() + bias
+            # bf16 activations (and, above the kernel's rows, a bf16 weight) round to 2**-9
+            # relative each; the output rounds once more in bf16.
+            bound = (x64.abs() @ weight.abs().t()) * 2**-7 + expected.abs() * 2**-8 + 1e-6
+            assert bool(((out.to(torch.float64) - expected).abs() <= bound).all()), f"{rows} rows"
+
+
+def test_weight_memory_of_each_method_in_bytes() -> None:
+    linears = _linears(576, [1536, 1536], True, torch.float32)  # 3,072 x 576 and a bias
+    out_features, in_features = 3072, 576
+    bias_bytes = out_features * 4
+    int8 = PackedLinear(linears, Int8LinearMethod())
+    # int8 values and one bf16 scale per output channel.
+    assert int8.weight_bytes() == out_features * in_features + out_features * 2 + bias_bytes
+    int4 = PackedLinear(linears, Int4LinearMethod(64))
+    # Two values a byte, and a bf16 scale and zero per 64 inputs of each output channel.
+    assert int4.weight_bytes() == out_features * in_features // 2 + (in_features // 64) * out_features * 2 * 2 + bias_bytes
+    bf16 = PackedLinear([l.to(torch.bfloat16) for l in linears])
+    # The weight, its oneDNN prepacked copy (where the CPU has bf16), and the bias.
+    copies = 2 if bf16._onednn_weight is not None else 1
+    assert bf16.weight_bytes() == copies * out_features * in_features * 2 + out_features * 2
+    assert not hasattr(int8, "weight") and not hasattr(int4, "weight"), "the float weight is not kept"
+
+
+def test_settings_the_checkpoint_cannot_serve_raise_value_errors_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ModelConfig(quantization="int3")
+    with pytest.raises(ValueError, match=r"quantization_group_size must be one of \(32, 64, 128, 256\), got 48"):
+        ModelConfig(quantization="int4", quantization_group_size=48)
+    with pytest.raises(ValueError, match="quantization_group_size=64 cannot serve a projection with in_features=160"):
+        PackedLinear(_linears(160, [64], False, torch.float32), Int4LinearMethod(64))
+    with pytest.raises(ValueError, match="out_features divisible by 64 .* got out_features=96"):
+        PackedLinear(_linears(64, [96], False, torch.float32), Int4LinearMethod(32))
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'fp8'"):
+        linear_method("fp8", 64)
