@@ -35,6 +35,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         kv_memory_fraction: float | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -50,6 +51,7 @@ class LLM:
                 num_kv_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_memory_fraction=kv_memory_fraction,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )

@@ -18,6 +18,15 @@
  *
  * Softmax is computed exactly as written (max-subtracted exponentials over
  * all scores, then normalised), in float32. Returns 0, or -1 when out of memory.
+ *
+ * Two variants read a compact cache (kv_cache_dtype), with the same layouts
+ * and float32 queries, scores, softmax and accumulation:
+ *   pdserve_paged_decode_attention_bf16  key/value_cache hold bfloat16 bits
+ *   pdserve_paged_decode_attention_int8  key/value_cache hold int8, and
+ *     key_scales, value_scales (num_blocks, block_size, num_kv_heads) float32
+ *     hold each token's per-KV-head scale: value = int8 * scale. The scale is
+ *     applied once per dot product (keys) or folded into the weight (values).
+ * The float32 kernel above them is left exactly as it was.
  */
 #include <math.h>
 #include <stdint.h>
@@ -133,4 +142,178 @@ int pdserve_paged_decode_attention(
     }
     free(scores);
     return 0;
+}
+
+/* ---- compact KV: bfloat16 and int8 ------------------------------------------------------ */
+
+enum kv_kind { KV_BF16, KV_INT8 };
+
+static inline __attribute__((always_inline)) float bf16_to_float(uint16_t bits)
+{
+    union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
+    return value.f;
+}
+
+static inline __attribute__((always_inline)) float dot_bf16_n(const float *restrict a, const uint16_t *restrict b, int64_t n)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+        sum += a[i] * bf16_to_float(b[i]);
+    }
+    return sum;
+}
+
+static inline __attribute__((always_inline)) float dot_int8_n(const float *restrict a, const int8_t *restrict b, int64_t n)
+{
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+        sum += a[i] * (float)b[i];
+    }
+    return sum;
+}
+
+static inline __attribute__((always_inline)) void axpy_bf16_n(float alpha, const uint16_t *restrict x, float *restrict y, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] += alpha * bf16_to_float(x[i]);
+    }
+}
+
+static inline __attribute__((always_inline)) void axpy_int8_n(float alpha, const int8_t *restrict x, float *restrict y, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] += alpha * (float)x[i];
+    }
+}
+
+/* Dot product of a float32 query with row `index` (of head_dim elements) of a compact cache. */
+static inline __attribute__((always_inline)) float dot_kv(enum kv_kind kind, const float *restrict q, const void *cache, int64_t index, int64_t n)
+{
+    if (kind == KV_BF16) {
+        const uint16_t *k = (const uint16_t *)cache + index * n;
+        return n == 64 ? dot_bf16_n(q, k, 64) : n == 128 ? dot_bf16_n(q, k, 128) : dot_bf16_n(q, k, n);
+    }
+    const int8_t *k = (const int8_t *)cache + index * n;
+    return n == 64 ? dot_int8_n(q, k, 64) : n == 128 ? dot_int8_n(q, k, 128) : dot_int8_n(q, k, n);
+}
+
+/* y += alpha * row `index` of a compact cache */
+static inline __attribute__((always_inline)) void axpy_kv(enum kv_kind kind, float alpha, const void *cache, int64_t index, float *restrict y, int64_t n)
+{
+    if (kind == KV_BF16) {
+        const uint16_t *v = (const uint16_t *)cache + index * n;
+        if (n == 64) {
+            axpy_bf16_n(alpha, v, y, 64);
+        } else if (n == 128) {
+            axpy_bf16_n(alpha, v, y, 128);
+        } else {
+            axpy_bf16_n(alpha, v, y, n);
+        }
+        return;
+    }
+    const int8_t *v = (const int8_t *)cache + index * n;
+    if (n == 64) {
+        axpy_int8_n(alpha, v, y, 64);
+    } else if (n == 128) {
+        axpy_int8_n(alpha, v, y, 128);
+    } else {
+        axpy_int8_n(alpha, v, y, n);
+    }
+}
+
+/* The float32 kernel's walk, reading rows by index: row (block * block_size + offset) * num_kv_heads + kv_head
+ * of head_dim elements, whose scale (int8) is element of the same index in key/value_scales. */
+static inline __attribute__((always_inline)) int paged_decode_compact(
+    enum kv_kind kind, float *out, const float *query, const void *key_cache, const void *value_cache,
+    const float *key_scales, const float *value_scales,
+    const int64_t *block_tables, const int64_t *context_lens, int64_t seq_begin, int64_t seq_end,
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+{
+    const int64_t num_heads = num_kv_heads * group;
+    int64_t max_context = 0;
+    for (int64_t s = seq_begin; s < seq_end; ++s) {
+        if (context_lens[s] > max_context) {
+            max_context = context_lens[s];
+        }
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context + num_heads));
+    if (scores == NULL) {
+        return -1;
+    }
+    float *inv_sums = scores + num_heads * max_context;
+
+    for (int64_t s = seq_begin; s < seq_end; ++s) {
+        const int64_t context_len = context_lens[s];
+        const int64_t *table = block_tables + s * max_blocks;
+        const float *q = query + s * num_heads * head_dim;
+        float *o = out + s * num_heads * head_dim;
+
+        for (int64_t block_start = 0; block_start < context_len; block_start += block_size) {
+            int64_t row = table[block_start / block_size] * block_size * num_kv_heads;
+            const int64_t block_end = block_start + block_size < context_len ? block_start + block_size : context_len;
+            for (int64_t position = block_start; position < block_end; ++position) {
+                for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head, ++row) {
+                    const float row_scale = kind == KV_INT8 ? key_scales[row] * scale : scale;
+                    for (int64_t g = 0; g < group; ++g, ++head) {
+                        scores[head * context_len + position] = dot_kv(kind, q + head * head_dim, key_cache, row, head_dim) * row_scale;
+                    }
+                }
+            }
+        }
+
+        for (int64_t head = 0; head < num_heads; ++head) {
+            float *scores_row = scores + head * context_len;
+            float max_score = -INFINITY;
+            for (int64_t position = 0; position < context_len; ++position) {
+                max_score = scores_row[position] > max_score ? scores_row[position] : max_score;
+            }
+            float sum = 0.0f;
+            for (int64_t position = 0; position < context_len; ++position) {
+                scores_row[position] = expf(scores_row[position] - max_score);
+                sum += scores_row[position];
+            }
+            inv_sums[head] = 1.0f / sum;
+        }
+
+        memset(o, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+        for (int64_t block_start = 0; block_start < context_len; block_start += block_size) {
+            int64_t row = table[block_start / block_size] * block_size * num_kv_heads;
+            const int64_t block_end = block_start + block_size < context_len ? block_start + block_size : context_len;
+            for (int64_t position = block_start; position < block_end; ++position) {
+                for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head, ++row) {
+                    const float row_scale = kind == KV_INT8 ? value_scales[row] : 1.0f;
+                    for (int64_t g = 0; g < group; ++g, ++head) {
+                        const float weight = scores[head * context_len + position] * inv_sums[head] * row_scale;
+                        axpy_kv(kind, weight, value_cache, row, o + head * head_dim, head_dim);
+                    }
+                }
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+int pdserve_paged_decode_attention_bf16(
+    float *out, const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int64_t *block_tables, const int64_t *context_lens, int64_t seq_begin, int64_t seq_end,
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+{
+    return paged_decode_compact(KV_BF16, out, query, key_cache, value_cache, NULL, NULL, block_tables, context_lens,
+                                seq_begin, seq_end, max_blocks, num_kv_heads, group, head_dim, block_size, scale);
+}
+
+int pdserve_paged_decode_attention_int8(
+    float *out, const float *query, const int8_t *key_cache, const int8_t *value_cache,
+    const float *key_scales, const float *value_scales,
+    const int64_t *block_tables, const int64_t *context_lens, int64_t seq_begin, int64_t seq_end,
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+{
+    return paged_decode_compact(KV_INT8, out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+                                context_lens, seq_begin, seq_end, max_blocks, num_kv_heads, group, head_dim, block_size,
+                                scale);
 }
