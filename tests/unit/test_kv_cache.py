@@ -154,3 +154,15 @@ def test_write_then_read_returns_the_new_kv_in_the_cache_precision(dtype: torch.
     assert torch.equal(read_k, expected_k) and torch.equal(read_v, expected_v)
     # Block view: slot 13 is block 3, offset 1.
     assert torch.equal(read_cache(key_cache, torch.tensor([3]), torch.float32)[0, 1], expected_k[0])
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated", "offline"])
+def test_every_engine_role_takes_kv_cache_dtype(role: str) -> None:
+    from pdserve.cli import _engine_config, build_parser
+
+    parser = build_parser()
+    assert _engine_config(parser.parse_args([role, "--kv-cache-dtype", "int8"])).cache.kv_cache_dtype == "int8"
+    assert _engine_config(parser.parse_args([role])).cache.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args([role, "--kv-cache-dtype", "float8"])
+    assert parser.parse_args(["up", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
