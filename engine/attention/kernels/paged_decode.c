@@ -24,8 +24,8 @@
  *   pdserve_paged_decode_attention_bf16  key/value_cache hold bfloat16 bits
  *   pdserve_paged_decode_attention_int8  key/value_cache hold int8, and
  *     key_scales, value_scales (num_blocks, block_size, num_kv_heads) float32
- *     hold each token's per-KV-head scale: value = int8 * scale. The scale is
- *     applied once per dot product (keys) or folded into the weight (values).
+ *     hold each token's per-KV-head scale: value = int8 * scale.
+ * Each cached row is widened to float32 once and used by its whole query group.
  * The float32 kernel above them is left exactly as it was.
  */
 #include <math.h>
@@ -154,74 +154,44 @@ static inline __attribute__((always_inline)) float bf16_to_float(uint16_t bits)
     return value.f;
 }
 
-static inline __attribute__((always_inline)) float dot_bf16_n(const float *restrict a, const uint16_t *restrict b, int64_t n)
-{
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-        sum += a[i] * bf16_to_float(b[i]);
-    }
-    return sum;
-}
-
-static inline __attribute__((always_inline)) float dot_int8_n(const float *restrict a, const int8_t *restrict b, int64_t n)
-{
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-        sum += a[i] * (float)b[i];
-    }
-    return sum;
-}
-
-static inline __attribute__((always_inline)) void axpy_bf16_n(float alpha, const uint16_t *restrict x, float *restrict y, int64_t n)
+static inline __attribute__((always_inline)) void widen_bf16_n(const uint16_t *restrict src, float *restrict dst, int64_t n)
 {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-        y[i] += alpha * bf16_to_float(x[i]);
+        dst[i] = bf16_to_float(src[i]);
     }
 }
 
-static inline __attribute__((always_inline)) void axpy_int8_n(float alpha, const int8_t *restrict x, float *restrict y, int64_t n)
+static inline __attribute__((always_inline)) void widen_int8_n(const int8_t *restrict src, float row_scale, float *restrict dst, int64_t n)
 {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-        y[i] += alpha * (float)x[i];
+        dst[i] = row_scale * (float)src[i];
     }
 }
 
-/* Dot product of a float32 query with row `index` (of head_dim elements) of a compact cache. */
-static inline __attribute__((always_inline)) float dot_kv(enum kv_kind kind, const float *restrict q, const void *cache, int64_t index, int64_t n)
+/* Row `index` (head_dim elements) of a compact cache, as float32 (int8: times its scale) into dst.
+ * Widened once per KV head and shared by the group's query heads, then the float32 dot/axpy run on it. */
+static inline __attribute__((always_inline)) void widen_row(enum kv_kind kind, const void *cache, const float *scales, int64_t index, int64_t n, float *restrict dst)
 {
     if (kind == KV_BF16) {
-        const uint16_t *k = (const uint16_t *)cache + index * n;
-        return n == 64 ? dot_bf16_n(q, k, 64) : n == 128 ? dot_bf16_n(q, k, 128) : dot_bf16_n(q, k, n);
-    }
-    const int8_t *k = (const int8_t *)cache + index * n;
-    return n == 64 ? dot_int8_n(q, k, 64) : n == 128 ? dot_int8_n(q, k, 128) : dot_int8_n(q, k, n);
-}
-
-/* y += alpha * row `index` of a compact cache */
-static inline __attribute__((always_inline)) void axpy_kv(enum kv_kind kind, float alpha, const void *cache, int64_t index, float *restrict y, int64_t n)
-{
-    if (kind == KV_BF16) {
-        const uint16_t *v = (const uint16_t *)cache + index * n;
+        const uint16_t *src = (const uint16_t *)cache + index * n;
         if (n == 64) {
-            axpy_bf16_n(alpha, v, y, 64);
+            widen_bf16_n(src, dst, 64);
         } else if (n == 128) {
-            axpy_bf16_n(alpha, v, y, 128);
+            widen_bf16_n(src, dst, 128);
         } else {
-            axpy_bf16_n(alpha, v, y, n);
+            widen_bf16_n(src, dst, n);
         }
         return;
     }
-    const int8_t *v = (const int8_t *)cache + index * n;
+    const int8_t *src = (const int8_t *)cache + index * n;
     if (n == 64) {
-        axpy_int8_n(alpha, v, y, 64);
+        widen_int8_n(src, scales[index], dst, 64);
     } else if (n == 128) {
-        axpy_int8_n(alpha, v, y, 128);
+        widen_int8_n(src, scales[index], dst, 128);
     } else {
-        axpy_int8_n(alpha, v, y, n);
+        widen_int8_n(src, scales[index], dst, n);
     }
 }
 
@@ -240,11 +210,13 @@ static inline __attribute__((always_inline)) int paged_decode_compact(
             max_context = context_lens[s];
         }
     }
-    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context + num_heads));
+    /* scores, one normaliser per query head, then one widened row. */
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * max_context + num_heads + head_dim));
     if (scores == NULL) {
         return -1;
     }
     float *inv_sums = scores + num_heads * max_context;
+    float *widened = inv_sums + num_heads;
 
     for (int64_t s = seq_begin; s < seq_end; ++s) {
         const int64_t context_len = context_lens[s];
@@ -257,9 +229,9 @@ static inline __attribute__((always_inline)) int paged_decode_compact(
             const int64_t block_end = block_start + block_size < context_len ? block_start + block_size : context_len;
             for (int64_t position = block_start; position < block_end; ++position) {
                 for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head, ++row) {
-                    const float row_scale = kind == KV_INT8 ? key_scales[row] * scale : scale;
+                    widen_row(kind, key_cache, key_scales, row, head_dim, widened);
                     for (int64_t g = 0; g < group; ++g, ++head) {
-                        scores[head * context_len + position] = dot_kv(kind, q + head * head_dim, key_cache, row, head_dim) * row_scale;
+                        scores[head * context_len + position] = dot(q + head * head_dim, widened, head_dim) * scale;
                     }
                 }
             }
@@ -285,10 +257,9 @@ static inline __attribute__((always_inline)) int paged_decode_compact(
             const int64_t block_end = block_start + block_size < context_len ? block_start + block_size : context_len;
             for (int64_t position = block_start; position < block_end; ++position) {
                 for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head, ++row) {
-                    const float row_scale = kind == KV_INT8 ? value_scales[row] : 1.0f;
+                    widen_row(kind, value_cache, value_scales, row, head_dim, widened);
                     for (int64_t g = 0; g < group; ++g, ++head) {
-                        const float weight = scores[head * context_len + position] * inv_sums[head] * row_scale;
-                        axpy_kv(kind, weight, value_cache, row, o + head * head_dim, head_dim);
+                        axpy(scores[head * context_len + position] * inv_sums[head], widened, o + head * head_dim, head_dim);
                     }
                 }
             }
