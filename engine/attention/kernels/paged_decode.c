@@ -195,6 +195,61 @@ static inline __attribute__((always_inline)) void widen_row(enum kv_kind kind, c
     }
 }
 
+/* Scores of up to four query heads against one widened key row, in independent vector accumulators
+ * so that their multiply-add chains overlap (one dot product at a time waits on each add). GCC's
+ * vector extension, not `omp simd reduction`: with four reductions the latter spills to memory. */
+typedef float vec8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) vec8 load8(const float *p)
+{
+    vec8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline __attribute__((always_inline)) float sum8(vec8 v)
+{
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline __attribute__((always_inline)) void dot4_n(const float *restrict q0, const float *restrict q1, const float *restrict q2,
+                                                        const float *restrict q3, const float *restrict k, int64_t n, float *restrict sums)
+{
+    vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const vec8 kv = load8(k + i);
+        a0 += load8(q0 + i) * kv;
+        a1 += load8(q1 + i) * kv;
+        a2 += load8(q2 + i) * kv;
+        a3 += load8(q3 + i) * kv;
+    }
+    float s0 = sum8(a0), s1 = sum8(a1), s2 = sum8(a2), s3 = sum8(a3);
+    for (; i < n; ++i) {
+        s0 += q0[i] * k[i];
+        s1 += q1[i] * k[i];
+        s2 += q2[i] * k[i];
+        s3 += q3[i] * k[i];
+    }
+    sums[0] = s0;
+    sums[1] = s1;
+    sums[2] = s2;
+    sums[3] = s3;
+}
+
+/* sums[g] = dot(q + g * n, k) for g < count <= 4; absent heads repeat the last one (their sums are ignored). */
+static inline void dot_group(const float *restrict q, const float *restrict k, int64_t count, int64_t n, float *restrict sums)
+{
+    const float *q1 = q + (count > 1 ? n : 0), *q2 = q + (count > 2 ? 2 * n : 0), *q3 = q + (count > 3 ? 3 * n : 0);
+    if (n == 64) {
+        dot4_n(q, q1, q2, q3, k, 64, sums);
+    } else if (n == 128) {
+        dot4_n(q, q1, q2, q3, k, 128, sums);
+    } else {
+        dot4_n(q, q1, q2, q3, k, n, sums);
+    }
+}
+
 /* The float32 kernel's walk, reading rows by index: row (block * block_size + offset) * num_kv_heads + kv_head
  * of head_dim elements, whose scale (int8) is element of the same index in key/value_scales. */
 static inline __attribute__((always_inline)) int paged_decode_compact(
@@ -230,8 +285,18 @@ static inline __attribute__((always_inline)) int paged_decode_compact(
             for (int64_t position = block_start; position < block_end; ++position) {
                 for (int64_t kv_head = 0, head = 0; kv_head < num_kv_heads; ++kv_head, ++row) {
                     widen_row(kind, key_cache, key_scales, row, head_dim, widened);
-                    for (int64_t g = 0; g < group; ++g, ++head) {
+                    if (group == 1) {
                         scores[head * context_len + position] = dot(q + head * head_dim, widened, head_dim) * scale;
+                        ++head;
+                        continue;
+                    }
+                    for (int64_t g = 0; g < group; g += 4) {
+                        float sums[4];
+                        const int64_t count = group - g < 4 ? group - g : 4;
+                        dot_group(q + head * head_dim, widened, count, head_dim, sums);
+                        for (int64_t j = 0; j < count; ++j, ++head) {
+                            scores[head * context_len + position] = sums[j] * scale;
+                        }
                     }
                 }
             }
