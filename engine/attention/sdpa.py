@@ -126,14 +126,14 @@ class SdpaBackend(AttentionBackend):
         for span in metadata.prefills:
             q = query[span.start : span.end].transpose(0, 1)  # (heads, q_len, head_dim)
             if span.context_slots is None:
+                # The whole context is this chunk: attend to its fresh K/V, not to
+                # their (possibly bfloat16 or int8) copy in the cache.
                 k = key[span.start : span.end].transpose(0, 1)  # (kv_heads, q_len, head_dim)
                 v = value[span.start : span.end].transpose(0, 1)
             else:
                 # (kv_heads, ctx_len, head_dim)
                 k = read_cache(flat_k, span.context_slots, query.dtype).transpose(0, 1)
                 v = read_cache(flat_v, span.context_slots, query.dtype).transpose(0, 1)
-            # A chunk that is the whole context attends to its fresh K/V, not to
-            # their (possibly bf16 or int8) copy in the cache.
             # SDPA takes its fused CPU kernel only for 4-D inputs: add a batch of one.
             if span.context_slots is None:
                 o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
