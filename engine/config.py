@@ -9,6 +9,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn")
 # Weight-only quantization of the decoder's projections (engine/layers/linear.py); None keeps the checkpoint's floats.
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# "auto": the model's dtype. int8 keeps a float32 scale per token and KV head (engine/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,12 @@ class CacheConfig:
     # take; None: 0.8 of free GPU memory, 0.1 of available host memory on CPU
     # (where a 2-core machine saturates long before a large pool fills).
     kv_memory_fraction: float | None = None
+    # One of KV_CACHE_DTYPES (vLLM's name): what the pool stores keys and values in.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):

@@ -37,6 +37,7 @@ class LLM:
         kv_memory_fraction: float | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 64,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -54,6 +55,7 @@ class LLM:
                 num_kv_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 kv_memory_fraction=kv_memory_fraction,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )

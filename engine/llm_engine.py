@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_ID
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.hashing import BlockHash
-from engine.kv_cache import KVCache, bytes_per_block, size_kv_pool
+from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from engine.layers.linear import linear_method
 from engine.model_loader import load_eos_token_ids, load_hf_config, load_weights, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
@@ -96,16 +96,20 @@ class LLMEngine:
 
         block_size = cache_cfg.block_size
         num_layers = int(hf_config.num_hidden_layers)
-        block_bytes = bytes_per_block(num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        block_bytes = bytes_per_block(
+            num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
+        )
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
         self.kv_cache = KVCache(
-            num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device
+            num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype,
+            self.device,
         )
         self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        backend = select_backend(model_cfg.attention_backend, self.device, self.dtype)
+        backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
         self._requests: dict[str, Sequence] = {}

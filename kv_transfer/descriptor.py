@@ -12,11 +12,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.hashing import BlockHash
+from engine.kv_cache import SCALE_BYTES, bytes_per_block
 from kv_transfer.config import TRANSPORTS
 from protos.pdserve.v1.internal import worker_pb2
 
-# The cache dtypes the engine supports (engine.config.SUPPORTED_DTYPES less "auto").
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache dtypes the engine supports (engine.config.SUPPORTED_DTYPES less "auto", and int8 KV).
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+}
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 
@@ -35,7 +41,13 @@ class KVLayout:
 
     A transfer of ``n`` blocks is one contiguous tensor of
     ``tensor_shape(n) == (num_layers, 2, n, block_size, num_kv_heads, head_dim)``,
-    the layout ``engine.kv_cache.KVCache.export_blocks`` returns.
+    the layout ``engine.kv_cache.KVCache.export_blocks`` returns. With dtype
+    int8 the last dimension is ``head_dim + 4``: each row's float32 scale
+    travels as 4 bytes after its values (``engine.kv_cache.pack_int8``).
+
+    A decode worker whose ``kv_cache_dtype`` differs from the prefill worker's
+    converts on import (``KVCache.import_blocks``): int8 is dequantized, float
+    is cast or quantized as a local write would be.
     """
 
     num_layers: int
@@ -56,23 +68,28 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        element_size = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype)
+
+    @property
+    def row_size(self) -> int:
+        """Elements of one (token, KV head) row on the wire: head_dim, plus the scale's 4 bytes for int8."""
+        return self.head_dim + (SCALE_BYTES if self.dtype == "int8" else 0)
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)."""
+        """(num_layers, 2, num_blocks, block_size, num_kv_heads, row_size)."""
         _check_range("num_blocks", num_blocks, 0, _UINT32_MAX)
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_size)
 
     @classmethod
     def from_tensor(cls, blocks: torch.Tensor) -> KVLayout:
-        """The layout of an exported (num_layers, 2, n, block_size, num_kv_heads, head_dim) tensor."""
+        """The layout of an exported (num_layers, 2, n, block_size, num_kv_heads, row_size) tensor."""
         if blocks.dim() != 6 or blocks.shape[1] != 2:
             raise ValueError(
                 f"KV blocks must be (layers, 2, blocks, block_size, heads, head_dim), got {tuple(blocks.shape)}"
             )
         dtype = next((name for name, value in _DTYPES.items() if value == blocks.dtype), str(blocks.dtype))
-        num_layers, _, _, block_size, num_kv_heads, head_dim = blocks.shape
+        num_layers, _, _, block_size, num_kv_heads, row_size = blocks.shape
+        head_dim = row_size - (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
         return cls(
             num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
         )

@@ -37,6 +37,9 @@ TRANSPORTS = ("grpc", "shm", "torch_dist", "cuda_ipc")
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
+                        help="what the KV pool stores: auto (the model's dtype), bfloat16, or int8 with a "
+                        "float32 scale per token and KV head (about 4x the blocks of float32 in the same memory)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
@@ -179,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
+    up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
+                    help="KV cache dtype of every worker (see `pdserve offline --help`)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
                     "ones in start order (0: a free port each); listed at start (default: off)")
@@ -227,7 +232,8 @@ def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imp
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           quantization=args.quantization, quantization_group_size=args.quantization_group_size),
         cache=CacheConfig(
-            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
     )
@@ -397,6 +403,8 @@ def _up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     engine_args: tuple[str, ...] = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
     if args.quantization:
         engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
+    if args.kv_cache_dtype != "auto":
+        engine_args += ("--kv-cache-dtype", args.kv_cache_dtype)
     return engine_args
 
 

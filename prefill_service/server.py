@@ -46,7 +46,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_kv_heads=engine.model.num_kv_heads,
             head_dim=engine.model.head_dim,
             block_size=engine.block_size,
-            dtype=str(engine.dtype).removeprefix("torch."),
+            dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
         )
 
     # KVSource, called by the transports from a worker thread.

@@ -9,6 +9,10 @@ from typing import Any
 import torch
 
 from engine.config import ATTENTION_BACKENDS
+from engine.kv_cache import QuantizedKV, dequantize_int8, quantize_int8
+
+# One layer's keys or values in the pool: a tensor in the KV dtype, or int8 data with scales.
+CacheTensor = torch.Tensor | QuantizedKV
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class AttentionBackend(abc.ABC):
         query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
         key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
         value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-        key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-        value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        key_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
         metadata: Any,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """Store ``key``/``value`` at the batch's slots, then return causal attention output."""
@@ -55,17 +59,37 @@ class AttentionBackend(abc.ABC):
 def write_to_cache(
     key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     value: torch.Tensor,
-    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    value_cache: torch.Tensor,
+    key_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache: CacheTensor,
     slot_mapping: torch.Tensor,  # (num_tokens,)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store each new token's K/V at its slot; returns the caches viewed as (slots, kv_heads, head_dim)."""
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slot_mapping, key)
-    flat_v.index_copy_(0, slot_mapping, value)
-    return flat_k, flat_v
+) -> tuple[CacheTensor, CacheTensor]:
+    """Store each new token's K/V at its slot (cast or quantized to the cache's dtype);
+    returns the caches viewed as (slots, kv_heads, head_dim)."""
+    return _store(key, key_cache, slot_mapping), _store(value, value_cache, slot_mapping)
+
+
+def _store(new: torch.Tensor, cache: CacheTensor, slot_mapping: torch.Tensor) -> CacheTensor:
+    if isinstance(cache, QuantizedKV):
+        num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
+        flat = QuantizedKV(
+            cache.data.view(num_blocks * block_size, num_kv_heads, head_dim),
+            cache.scales.view(num_blocks * block_size, num_kv_heads),
+        )
+        data, scales = quantize_int8(new)
+        flat.data.index_copy_(0, slot_mapping, data)
+        flat.scales.index_copy_(0, slot_mapping, scales)
+        return flat
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    flat_cache = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_cache.index_copy_(0, slot_mapping, new.to(cache.dtype))
+    return flat_cache
+
+
+def read_cache(cache: CacheTensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``index`` of the cache's first dimension (blocks, or slots of a flat view), in ``dtype``."""
+    if isinstance(cache, QuantizedKV):
+        return dequantize_int8(cache.data.index_select(0, index), cache.scales.index_select(0, index), dtype)
+    return cache.index_select(0, index).to(dtype)
 
 
 def flash_attn_available() -> bool:
@@ -76,28 +100,42 @@ def flash_attn_available() -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """``auto``: flash-attn on CUDA in half precision when it is importable; on CPU in
-    float32 the C decode kernel (``cpu_paged``) when it builds on this machine; SDPA otherwise."""
+def select_backend(
+    name: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """``auto``: flash-attn on CUDA in half precision when it is importable and the KV
+    cache has the model's dtype; on CPU the C decode kernel (``cpu_paged``) when it
+    builds on this machine and reads the KV dtype (float32, bfloat16, int8) for a
+    float32 or bfloat16 model; SDPA otherwise. ``kv_dtype`` None: the model's dtype."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     use_flash = name == "flash_attn" or (
-        name == "auto" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
+        name == "auto"
+        and device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and kv_dtype == dtype
+        and flash_attn_available()
     )
     if use_flash:
         if device.type != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend='flash_attn' needs a CUDA device and the flash-attn package")
+        if kv_dtype != dtype:
+            raise ValueError(f"attention_backend='flash_attn' needs kv_cache_dtype 'auto' (the model's), got {kv_dtype}")
         from engine.attention.flash import FlashAttentionBackend
 
         return FlashAttentionBackend()
+    from engine.attention.cpu_kernel import KERNEL_KV_DTYPES, KERNEL_QUERY_DTYPES, load_paged_decode_kernel
     from engine.attention.sdpa import SdpaBackend
 
-    if name == "sdpa" or (name == "auto" and (device.type != "cpu" or dtype != torch.float32)):
+    kernel_fits = device.type == "cpu" and dtype in KERNEL_QUERY_DTYPES and kv_dtype in KERNEL_KV_DTYPES
+    if name == "sdpa" or (name == "auto" and not kernel_fits):
         return SdpaBackend()
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError("attention_backend='cpu_paged' needs device 'cpu' and dtype float32")
-    from engine.attention.cpu_kernel import load_paged_decode_kernel
-
+    if not kernel_fits:
+        raise ValueError(
+            "attention_backend='cpu_paged' needs device 'cpu', dtype float32 or bfloat16 and a KV cache of "
+            f"float32, bfloat16 or int8; got {device.type}, {dtype}, KV {kv_dtype}"
+        )
     kernel = load_paged_decode_kernel()
     if kernel is None and name == "cpu_paged":
         raise ValueError("attention_backend='cpu_paged' needs a C compiler to build its kernel (see the log)")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.default_model import default_cache_dir
+from engine.kv_cache import QuantizedKV
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,19 @@ _SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
 # -march=native is safe because the cached file is keyed by this CPU's feature flags.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
 _SYMBOL = "pdserve_paged_decode_attention"
+# One symbol per KV dtype; int8 takes two more pointers (the key and value scales).
+_SYMBOLS = {torch.float32: _SYMBOL, torch.bfloat16: _SYMBOL + "_bf16", torch.int8: _SYMBOL + "_int8"}
+# The KV dtypes the kernel reads; queries may be float32 or bfloat16 (computed in float32).
+KERNEL_KV_DTYPES = tuple(_SYMBOLS)
+KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16)
 _BUILD_TIMEOUT_S = 120
 
 
 class PagedDecodeKernel:
-    """Decode attention over the paged cache for a batch of single-token queries; float32, CPU.
+    """Decode attention over the paged cache for a batch of single-token queries, CPU, float32 arithmetic.
+
+    The cache may be float32, bfloat16 or int8 (a ``QuantizedKV`` with its
+    scales); the output has the query's dtype.
 
     ``num_threads`` calls of the kernel run side by side on disjoint ranges of
     sequences chosen to balance their context lengths; ctypes releases the GIL
@@ -45,7 +54,7 @@ class PagedDecodeKernel:
     """
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._function = getattr(library, _SYMBOL)
+        self._functions = {dtype: getattr(library, symbol) for dtype, symbol in _SYMBOLS.items()}
         self.num_threads = max(1, num_threads)
         self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn") if self.num_threads > 1 else None
 
@@ -64,45 +73,54 @@ class PagedDecodeKernel:
     def __call__(
         self,
         query: torch.Tensor,  # (num_seqs, num_heads, head_dim)
-        key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-        value_cache: torch.Tensor,
+        key_cache: torch.Tensor | QuantizedKV,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: torch.Tensor | QuantizedKV,
         block_tables: torch.Tensor,  # (num_seqs, max_blocks) int64
         context_lens: torch.Tensor,  # (num_seqs,) int64
         split_points: list[int],
         scale: float,
     ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
         num_seqs, num_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
-        # The C side trusts these layouts; anything else would read the wrong memory.
-        for name, tensor, dtype in (
-            ("key_cache", key_cache, torch.float32),
-            ("value_cache", value_cache, torch.float32),
+        quantized = isinstance(key_cache, QuantizedKV)
+        key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
+        value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
+        _, block_size, num_kv_heads, _ = key_data.shape
+        kv_dtype = key_data.dtype
+        if kv_dtype not in self._functions:
+            raise ValueError(f"the paged decode kernel reads KV in {KERNEL_KV_DTYPES}, got {kv_dtype}")
+        if quantized != (kv_dtype == torch.int8) or isinstance(value_cache, QuantizedKV) != quantized:
+            raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
+        checks = [
+            ("key_cache", key_data, kv_dtype),
+            ("value_cache", value_data, kv_dtype),
             ("block_tables", block_tables, torch.int64),
             ("context_lens", context_lens, torch.int64),
-        ):
+        ]
+        if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
+            checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
+        # The C side trusts these layouts; anything else would read the wrong memory.
+        for name, tensor, dtype in checks:
             if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+        query_dtype = query.dtype
         query = query.to(torch.float32).contiguous()
         out = torch.empty_like(query)
-        args = (
-            out.data_ptr(),
-            query.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-        )
+        args: tuple[int, ...] = (out.data_ptr(), query.data_ptr(), key_data.data_ptr(), value_data.data_ptr())
+        if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
+            args += (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
+        args += (block_tables.data_ptr(), context_lens.data_ptr())
+        function = self._functions[kv_dtype]
         shape = (block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale)
         ranges = list(zip(split_points[:-1], split_points[1:]))
         pending = []
         if self._pool is not None:
-            pending = [self._pool.submit(self._function, *args, begin, end, *shape) for begin, end in ranges[1:]]
+            pending = [self._pool.submit(function, *args, begin, end, *shape) for begin, end in ranges[1:]]
             ranges = ranges[:1]
-        statuses = [self._function(*args, begin, end, *shape) for begin, end in ranges]
+        statuses = [function(*args, begin, end, *shape) for begin, end in ranges]
         statuses += [future.result() for future in pending]
         if any(status != 0 for status in statuses):
             raise MemoryError("paged decode attention kernel could not allocate its score buffer")
-        return out
+        return out.to(query_dtype)
 
 
 _build_lock = threading.Lock()
@@ -125,9 +143,11 @@ def _load_library() -> ctypes.CDLL | None:
             logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
             return None
         library = ctypes.CDLL(str(path))
-        function = getattr(library, _SYMBOL)
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        for dtype, symbol in _SYMBOLS.items():
+            function = getattr(library, symbol)
+            function.restype = ctypes.c_int
+            num_pointers = 8 if dtype == torch.int8 else 6
+            function.argtypes = [ctypes.c_void_p] * num_pointers + [ctypes.c_int64] * 7 + [ctypes.c_float]
         return library
 
 

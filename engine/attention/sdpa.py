@@ -2,7 +2,9 @@
 
 On CPU in float32 the decode sequences can go to the C kernel in
 ``cpu_kernel.py`` instead (backend name ``cpu_paged``), which reads K/V where
-they lie in the block pool; prefill chunks always use SDPA.
+they lie in the block pool; prefill chunks always use SDPA. With a KV dtype
+other than the model's (``kv_cache_dtype``), new K/V are cast or quantized on
+write and the SDPA path casts or dequantizes what it gathers.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionBatch, write_to_cache
+from engine.attention.backend import AttentionBackend, AttentionBatch, CacheTensor, read_cache, write_to_cache
 from engine.attention.cpu_kernel import PagedDecodeKernel
 
 
@@ -86,11 +88,11 @@ class SdpaBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_cache: CacheTensor,
+        value_cache: CacheTensor,
         metadata: SdpaMetadata,
     ) -> torch.Tensor:
-        _, _, num_kv_heads, head_dim = key_cache.shape
+        num_kv_heads, head_dim = key.shape[1:]
         flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
         out = torch.empty_like(query)
@@ -113,8 +115,8 @@ class SdpaBackend(AttentionBackend):
             # index_select on the block dimension is several times faster on CPU
             # than advanced indexing with a 2-D table.
             # (nd * max_blocks, block_size, kv_heads, head_dim) -> (nd, kv_heads, ctx, head_dim)
-            k = key_cache.index_select(0, block_ids).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-            v = value_cache.index_select(0, block_ids).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            k = read_cache(key_cache, block_ids, query.dtype).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            v = read_cache(value_cache, block_ids, query.dtype).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
             # Query heads grouped under their KV head (head h uses KV head h // group,
             # as repeat_kv does): (nd, kv_heads, group, head_dim), the group acting as
             # the query length, so no KV is repeated.
@@ -124,11 +126,14 @@ class SdpaBackend(AttentionBackend):
         for span in metadata.prefills:
             q = query[span.start : span.end].transpose(0, 1)  # (heads, q_len, head_dim)
             if span.context_slots is None:
+                # The whole context is this chunk: attend to its fresh K/V, not to
+                # their (possibly bfloat16 or int8) copy in the cache.
                 k = key[span.start : span.end].transpose(0, 1)  # (kv_heads, q_len, head_dim)
                 v = value[span.start : span.end].transpose(0, 1)
             else:
-                k = flat_k.index_select(0, span.context_slots).transpose(0, 1)  # (kv_heads, ctx_len, head_dim)
-                v = flat_v.index_select(0, span.context_slots).transpose(0, 1)
+                # (kv_heads, ctx_len, head_dim)
+                k = read_cache(flat_k, span.context_slots, query.dtype).transpose(0, 1)
+                v = read_cache(flat_v, span.context_slots, query.dtype).transpose(0, 1)
             # SDPA takes its fused CPU kernel only for 4-D inputs: add a batch of one.
             if span.context_slots is None:
                 o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)

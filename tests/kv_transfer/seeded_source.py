@@ -4,21 +4,38 @@ from __future__ import annotations
 
 import zlib
 
+import dataclasses
+
 import torch
 
+from engine.kv_cache import pack_int8, quantize_int8
 from kv_transfer.descriptor import KVLayout
 
 # 32 KiB per block: a few blocks stay small, BIG_REQUEST spans several 1 MiB chunks.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, block_size=16, dtype="float32")
 SMALL_REQUEST, BIG_REQUEST = "small", "big"
-NUM_BLOCKS = {SMALL_REQUEST: 3, BIG_REQUEST: 80}  # big: 2.5 MiB
+# The same in the compact KV dtypes (int8 blocks carry their scales, packed).
+BF16_REQUEST, INT8_REQUEST = "big-bfloat16", "big-int8"
+NUM_BLOCKS = {SMALL_REQUEST: 3, BIG_REQUEST: 80, BF16_REQUEST: 80, INT8_REQUEST: 80}  # big: 2.5 MiB in float32
+LAYOUTS = {
+    BF16_REQUEST: dataclasses.replace(LAYOUT, dtype="bfloat16"),
+    INT8_REQUEST: dataclasses.replace(LAYOUT, dtype="int8"),
+}
+
+
+def layout_of(request_id: str) -> KVLayout:
+    return LAYOUTS.get(request_id, LAYOUT)
 
 
 def full_blocks(request_id: str) -> torch.Tensor:
     """Every block of ``request_id``, from a seed derived from its name (the same in every process)."""
     generator = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
+    layout = layout_of(request_id)
     shape = LAYOUT.tensor_shape(NUM_BLOCKS[request_id])
-    return torch.randn(shape, generator=generator, dtype=LAYOUT.torch_dtype)
+    values = torch.randn(shape, generator=generator)
+    if layout.dtype == "int8":
+        return pack_int8(*quantize_int8(values))
+    return values.to(layout.torch_dtype)
 
 
 class SeededSource:

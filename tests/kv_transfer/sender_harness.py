@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kv_transfer import KVHandoff
-from tests.kv_transfer.seeded_source import LAYOUT, NUM_BLOCKS
+from tests.kv_transfer.seeded_source import LAYOUT, NUM_BLOCKS, layout_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("sender_process.py")
@@ -80,7 +80,7 @@ def handoff(request_id: str, sender: SenderProcess, transport: str) -> KVHandoff
     return KVHandoff(
         request_id=request_id,
         model_id="test-model",
-        layout=LAYOUT,
+        layout=layout_of(request_id),
         block_hashes=(),
         num_tokens=num_blocks * LAYOUT.block_size - 3,  # last block partial
         first_token_id=5,

@@ -40,6 +40,17 @@ def test_layout_sizes_match_the_exported_tensor() -> None:
     assert blocks.numel() * blocks.element_size() == 5 * LAYOUT.bytes_per_block
 
 
+def test_int8_layout_counts_each_rows_scale_bytes() -> None:
+    layout = dataclasses.replace(LAYOUT, dtype="int8")
+    assert layout.tensor_shape(5) == (3, 2, 5, 4, 2, 8 + 4)
+    assert layout.torch_dtype == torch.int8
+    assert layout.bytes_per_block == 3 * 2 * 4 * 2 * (8 + 4) == 576
+    blocks = torch.zeros(layout.tensor_shape(5), dtype=torch.int8)
+    assert KVLayout.from_tensor(blocks) == layout
+    assert blocks.numel() * blocks.element_size() == 5 * layout.bytes_per_block
+    assert KVLayout.from_proto(layout.to_proto()) == layout
+
+
 def test_handoff_round_trips_through_proto_unchanged() -> None:
     handoff = _handoff()
     message = handoff.to_proto()
@@ -70,7 +81,7 @@ def test_invalid_handoff_field_raises_value_error_naming_it(field: str, value: o
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("num_layers", 0), ("head_dim", -1), ("dtype", "int8"), ("block_size", True)]
+    ("field", "value"), [("num_layers", 0), ("head_dim", -1), ("dtype", "int4"), ("block_size", True)]
 )
 def test_invalid_layout_field_raises_value_error_naming_it(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -18,7 +18,16 @@ import torch
 
 from kv_transfer import INTERNAL_GRPC_OPTIONS, MAX_CHUNK_BYTES, KVTransferError, TransferConfig, make_receiver
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from tests.kv_transfer.seeded_source import BIG_REQUEST, LAYOUT, NUM_BLOCKS, SMALL_REQUEST, full_blocks
+from tests.kv_transfer.seeded_source import (
+    BF16_REQUEST,
+    BIG_REQUEST,
+    INT8_REQUEST,
+    LAYOUT,
+    NUM_BLOCKS,
+    SMALL_REQUEST,
+    full_blocks,
+    layout_of,
+)
 from tests.kv_transfer.sender_harness import SenderProcess, handoff, running_sender, shm_segments
 
 CPU_TRANSPORTS = ("grpc", "shm", "torch_dist")
@@ -53,6 +62,25 @@ async def test_fetch_returns_exactly_the_held_blocks_from_first_block_on(
     await receiver.close()
     assert blocks.shape == LAYOUT.tensor_shape(NUM_BLOCKS[request_id] - first_block)
     assert torch.equal(blocks, full_blocks(request_id)[:, :, first_block:])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+@pytest.mark.parametrize("request_id", [BF16_REQUEST, INT8_REQUEST])
+async def test_compact_kv_dtypes_arrive_bit_for_bit_with_their_int8_scales(
+    sender: SenderProcess, transport: str, request_id: str
+) -> None:
+    receiver = make_receiver(transport, CONFIG)
+    async with _channel(sender) as channel:
+        blocks = await receiver.fetch(handoff(request_id, sender, transport), 7, _stub(channel))
+    await receiver.close()
+    layout = layout_of(request_id)
+    assert blocks.dtype == layout.torch_dtype
+    assert blocks.shape == layout.tensor_shape(NUM_BLOCKS[request_id] - 7)
+    assert torch.equal(blocks, full_blocks(request_id)[:, :, 7:])
+    # int8 rows are 32 values and a 4-byte scale: 36 bytes where float32 takes 128.
+    assert blocks.numel() * blocks.element_size() == 73 * layout.bytes_per_block
+    assert layout.bytes_per_block == {BF16_REQUEST: 16_384, INT8_REQUEST: 9_216}[request_id]
 
 
 @pytest.mark.asyncio
