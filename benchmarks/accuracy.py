@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     windows = sliding_windows(len(token_ids), args.window, args.stride)
     print(
         f"text: {len(token_ids)} tokens, {len(windows)} windows of {args.window} (stride {args.stride}), "
-        f"{len(token_ids) - 1} scored; KL over the top {args.top_n}",
+        f"{sum(w.num_scored for w in windows)} scored; KL over the top {args.top_n}",
         flush=True,
     )
     # A pool that holds every window at once: no preemption, so no prompt position is recomputed.
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"[{setting.name}] {failures[setting]}", file=sys.stderr, flush=True)
             if not isinstance(error, Unsupported):
                 traceback.print_exc()
-    report = build_report(args, len(token_ids), len(windows), scored, failures)
+    report = build_report(args, len(token_ids), windows, scored, failures)
     print_report(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def build_report(
     args: argparse.Namespace,
     num_tokens: int,
-    num_windows: int,
+    windows: Seq[Window],
     scored: dict[PrecisionSetting, ScoredText],
     failures: dict[PrecisionSetting, str],
 ) -> dict[str, Any]:
@@ -157,7 +157,13 @@ def build_report(
                 row["target"].update(rise=rise, met=rise <= allowed)
         rows.append(row)
     return {
-        "text": {"num_tokens": num_tokens, "num_windows": num_windows, "window": args.window, "stride": args.stride},
+        "text": {
+            "num_tokens": num_tokens,
+            "num_windows": len(windows),
+            "num_scored_tokens": sum(w.num_scored for w in windows),
+            "window": args.window,
+            "stride": args.stride,
+        },
         "top_n": args.top_n,
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "settings": rows,

@@ -4,10 +4,12 @@ Pure Python over plain numbers, so the math is tested on hand-made sequences.
 
 **Windows.** A text of ``n`` tokens is cut into windows of ``window`` tokens whose
 starts are ``stride`` apart (the sliding-window method of Hugging Face's
-perplexity guide). Every token but the first is scored exactly once: by the
-first window that holds it as a predicted token, so after the first window each
-window scores only the tokens past the previous window's end, with at least
-``window - stride`` tokens of context.
+perplexity guide). Every token is scored at most once: by the first window
+that holds it as a predicted token (not as the window's first token, which has
+no context in it), so after the first window each window scores only the tokens
+past the previous window's end, with at least ``window - stride`` tokens of
+context. With ``stride < window`` every token but the text's first is scored;
+with ``stride == window`` (no overlap) every window's first token is not.
 
 **KL per token.** ``prompt_logprobs=N`` returns each position's N most likely
 tokens, not the full distribution. The KL reported is KL(P‖Q), P the float32
@@ -40,13 +42,17 @@ class Window:
     end: int
     first_scored: int
 
+    @property
+    def num_scored(self) -> int:
+        return self.end - self.first_scored
+
     def scored_entries(self) -> range:
         """Indices into this window's ``prompt_logprobs``: entry ``j`` is the logprob of token ``begin + j + 1``."""
         return range(self.first_scored - self.begin - 1, self.end - self.begin - 1)
 
 
 def sliding_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
-    """Windows covering ``num_tokens`` tokens, each token after the first scored once."""
+    """Windows covering ``num_tokens`` tokens, each token scored at most once."""
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens, got {window}")
     if not 1 <= stride <= window:
@@ -57,8 +63,10 @@ def sliding_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
     begin, scored_up_to = 0, 1  # token 0 has no context and is never scored
     while True:
         end = min(begin + window, num_tokens)
-        if end > scored_up_to:
-            windows.append(Window(begin, end, scored_up_to))
+        # A window's own first token has no context in it: with stride == window it goes unscored.
+        first_scored = max(scored_up_to, begin + 1)
+        if end > first_scored:
+            windows.append(Window(begin, end, first_scored))
             scored_up_to = end
         if end == num_tokens:
             return windows

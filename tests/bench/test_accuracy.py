@@ -27,7 +27,11 @@ LN2, LN3 = math.log(2), math.log(3)
 
 def test_sliding_windows_score_every_token_after_the_first_once() -> None:
     assert sliding_windows(10, 4, 2) == [Window(0, 4, 1), Window(2, 6, 4), Window(4, 8, 6), Window(6, 10, 8)]
-    assert sliding_windows(10, 4, 4) == [Window(0, 4, 1), Window(4, 8, 4), Window(8, 10, 8)]
+    # No overlap: a window's first token has no context in it and is not scored.
+    assert sliding_windows(10, 4, 4) == [Window(0, 4, 1), Window(4, 8, 5), Window(8, 10, 9)]
+    assert list(Window(4, 8, 5).scored_entries()) == [0, 1, 2]
+    assert sum(w.num_scored for w in sliding_windows(10, 4, 4)) == 7
+    assert sliding_windows(9, 4, 4) == [Window(0, 4, 1), Window(4, 8, 5)]  # [8, 9) would score nothing
     assert sliding_windows(5, 8, 8) == [Window(0, 5, 1)]
     # The last start whose window adds nothing new is skipped: [6, 9) was scored by [3, 9).
     assert sliding_windows(9, 6, 3) == [Window(0, 6, 1), Window(3, 9, 6)]
@@ -153,7 +157,7 @@ def test_a_setting_the_engine_refuses_is_reported_unsupported(monkeypatch: pytes
     args = argparse.Namespace(settings=[PrecisionSetting("float32"), PrecisionSetting("bfloat16", "int8")],
                               window=4, stride=4, top_n=2, model=None)
     scored = {PrecisionSetting("float32"): accuracy.ScoredText((math.log(0.5),), (((1, math.log(0.5)),),), 0.1)}
-    report = accuracy.build_report(args, 2, 1, scored, {PrecisionSetting("bfloat16", "int8"): line})
+    report = accuracy.build_report(args, 2, [Window(0, 2, 1)], scored, {PrecisionSetting("bfloat16", "int8"): line})
     assert report["settings"][1] == {"setting": "bfloat16:int8", "error": line}
     assert report["settings"][0]["perplexity"] == pytest.approx(2.0, rel=1e-12)
 
@@ -173,10 +177,11 @@ def test_scored_logprobs_match_transformers_window_by_window(llama_checkpoint: P
     from engine import LLM
 
     token_ids = random_prompts([70], seed=3)[0]
-    windows = sliding_windows(len(token_ids), 32, 16)
+    windows = sliding_windows(len(token_ids), 32, 16) + sliding_windows(len(token_ids), 32, 32)
     llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=64)
     scored = accuracy.score_text(llm, token_ids, windows, top_n=3)
-    assert len(scored.logprobs) == len(scored.tops) == len(token_ids) - 1
+    # Overlapping windows score every token but the first; windows without overlap not their first ones.
+    assert len(scored.logprobs) == len(scored.tops) == (len(token_ids) - 1) + (len(token_ids) - 3)
     assert all(len(top) == 3 for top in scored.tops)
     model = AutoModelForCausalLM.from_pretrained(llama_checkpoint, dtype=torch.float32).eval()
     expected: list[float] = []
