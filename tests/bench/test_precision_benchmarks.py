@@ -1,4 +1,4 @@
-"""benchmarks.accuracy: windows, perplexity, top-1 agreement and truncated KL on hand-made numbers; the text; the CLI."""
+"""Issue-11 benchmarks: windows, perplexity, top-1 agreement and truncated KL on hand-made numbers; the text; the CLIs; memory and roofline figures."""
 
 from __future__ import annotations
 
@@ -223,3 +223,35 @@ def test_weight_bytes_count_a_tied_head_once_and_skip_the_rotary_tables() -> Non
             self.num_blocks, self.block_size = 4, 16
 
     assert kv_bytes_per_token(FakeKVCache()) == 2 * 2 * 3 * (8 + 4)
+
+
+def test_speed_cli_parses_settings_and_refuses_a_single_token_decode(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import precision_speed
+
+    args = precision_speed.parse_args(["--setting", "bfloat16:int4:int8", "--setting", "bfloat16"])
+    assert args.settings == [
+        PrecisionSetting("float32"), PrecisionSetting("bfloat16", "int4", "int8"), PrecisionSetting("bfloat16")
+    ]
+    with pytest.raises(SystemExit):
+        precision_speed.parse_args(["--batch1-output-len", "1"])
+    assert "--batch1-output-len must be at least 2" in capsys.readouterr().err
+
+
+def test_roofline_bound_uses_the_settings_bytes_and_rate() -> None:
+    from benchmarks.machine_limits import MachineLimits
+    from benchmarks.roofline import ModelCost, decode_step_bound
+    from benchmarks.workload import RunResult, Workload
+
+    cost = ModelCost(non_embedding_params=900, lm_head_params=100, num_layers=2, num_heads=2, num_kv_heads=1,
+                     head_dim=4, weight_bytes_per_value=0.5, kv_bytes_per_value=1.25)
+    assert cost.weight_bytes == 500
+    assert cost.kv_bytes_per_token == 2 * 2 * 1 * 4 * 1.25
+    workload = Workload(prompts=((1, 2, 3, 4), (5, 6, 7, 8)), output_len=5)  # mean context 4 + 2.5
+    limits = MachineLimits(matmul_gflops={"m": 1.0}, copy_gbps=1e-6, sum_gbps=0.5e-6, num_threads=2)
+    bound = decode_step_bound(cost, workload, limits, 2, RunResult("w1", 9.0, ()), RunResult("p", 1.0, ()),
+                              gflops=2e-6)
+    assert bound["kv_bytes"] == 2 * 6.5 * 20
+    assert bound["memory_bound_s"] == pytest.approx((500 + 260) / 1e3)
+    # 2 × 1000 params × 2 rows + 2 layers × 4 × 2 heads × 4 dims × 2 queries × 6 positions (6.5 rounded).
+    assert bound["compute_bound_s"] == pytest.approx((4000 + 2 * 4 * 2 * 4 * 2 * 6) / 2e3)
+    assert bound["measured_step_s"] == 2.0
