@@ -1,4 +1,4 @@
-"""Issue-11 benchmarks: windows, perplexity, top-1 agreement and truncated KL on hand-made numbers; the text; the CLIs; memory and roofline figures."""
+"""Issue-11 benchmarks: the accuracy math on hand-made numbers, the text, the CLIs, memory and roofline figures."""
 
 from __future__ import annotations
 
