@@ -242,7 +242,11 @@ def build_report(
                 weight_bytes_per_value=f.weight_bytes_read_per_step / cost.compute_params,
                 kv_bytes_per_value=f.kv_bytes_per_token / kv_values_per_token,
             )
-            gflops = linear_gflops["float32" if setting.dtype == "float32" and setting.quantization is None else "bfloat16"]
+            # float32 at the machine's best float32 rate, as offline_throughput; the others at bf16 F.linear's.
+            gflops = (
+                best_limits.best_gflops if setting.dtype == "float32" and setting.quantization is None
+                else max(linear_gflops["bfloat16"], best_limits.best_gflops)
+            )
             w1 = RunResult(name="w1", wall_s=f.w1_s, token_ids=())
             prefill = RunResult(name="prefill", wall_s=f.prefill_s, token_ids=())
             row["decode_step"] = decode_step_bound(setting_cost, workload, best_limits, batch_size, w1, prefill, gflops)
