@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
-from benchmarks.accuracy_metrics import Agreement, TopList, Window, agreement, perplexity, sliding_windows
+from benchmarks.accuracy_metrics import TopList, Window, agreement, perplexity, sliding_windows
 from benchmarks.accuracy_text import load_token_ids
 from benchmarks.precision import REFERENCE, PrecisionSetting, Unsupported, failure_line, parse_settings, with_llm
 
