@@ -26,7 +26,10 @@ class ModelCost:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    bytes_per_value: int
+    # Bytes per stored weight and per stored KV element, scales included: 4 in
+    # float32, 2 in bf16, about 1 and 0.5 plus scales for int8 and int4.
+    weight_bytes_per_value: float = 4
+    kv_bytes_per_value: float = 4
 
     @property
     def compute_params(self) -> int:
@@ -35,19 +38,19 @@ class ModelCost:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one forward step reads: every matrix it multiplies by, once."""
-        return self.compute_params * self.bytes_per_value
+        return round(self.compute_params * self.weight_bytes_per_value)
 
     @property
     def kv_bytes_per_token(self) -> int:
         # K and V, every layer.
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.bytes_per_value
+        return round(self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.kv_bytes_per_value)
 
     def attention_flops(self, num_queries: int, context_len: int) -> int:
         """Q·Kᵀ and P·V for ``num_queries`` tokens attending to ``context_len`` positions, all layers."""
         return self.num_layers * 4 * self.num_heads * self.head_dim * num_queries * context_len
 
 
-def model_cost(model: Any, bytes_per_value: int = 4) -> ModelCost:
+def model_cost(model: Any, weight_bytes_per_value: float = 4, kv_bytes_per_value: float = 4) -> ModelCost:
     """Read from a loaded transformers model; ``parameters()`` yields a tied matrix once."""
     config = model.config
     embedding = model.get_input_embeddings().weight
@@ -61,7 +64,8 @@ def model_cost(model: Any, bytes_per_value: int = 4) -> ModelCost:
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        bytes_per_value=bytes_per_value,
+        weight_bytes_per_value=weight_bytes_per_value,
+        kv_bytes_per_value=kv_bytes_per_value,
     )
 
 
@@ -118,12 +122,14 @@ def decode_step_bound(
     batch_size: int,
     full: RunResult,
     prefill_only: RunResult,
+    gflops: float | None = None,
 ) -> dict[str, Any]:
     """One decode step at ``batch_size`` and the mean decode context, against bandwidth and matmul limits.
 
     The measured step is (full run − prefill-only run) / (output_len − 1): the
     prefill-only run produces the first output token, so the difference is the
-    remaining output_len − 1 steps.
+    remaining output_len − 1 steps. ``gflops`` is the matmul rate of the setting's
+    compute dtype; None: the machine's best float32 rate.
     """
     # Step j (1 .. output_len-1) feeds the token sampled at step j-1 at context prompt_len + j;
     # the mean of prompt_len + j over those steps is mean_prompt_len + output_len / 2.
@@ -131,7 +137,7 @@ def decode_step_bound(
     kv_bytes = batch_size * mean_context * cost.kv_bytes_per_token
     memory_bound_s = (cost.weight_bytes + kv_bytes) / (limits.best_gbps * 1e9)
     step_flops = 2 * cost.compute_params * batch_size + cost.attention_flops(batch_size, round(mean_context))
-    compute_bound_s = step_flops / (limits.best_gflops * 1e9)
+    compute_bound_s = step_flops / ((gflops or limits.best_gflops) * 1e9)
     num_steps = workload.output_len - 1
     measured_s = (full.wall_s - prefill_only.wall_s) / num_steps
     return {

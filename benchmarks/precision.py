@@ -1,0 +1,115 @@
+"""Precision settings the issue-11 benchmarks compare: weight dtype, weight quantization, KV cache dtype.
+
+A setting is written ``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]`` on the command line,
+an empty part or ``-`` meaning "not set" (no quantization, the KV cache in the
+model's dtype): ``float32``, ``bfloat16``, ``bfloat16:int8``, ``bfloat16:int4:int8``,
+``bfloat16::int8`` (bf16 weights, int8 KV). Parts that are not set are not passed
+to ``LLM`` at all, so a setting the engine of this checkout does not know yet
+fails at construction, and the benchmarks report it as unsupported instead of crashing.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+REFERENCE = "float32"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PrecisionSetting:
+    """One column of the comparison; ``None`` for a part that is left at the engine's default."""
+
+    dtype: str
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The command-line spelling, with trailing unset parts dropped."""
+        parts = [self.dtype, self.quantization or "", self.kv_cache_dtype or ""]
+        while parts and not parts[-1]:
+            parts.pop()
+        return ":".join(parts)
+
+    @property
+    def base(self) -> PrecisionSetting | None:
+        """The same weights with the KV cache in the model's dtype: what int8 KV is judged against."""
+        if self.kv_cache_dtype in (None, "auto"):
+            return None
+        return PrecisionSetting(self.dtype, self.quantization)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if self.quantization is not None:
+            kwargs["quantization"] = self.quantization
+        if self.kv_cache_dtype is not None:
+            kwargs["kv_cache_dtype"] = self.kv_cache_dtype
+        return kwargs
+
+
+def parse_setting(text: str) -> PrecisionSetting:
+    """``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]``; raises ``ValueError`` naming the bad part."""
+    parts = [part.strip() for part in text.split(":")]
+    if len(parts) > 3:
+        raise ValueError(f"setting {text!r}: expected DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]")
+    parts += [""] * (3 - len(parts))
+    dtype, quantization, kv_cache_dtype = (None if part in ("", "-") else part for part in parts)
+    if dtype not in DTYPES:
+        raise ValueError(f"setting {text!r}: dtype must be one of {DTYPES}, got {dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"setting {text!r}: quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"setting {text!r}: kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+        )
+    return PrecisionSetting(dtype, quantization, kv_cache_dtype)
+
+
+def parse_settings(texts: list[str]) -> list[PrecisionSetting]:
+    """Parsed in order, duplicates dropped, float32 first: it is the reference every ratio is taken against."""
+    settings = [PrecisionSetting(REFERENCE)]
+    for text in texts:
+        setting = parse_setting(text)
+        if setting not in settings:
+            settings.append(setting)
+    return settings
+
+
+def build_llm(setting: PrecisionSetting, **llm_kwargs: Any) -> Any:
+    """An ``LLM`` in ``setting``; whatever the constructor raises (unknown keyword, refused value) propagates."""
+    from engine import LLM
+
+    return LLM(**setting.llm_kwargs(), **llm_kwargs)
+
+
+class Unsupported(Exception):
+    """The engine refused to build this setting; the message is the one line the report prints."""
+
+
+def with_llm(setting: PrecisionSetting, use: Callable[[Any], T], **llm_kwargs: Any) -> T:
+    """Build the setting's engine, hand it to ``use``, free it; a refused construction raises ``Unsupported``."""
+    try:
+        llm = build_llm(setting, **llm_kwargs)
+    except Exception as error:  # any refusal: TypeError for an unknown keyword, ValueError for a value
+        raise Unsupported(f"unsupported: {type(error).__name__}: {error}") from error
+    try:
+        return use(llm)
+    finally:
+        del llm
+        gc.collect()
+
+
+def failure_line(error: BaseException) -> str:
+    """What the report prints for a setting that did not produce figures."""
+    if isinstance(error, Unsupported):
+        return str(error)
+    last = traceback.format_exception_only(type(error), error)[-1].strip()
+    return f"failed: {last}"
