@@ -1,17 +1,14 @@
-"""The ``pdserve`` console script: offline generation, each service role, a local cluster, a client."""
+"""The ``pdserve`` console script: every subcommand's arguments; offline and generate run here,
+each service role in ``pdserve.serve``, a local cluster in ``pdserve.up``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import logging
-import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from pdserve.security_flags import (
     add_auth_token_argument,
@@ -19,8 +16,9 @@ from pdserve.security_flags import (
     add_server_tls_arguments,
     auth_token_from_args,
     client_tls_from_args,
-    server_tls_from_args,
 )
+from pdserve.serve import engine_config, run_colocated, run_decode, run_gateway, run_prefill
+from pdserve.up import run_up
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
@@ -124,21 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     prefill = commands.add_parser("prefill", help="run a prefill worker")
     _add_worker_args(prefill, "prefill", 50061)
     prefill.add_argument("--lease-seconds", type=float, default=30.0, help="how long held KV waits for its decode worker")
-    prefill.set_defaults(func=_run_prefill)
+    prefill.set_defaults(func=run_prefill)
 
     decode = commands.add_parser("decode", help="run a decode worker")
     _add_worker_args(decode, "decode", 50071)
     add_client_tls_arguments(decode, "prefill workers")
     decode.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"],
                         help="when a handoff's KV cannot be fetched: recompute the prompt here, or fail with UNAVAILABLE")
-    decode.set_defaults(func=_run_decode)
+    decode.set_defaults(func=run_decode)
 
     colocated = commands.add_parser("colocated", help="run a worker doing prefill and decode on one engine")
     _add_worker_args(colocated, "colocated", 50081)
     add_client_tls_arguments(colocated, "prefill workers (itself included)")
     colocated.add_argument("--lease-seconds", type=float, default=30.0)
     colocated.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
-    colocated.set_defaults(func=_run_colocated)
+    colocated.set_defaults(func=run_colocated)
 
     gateway = commands.add_parser("gateway", help="run the public gateway")
     _add_server_args(gateway, 50051)
@@ -162,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
     gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
                          help="largest HTTP request body; larger ones are answered 413 unread")
-    gateway.set_defaults(func=_run_gateway)
+    gateway.set_defaults(func=run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
     up.add_argument("--model", default=None)
@@ -188,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
                     "ones in start order (0: a free port each); listed at start (default: off)")
     _add_supervision_args(up)
-    up.set_defaults(func=_run_up)
+    up.set_defaults(func=run_up)
 
     from pdserve.bench import add_bench_arguments, run_bench
 
@@ -225,25 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- offline -----------------------------------------------------------------------------
 
 
-def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          quantization=args.quantization, quantization_group_size=args.quantization_group_size),
-        cache=CacheConfig(
-            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-    )
-
-
 def _run_offline(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM.from_config(_engine_config(args))
+    llm = LLM.from_config(engine_config(args))
     engine = llm.engine
     print(f"loaded {engine.model_id} in {time.perf_counter() - start:.1f} s "
           f"({engine.dtype}, {engine.device}, {engine.block_manager.num_blocks} KV blocks)")
@@ -257,210 +241,6 @@ def _run_offline(args: argparse.Namespace) -> int:
     total = sum(len(o.token_ids) for o in outputs)
     print(f"\n{len(outputs)} completions, {total} output tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
     return 0
-
-
-# ---- services ------------------------------------------------------------------------------
-
-
-def _setup_logging(args: argparse.Namespace) -> None:
-    from service_common.logs import configure_logging
-
-    configure_logging(args.log_level, args.log_format)
-
-
-def _write_ready(path: str | None, address: str) -> None:
-    if path:
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(address)
-        os.replace(tmp, path)  # the launcher never reads a half-written file
-
-
-def _advertise_host(args: argparse.Namespace) -> str:
-    if args.advertise_host:
-        return args.advertise_host
-    if args.host in ("0.0.0.0", "::", ""):
-        # In a container the hostname resolves to the address peers can reach.
-        return socket.gethostbyname(socket.gethostname())
-    return args.host
-
-
-def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
-    from service_common.server import install_uvloop, run_until_signal
-
-    install_uvloop()
-
-    async def run() -> int:
-        server = make_server()
-        try:
-            port = await server.start()
-        except BaseException:
-            # Release what started before the failure (a bound port, the engine thread); the
-            # failure itself is what the user must see, not one of this cleanup.
-            with contextlib.suppress(Exception):
-                await server.stop()
-            raise
-        host = getattr(server, "advertise_host", args.host)
-        _write_ready(args.ready_file, f"{host}:{port}")
-        # A worker whose engine died can only refuse work: exit, so that a supervisor starts a fresh one.
-        if await run_until_signal(server.stop, getattr(server, "engine_dead", None)):
-            return 0
-        from pdserve.supervisor import EXIT_ENGINE_DEAD
-
-        logging.getLogger("pdserve").error("the engine died; exiting with status %d to be restarted", EXIT_ENGINE_DEAD)
-        return EXIT_ENGINE_DEAD
-
-    return asyncio.run(run())
-
-
-def _run_worker(args: argparse.Namespace, role: str) -> int:
-    from engine.llm_engine import LLMEngine
-    from service_common.server import ServerConfig
-    from service_common.worker import WorkerConfig
-
-    _setup_logging(args)
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
-    # Read before the model loads, so a wrong certificate path fails at once.
-    server_tls = server_tls_from_args(args)
-    client_tls = client_tls_from_args(args) if role != "prefill" else None  # a prefill worker dials no one
-    engine = LLMEngine(_engine_config(args))
-    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                                 grace_s=args.drain_seconds, tls=server_tls)
-    worker_config = WorkerConfig(
-        role=role,
-        worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
-        redis_url=args.redis_url,
-        redis_prefix=args.redis_prefix,
-        max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens,
-    )
-    advertise = _advertise_host(args)
-    if role == "prefill":
-        from prefill_service.server import PrefillServer
-
-        return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
-                                            advertise_host=advertise, metrics_port=args.metrics_port), args)
-    if role == "colocated":
-        from decode_service.colocated import ColocatedServer
-
-        return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
-                                              advertise_host=advertise, kv_failure_policy=args.kv_failure_policy,
-                                              client_tls=client_tls, metrics_port=args.metrics_port), args)
-    from decode_service.server import DecodeServer
-
-    return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise,
-                                       kv_failure_policy=args.kv_failure_policy, client_tls=client_tls,
-                                       metrics_port=args.metrics_port), args)
-
-
-def _run_prefill(args: argparse.Namespace) -> int:
-    return _run_worker(args, "prefill")
-
-
-def _run_decode(args: argparse.Namespace) -> int:
-    return _run_worker(args, "decode")
-
-
-def _run_colocated(args: argparse.Namespace) -> int:
-    return _run_worker(args, "colocated")
-
-
-def _run_gateway(args: argparse.Namespace) -> int:
-    from gateway.server import GatewayServer
-    from gateway.tokenizer import load_tokenizer
-    from service_common.server import ServerConfig
-
-    _setup_logging(args)
-    if not args.prefill and not args.decode and not args.redis_url:
-        raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
-    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                                 grace_s=args.drain_seconds, tls=server_tls_from_args(args),
-                                 auth_token=auth_token_from_args(args))
-    client_tls = client_tls_from_args(args)
-    tokenizer = load_tokenizer(args.model)
-
-    class _Gateway(GatewayServer):
-        advertise_host = args.host
-
-        async def start(self) -> int:
-            port = await super().start()
-            if not await self.pool.wait_ready(args.wait_for_workers):
-                logging.getLogger("pdserve").warning("no prefill and decode worker answered yet; serving anyway")
-            return port
-
-    return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
-                                   args.redis_prefix, args.kv_transport, routing=args.routing,
-                                   max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
-                                   max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
-                                   http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
-                                   http_max_body_bytes=args.http_max_body_bytes), args)
-
-
-def _up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The engine flags ``up`` passes on to every worker it starts."""
-    engine_args: tuple[str, ...] = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
-    if args.quantization:
-        engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
-    if args.kv_cache_dtype != "auto":
-        engine_args += ("--kv-cache-dtype", args.kv_cache_dtype)
-    return engine_args
-
-
-def _run_up(args: argparse.Namespace) -> int:
-    import signal
-
-    from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
-    from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
-
-    logging.basicConfig(level="INFO", format="%(message)s")
-    policy = RestartPolicy(initial_backoff_s=args.restart_delay, max_backoff_s=args.restart_max_delay,
-                           max_restarts=args.max_restarts, window_s=args.restart_window,
-                           unhealthy_after_s=args.unhealthy_after)
-    engine_args = _up_engine_args(args)
-    config = ClusterConfig(
-        model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
-        redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
-        colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
-        http_max_n=args.max_n,
-    )
-    stop = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    cluster = LocalCluster(config)
-    try:
-        cluster.start()
-        print(_startup_line(args, cluster), flush=True)
-        for name in cluster.child_names():
-            print(f"  {name}: {cluster.location(name)} (pid {cluster.process(name).pid})", flush=True)
-        Supervisor(cluster, policy).run(lambda: stop)
-        return 0
-    except (StartupError, GaveUp) as error:
-        print(f"pdserve: error: {error}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        cluster.stop()
-        print("pdserve stopped", flush=True)
-
-
-def _startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - LocalCluster, imported lazily
-    layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
-              else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
-    line = (f"pdserve is serving {args.model or 'the default model'} on {cluster.endpoint} "
-            f"({layout}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
-    if cluster.metrics_ports:
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())
-        line += f"; metrics: {listed}"
-    return line
 
 
 def _run_generate(args: argparse.Namespace) -> int:

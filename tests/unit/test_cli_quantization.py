@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import _engine_config, _up_engine_args, build_parser
+from pdserve.cli import build_parser
+from pdserve.serve import engine_config
+from pdserve.up import up_engine_args
 
 
 @pytest.mark.parametrize("role", ["offline", "prefill", "decode", "colocated"])
 def test_every_engine_role_takes_the_quantization_flags(role: str) -> None:
     args = build_parser().parse_args([role, "--quantization", "int4", "--quantization-group-size", "32"])
-    model = _engine_config(args).model
+    model = engine_config(args).model
     assert (model.quantization, model.quantization_group_size) == ("int4", 32)
-    default = _engine_config(build_parser().parse_args([role])).model
+    default = engine_config(build_parser().parse_args([role])).model
     assert (default.quantization, default.quantization_group_size) == (None, 64)
 
 
@@ -24,8 +26,8 @@ def test_an_unknown_quantization_is_refused_by_the_parser(capsys: pytest.Capture
 
 def test_up_passes_the_quantization_flags_to_its_workers() -> None:
     args = build_parser().parse_args(["up", "--quantization", "int8", "--num-kv-blocks", "40"])
-    assert _up_engine_args(args) == ("--num-kv-blocks", "40", "--quantization", "int8", "--quantization-group-size", "64")
-    assert _up_engine_args(build_parser().parse_args(["up"])) == ()
+    assert up_engine_args(args) == ("--num-kv-blocks", "40", "--quantization", "int8", "--quantization-group-size", "64")
+    assert up_engine_args(build_parser().parse_args(["up"])) == ()
     # What up passes, each worker parses back.
-    worker = build_parser().parse_args(["decode", *_up_engine_args(args)])
-    assert _engine_config(worker).model.quantization == "int8"
+    worker = build_parser().parse_args(["decode", *up_engine_args(args)])
+    assert engine_config(worker).model.quantization == "int8"

@@ -158,11 +158,12 @@ def test_write_then_read_returns_the_new_kv_in_the_cache_precision(dtype: torch.
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "colocated", "offline"])
 def test_every_engine_role_takes_kv_cache_dtype(role: str) -> None:
-    from pdserve.cli import _engine_config, build_parser
+    from pdserve.cli import build_parser
+    from pdserve.serve import engine_config
 
     parser = build_parser()
-    assert _engine_config(parser.parse_args([role, "--kv-cache-dtype", "int8"])).cache.kv_cache_dtype == "int8"
-    assert _engine_config(parser.parse_args([role])).cache.kv_cache_dtype == "auto"
+    assert engine_config(parser.parse_args([role, "--kv-cache-dtype", "int8"])).cache.kv_cache_dtype == "int8"
+    assert engine_config(parser.parse_args([role])).cache.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args([role, "--kv-cache-dtype", "float8"])
     assert parser.parse_args(["up", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"

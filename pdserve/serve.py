@@ -1,0 +1,163 @@
+"""Running one role (prefill, decode, colocated worker, gateway) as a server process, as the CLI starts it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+
+from pdserve.security_flags import auth_token_from_args, client_tls_from_args, server_tls_from_args
+
+
+def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          quantization=args.quantization, quantization_group_size=args.quantization_group_size),
+        cache=CacheConfig(
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    from service_common.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
+
+
+def _write_ready(path: str | None, address: str) -> None:
+    if path:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(address)
+        os.replace(tmp, path)  # the launcher never reads a half-written file
+
+
+def _advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "::", ""):
+        # In a container the hostname resolves to the address peers can reach.
+        return socket.gethostbyname(socket.gethostname())
+    return args.host
+
+
+def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
+    from service_common.server import install_uvloop, run_until_signal
+
+    install_uvloop()
+
+    async def run() -> int:
+        server = make_server()
+        try:
+            port = await server.start()
+        except BaseException:
+            # Release what started before the failure (a bound port, the engine thread); the
+            # failure itself is what the user must see, not one of this cleanup.
+            with contextlib.suppress(Exception):
+                await server.stop()
+            raise
+        host = getattr(server, "advertise_host", args.host)
+        _write_ready(args.ready_file, f"{host}:{port}")
+        # A worker whose engine died can only refuse work: exit, so that a supervisor starts a fresh one.
+        if await run_until_signal(server.stop, getattr(server, "engine_dead", None)):
+            return 0
+        from pdserve.supervisor import EXIT_ENGINE_DEAD
+
+        logging.getLogger("pdserve").error("the engine died; exiting with status %d to be restarted", EXIT_ENGINE_DEAD)
+        return EXIT_ENGINE_DEAD
+
+    return asyncio.run(run())
+
+
+def _run_worker(args: argparse.Namespace, role: str) -> int:
+    from engine.llm_engine import LLMEngine
+    from service_common.server import ServerConfig
+    from service_common.worker import WorkerConfig
+
+    _setup_logging(args)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    # Read before the model loads, so a wrong certificate path fails at once.
+    server_tls = server_tls_from_args(args)
+    client_tls = client_tls_from_args(args) if role != "prefill" else None  # a prefill worker dials no one
+    engine = LLMEngine(engine_config(args))
+    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                                 grace_s=args.drain_seconds, tls=server_tls)
+    worker_config = WorkerConfig(
+        role=role,
+        worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+    )
+    advertise = _advertise_host(args)
+    if role == "prefill":
+        from prefill_service.server import PrefillServer
+
+        return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
+                                            advertise_host=advertise, metrics_port=args.metrics_port), args)
+    if role == "colocated":
+        from decode_service.colocated import ColocatedServer
+
+        return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
+                                              advertise_host=advertise, kv_failure_policy=args.kv_failure_policy,
+                                              client_tls=client_tls, metrics_port=args.metrics_port), args)
+    from decode_service.server import DecodeServer
+
+    return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise,
+                                       kv_failure_policy=args.kv_failure_policy, client_tls=client_tls,
+                                       metrics_port=args.metrics_port), args)
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    return _run_worker(args, "prefill")
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    return _run_worker(args, "decode")
+
+
+def run_colocated(args: argparse.Namespace) -> int:
+    return _run_worker(args, "colocated")
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import GatewayServer
+    from gateway.tokenizer import load_tokenizer
+    from service_common.server import ServerConfig
+
+    _setup_logging(args)
+    if not args.prefill and not args.decode and not args.redis_url:
+        raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
+    server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                                 grace_s=args.drain_seconds, tls=server_tls_from_args(args),
+                                 auth_token=auth_token_from_args(args))
+    client_tls = client_tls_from_args(args)
+    tokenizer = load_tokenizer(args.model)
+
+    class _Gateway(GatewayServer):
+        advertise_host = args.host
+
+        async def start(self) -> int:
+            port = await super().start()
+            if not await self.pool.wait_ready(args.wait_for_workers):
+                logging.getLogger("pdserve").warning("no prefill and decode worker answered yet; serving anyway")
+            return port
+
+    return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
+                                   args.redis_prefix, args.kv_transport, routing=args.routing,
+                                   max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
+                                   max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
+                                   http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
+                                   http_max_body_bytes=args.http_max_body_bytes), args)

@@ -1,0 +1,72 @@
+"""``pdserve up``: a whole cluster on this machine, supervised until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags ``up`` passes on to every worker it starts."""
+    engine_args: tuple[str, ...] = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
+    if args.quantization:
+        engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
+    if args.kv_cache_dtype != "auto":
+        engine_args += ("--kv-cache-dtype", args.kv_cache_dtype)
+    return engine_args
+
+
+def run_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
+    from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
+
+    logging.basicConfig(level="INFO", format="%(message)s")
+    policy = RestartPolicy(initial_backoff_s=args.restart_delay, max_backoff_s=args.restart_max_delay,
+                           max_restarts=args.max_restarts, window_s=args.restart_window,
+                           unhealthy_after_s=args.unhealthy_after)
+    engine_args = up_engine_args(args)
+    config = ClusterConfig(
+        model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
+        colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
+        http_max_n=args.max_n,
+    )
+    stop = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    cluster = LocalCluster(config)
+    try:
+        cluster.start()
+        print(startup_line(args, cluster), flush=True)
+        for name in cluster.child_names():
+            print(f"  {name}: {cluster.location(name)} (pid {cluster.process(name).pid})", flush=True)
+        Supervisor(cluster, policy).run(lambda: stop)
+        return 0
+    except (StartupError, GaveUp) as error:
+        print(f"pdserve: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        cluster.stop()
+        print("pdserve stopped", flush=True)
+
+
+def startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - LocalCluster, imported lazily
+    layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
+              else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
+    line = (f"pdserve is serving {args.model or 'the default model'} on {cluster.endpoint} "
+            f"({layout}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
+    if cluster.metrics_ports:
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())
+        line += f"; metrics: {listed}"
+    return line
