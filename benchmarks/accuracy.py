@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, default=2048, help="tokens between window starts")
     parser.add_argument("--top-n", type=int, default=20, help="prompt_logprobs=N: the top list KL is computed over")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens (quick runs)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=256,
+        help="prefill chunk: every chunk after a window's first attends to its context as the KV cache holds it "
+        "(a compact KV dtype's rounding shows only there, as it does in decode)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
     if args.top_n < 1:
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             scored[setting] = with_llm(
                 setting, lambda llm: score_text(llm, token_ids, windows, args.top_n), model=args.model,
-                max_num_batched_tokens=max(2048, args.window), num_kv_blocks=num_kv_blocks,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             )
             print(f"[{setting.name}] scored in {scored[setting].wall_s:.1f} s", flush=True)
         except Exception as error:

@@ -66,7 +66,7 @@ class ModelConfig:
     seed: int = 0  # seeds the sampler's generator for requests without a seed
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; engine/attention/backend.py says what auto picks
     quantization: str | None = None  # one of QUANTIZATIONS, applied at load to any float checkpoint
-    quantization_group_size: int = 64  # input columns per INT4 scale/zero; must divide every projection's in_features
+    quantization_group_size: int = 32  # input columns per INT4 scale/zero; must divide every projection's in_features
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

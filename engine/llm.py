@@ -36,7 +36,7 @@ class LLM:
         attention_backend: str = "auto",
         kv_memory_fraction: float | None = None,
         quantization: str | None = None,
-        quantization_group_size: int = 64,
+        quantization_group_size: int = 32,
         kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(

@@ -51,7 +51,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the decoder's projections at load (default: none)")
-    parser.add_argument("--quantization-group-size", type=int, default=64,
+    parser.add_argument("--quantization-group-size", type=int, default=32,
                         help="input columns per INT4 scale and zero (32, 64, 128 or 256; must divide the projections)")
 
 

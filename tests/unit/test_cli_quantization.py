@@ -15,7 +15,7 @@ def test_every_engine_role_takes_the_quantization_flags(role: str) -> None:
     model = engine_config(args).model
     assert (model.quantization, model.quantization_group_size) == ("int4", 32)
     default = engine_config(build_parser().parse_args([role])).model
-    assert (default.quantization, default.quantization_group_size) == (None, 64)
+    assert (default.quantization, default.quantization_group_size) == (None, 32)
 
 
 def test_an_unknown_quantization_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,7 +26,7 @@ def test_an_unknown_quantization_is_refused_by_the_parser(capsys: pytest.Capture
 
 def test_up_passes_the_quantization_flags_to_its_workers() -> None:
     args = build_parser().parse_args(["up", "--quantization", "int8", "--num-kv-blocks", "40"])
-    assert up_engine_args(args) == ("--num-kv-blocks", "40", "--quantization", "int8", "--quantization-group-size", "64")
+    assert up_engine_args(args) == ("--num-kv-blocks", "40", "--quantization", "int8", "--quantization-group-size", "32")
     assert up_engine_args(build_parser().parse_args(["up"])) == ()
     # What up passes, each worker parses back.
     worker = build_parser().parse_args(["decode", *up_engine_args(args)])
