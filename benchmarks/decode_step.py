@@ -29,7 +29,7 @@ from torch import nn
 
 from benchmarks.workload import make_workload
 from engine import LLM, SamplingParams
-from engine.attention.cpu_kernel import load_paged_decode_kernel
+from engine.attention.cpu_kernel import load_paged_attention_kernel
 from engine.attention.sdpa import SdpaBackend
 from engine.models.llama import PackedLinear
 
@@ -90,7 +90,7 @@ def decode_step(batch: int, steps_before: int, repeats: int) -> dict:
     if len(decodes) != len(scheduled.scheduled):
         raise SystemExit("the timed step still holds prefill chunks: raise --steps-before")
     context = statistics.mean(item.start + 1 for item in decodes)
-    kernel = load_paged_decode_kernel()
+    kernel = load_paged_attention_kernel()
     backends = {"sdpa": SdpaBackend()}
     if kernel is not None:
         backends["cpu_paged"] = SdpaBackend(kernel)

@@ -29,7 +29,7 @@ from benchmarks.decode_step import VOCAB_SIZE, _alternate
 from benchmarks.workload import make_workload
 from engine import LLM, SamplingParams
 from engine.attention.backend import AttentionBatch
-from engine.attention.cpu_kernel import load_paged_decode_kernel
+from engine.attention.cpu_kernel import load_paged_attention_kernel
 from engine.attention.sdpa import SdpaBackend
 from engine.kv_cache import KVCache, bytes_per_block
 
@@ -44,7 +44,7 @@ def _contexts(batch: int, steps_before: int) -> list[int]:
 
 def kernel_per_dtype(batch: int, steps_before: int, repeats: int) -> dict:
     """One layer's decode attention per KV dtype: the C kernel and gather + SDPA."""
-    kernel = load_paged_decode_kernel()
+    kernel = load_paged_attention_kernel()
     if kernel is None:
         raise SystemExit("no C compiler: the kernel cannot be built here")
     lens = _contexts(batch, steps_before)
@@ -67,15 +67,14 @@ def kernel_per_dtype(batch: int, steps_before: int, repeats: int) -> dict:
             batch_description = AttentionBatch(
                 num_decodes=batch, query_lens=[1] * batch, context_lens=lens, block_tables=tables,
                 slot_mapping=torch.zeros(batch, dtype=torch.long), block_size=BLOCK_SIZE, device=torch.device("cpu"),
+                num_heads=NUM_KV_HEADS * GROUP, num_kv_heads=NUM_KV_HEADS,
             )
             metadata = backend.build_metadata(batch_description)
-            if backend.decode_kernel is not None:
-                def run(layers=layers, m=metadata) -> object:
-                    return [
-                        kernel(query, k, v, m.decode_block_tables, m.decode_context_lens, m.decode_split_points,
-                               HEAD_DIM**-0.5)
-                        for k, v in layers
-                    ]
+            if backend.kernel is not None:
+                out = torch.empty_like(query)
+
+                def run(layers=layers, m=metadata, out=out) -> object:
+                    return [kernel(query, k, v, m.kernel_plan, HEAD_DIM**-0.5, out) for k, v in layers]
             else:
                 def run(k=key_cache, v=value_cache, m=metadata, b=backend) -> object:
                     # forward() also writes the (zero-slot) new K/V first: the same small cost in every dtype.

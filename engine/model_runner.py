@@ -152,6 +152,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_size=bs,
             device=device,
+            num_heads=self.model.config.num_attention_heads,
+            num_kv_heads=self.model.num_kv_heads,
         )
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),

@@ -32,6 +32,9 @@ class AttentionBatch:
     slot_mapping: torch.Tensor
     block_size: int
     device: torch.device
+    # The model's attention shape: query heads, and the KV heads they share
+    num_heads: int
+    num_kv_heads: int
 
 
 class AttentionBackend(abc.ABC):
@@ -125,7 +128,7 @@ def select_backend(
         from engine.attention.flash import FlashAttentionBackend
 
         return FlashAttentionBackend()
-    from engine.attention.cpu_kernel import KERNEL_KV_DTYPES, KERNEL_QUERY_DTYPES, load_paged_decode_kernel
+    from engine.attention.cpu_kernel import KERNEL_KV_DTYPES, KERNEL_QUERY_DTYPES, load_paged_attention_kernel
     from engine.attention.sdpa import SdpaBackend
 
     kernel_fits = device.type == "cpu" and dtype in KERNEL_QUERY_DTYPES and kv_dtype in KERNEL_KV_DTYPES
@@ -136,7 +139,7 @@ def select_backend(
             "attention_backend='cpu_paged' needs device 'cpu', dtype float32 or bfloat16 and a KV cache of "
             f"float32, bfloat16 or int8; got {device.type}, {dtype}, KV {kv_dtype}"
         )
-    kernel = load_paged_decode_kernel()
+    kernel = load_paged_attention_kernel()
     if kernel is None and name == "cpu_paged":
         raise ValueError("attention_backend='cpu_paged' needs a C compiler to build its kernel (see the log)")
     return SdpaBackend(kernel)

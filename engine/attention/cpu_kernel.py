@@ -1,11 +1,13 @@
-"""Builds and calls the paged decode-attention C kernel (``kernels/paged_decode.c``) on CPUs.
+"""Builds and calls the paged-attention C kernel (``kernels/paged_attention.c``) on CPUs.
 
-The kernel is compiled once per machine with the system C compiler into
+The kernel attends short queries (decode tokens, and the few tokens a
+speculative step verifies) over the paged cache where it lies. It is compiled
+once per machine with the system C compiler into
 ``<pdserve cache dir>/kernels/`` (the file name carries a hash of the source,
 the flags and the CPU's feature flags, so a changed source or a different CPU
 never loads a stale build) and loaded with ctypes. Without a compiler, or when
-the build fails, ``load_paged_decode_kernel`` returns None and the engine keeps
-the pure-torch SDPA path; nothing else depends on the kernel.
+the build fails, ``load_paged_attention_kernel`` returns None and the engine
+keeps the pure-torch SDPA path; nothing else depends on the kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -20,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,108 +34,151 @@ from engine.kv_cache import QuantizedKV
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+_SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
 # -march=native is safe because the cached file is keyed by this CPU's feature flags.
-_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
-_SYMBOL = "pdserve_paged_decode_attention"
-# One symbol per KV dtype; int8 takes two more pointers (the key and value scales).
-_SYMBOLS = {torch.float32: _SYMBOL, torch.bfloat16: _SYMBOL + "_bf16", torch.int8: _SYMBOL + "_int8"}
+_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+_SYMBOL = "pdserve_paged_attention"
+# The C side's kv_kind codes.
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # The KV dtypes the kernel reads; queries may be float32 or bfloat16 (computed in float32).
-KERNEL_KV_DTYPES = tuple(_SYMBOLS)
+KERNEL_KV_DTYPES = tuple(_KV_KINDS)
 KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16)
+# Query vectors the C side scores per pass over a KV head's rows (VECTORS_PER_PASS there).
+_VECTORS_PER_PASS = 4
+# Work under this many (context position x pass) units runs on the calling thread:
+# handing it to a pool thread costs more than it saves (batch-1 decode).
+_MIN_PARALLEL_WORK = 4096
 _BUILD_TIMEOUT_S = 120
 
 
-class PagedDecodeKernel:
-    """Decode attention over the paged cache for a batch of single-token queries, CPU, float32 arithmetic.
+@dataclass(frozen=True)
+class KernelPlan:
+    """One step's sequences for the kernel, built once and shared by every layer.
+
+    Sequence i owns query rows ``query_rows[i]`` .. ``+ query_lens[i] - 1`` of
+    the flattened batch; its queries sit at the end of ``context_lens[i]``
+    positions. ``item_ranges`` split the work items (sequence x KV head) over
+    threads.
+    """
+
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int64, padded with 0
+    context_lens: torch.Tensor  # (num_seqs,) int64
+    query_rows: torch.Tensor  # (num_seqs,) int64
+    query_lens: torch.Tensor  # (num_seqs,) int64
+    item_ranges: tuple[tuple[int, int], ...]
+
+
+class PagedAttentionKernel:
+    """Attention of short queries over the paged cache, on CPU, float32 arithmetic.
 
     The cache may be float32, bfloat16 or int8 (a ``QuantizedKV`` with its
-    scales); the output has the query's dtype.
-
-    ``num_threads`` calls of the kernel run side by side on disjoint ranges of
-    sequences chosen to balance their context lengths; ctypes releases the GIL
-    for each, so they run in parallel.
+    scales); queries and output are float32 or bfloat16. The work items of a
+    step run on up to ``num_threads`` threads side by side (ctypes releases the
+    GIL), split into contiguous ranges of about equal cost.
     """
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._functions = {dtype: getattr(library, symbol) for dtype, symbol in _SYMBOLS.items()}
+        self._function = getattr(library, _SYMBOL)
         self.num_threads = max(1, num_threads)
         self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn") if self.num_threads > 1 else None
 
-    def split_points(self, context_lens: list[int]) -> list[int]:
-        """Boundaries of up to ``num_threads`` contiguous sequence ranges of about equal total context."""
-        total = sum(context_lens)
+    def plan(
+        self,
+        query_rows: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        num_kv_heads: int,
+        group: int,
+    ) -> KernelPlan:
+        for q_len, ctx_len in zip(query_lens, context_lens):
+            if not 1 <= q_len <= ctx_len:
+                raise ValueError(f"each query length must be in [1, its context length], got {q_len} over {ctx_len}")
+        max_blocks = max(len(table) for table in block_tables)
+        tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        costs = []
+        for q_len, ctx_len in zip(query_lens, context_lens):
+            costs += [ctx_len * math.ceil(q_len * group / _VECTORS_PER_PASS)] * num_kv_heads
+        return KernelPlan(
+            block_tables=torch.tensor(tables, dtype=torch.long),
+            context_lens=torch.tensor(context_lens, dtype=torch.long),
+            query_rows=torch.tensor(query_rows, dtype=torch.long),
+            query_lens=torch.tensor(query_lens, dtype=torch.long),
+            item_ranges=self.split(costs),
+        )
+
+    def split(self, costs: list[int]) -> tuple[tuple[int, int], ...]:
+        """Up to ``num_threads`` contiguous ranges of items of about equal total cost (one when the work is small)."""
+        total = sum(costs)
+        threads = self.num_threads if total >= _MIN_PARALLEL_WORK else 1
         points = [0]
         running = 0
-        for index, length in enumerate(context_lens):
-            running += length
-            if len(points) < self.num_threads and running * self.num_threads >= total * len(points) and index + 1 < len(context_lens):
+        for index, cost in enumerate(costs):
+            running += cost
+            if len(points) < threads and running * threads >= total * len(points) and index + 1 < len(costs):
                 points.append(index + 1)
-        points.append(len(context_lens))
-        return points
+        points.append(len(costs))
+        return tuple(zip(points[:-1], points[1:]))
 
     def __call__(
         self,
-        query: torch.Tensor,  # (num_seqs, num_heads, head_dim)
+        query: torch.Tensor,  # (num_rows, num_heads, head_dim)
         key_cache: torch.Tensor | QuantizedKV,  # (num_blocks, block_size, num_kv_heads, head_dim)
         value_cache: torch.Tensor | QuantizedKV,
-        block_tables: torch.Tensor,  # (num_seqs, max_blocks) int64
-        context_lens: torch.Tensor,  # (num_seqs,) int64
-        split_points: list[int],
+        plan: KernelPlan,
         scale: float,
-    ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
-        num_seqs, num_heads, head_dim = query.shape
-        quantized = isinstance(key_cache, QuantizedKV)
+        out: torch.Tensor,  # like query; the plan's rows are written, the others left as they are
+    ) -> None:
         key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
         value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
-        _, block_size, num_kv_heads, _ = key_data.shape
+        _, block_size, num_kv_heads, head_dim = key_data.shape
         kv_dtype = key_data.dtype
-        if kv_dtype not in self._functions:
-            raise ValueError(f"the paged decode kernel reads KV in {KERNEL_KV_DTYPES}, got {kv_dtype}")
+        if kv_dtype not in _KV_KINDS:
+            raise ValueError(f"the paged attention kernel reads KV in {KERNEL_KV_DTYPES}, got {kv_dtype}")
+        quantized = isinstance(key_cache, QuantizedKV)
         if quantized != (kv_dtype == torch.int8) or isinstance(value_cache, QuantizedKV) != quantized:
             raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
-        checks = [
-            ("key_cache", key_data, kv_dtype),
-            ("value_cache", value_data, kv_dtype),
-            ("block_tables", block_tables, torch.int64),
-            ("context_lens", context_lens, torch.int64),
-        ]
+        if query.dtype not in KERNEL_QUERY_DTYPES or out.dtype != query.dtype or out.shape != query.shape:
+            raise ValueError(f"query and out must be float32 or bfloat16 of one shape, got {query.dtype}, {out.dtype}")
+        checks = [("query", query, query.dtype), ("out", out, query.dtype), ("key_cache", key_data, kv_dtype),
+                  ("value_cache", value_data, kv_dtype)]
+        scales = (0, 0)
         if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
             checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
+            scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
         # The C side trusts these layouts; anything else would read the wrong memory.
         for name, tensor, dtype in checks:
             if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
-        query_dtype = query.dtype
-        query = query.to(torch.float32).contiguous()
-        out = torch.empty_like(query)
-        args: tuple[int, ...] = (out.data_ptr(), query.data_ptr(), key_data.data_ptr(), value_data.data_ptr())
-        if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
-            args += (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
-        args += (block_tables.data_ptr(), context_lens.data_ptr())
-        function = self._functions[kv_dtype]
-        shape = (block_tables.shape[1], num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale)
-        ranges = list(zip(split_points[:-1], split_points[1:]))
+        args = (
+            out.data_ptr(), query.data_ptr(), int(query.dtype == torch.bfloat16),
+            key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales,
+            plan.block_tables.data_ptr(), plan.context_lens.data_ptr(),
+            plan.query_rows.data_ptr(), plan.query_lens.data_ptr(),
+        )
+        shape = (plan.block_tables.shape[1], num_kv_heads, query.shape[1] // num_kv_heads, head_dim, block_size, scale)
+        ranges = plan.item_ranges
         pending = []
         if self._pool is not None:
-            pending = [self._pool.submit(function, *args, begin, end, *shape) for begin, end in ranges[1:]]
+            pending = [self._pool.submit(self._function, *args, begin, end, *shape) for begin, end in ranges[1:]]
             ranges = ranges[:1]
-        statuses = [function(*args, begin, end, *shape) for begin, end in ranges]
+        statuses = [self._function(*args, begin, end, *shape) for begin, end in ranges]
         statuses += [future.result() for future in pending]
+        if -1 in statuses:
+            raise MemoryError("the paged attention kernel could not allocate its score buffer")
         if any(status != 0 for status in statuses):
-            raise MemoryError("paged decode attention kernel could not allocate its score buffer")
-        return out.to(query_dtype)
+            raise ValueError("the paged attention kernel was given a query longer than its context")
 
 
 _build_lock = threading.Lock()
 
 
-def load_paged_decode_kernel(num_threads: int | None = None) -> PagedDecodeKernel | None:
+def load_paged_attention_kernel(num_threads: int | None = None) -> PagedAttentionKernel | None:
     """The compiled kernel, building it on first use; None where it cannot be built on this machine."""
     library = _load_library()
     if library is None:
         return None
-    return PagedDecodeKernel(library, num_threads if num_threads is not None else torch.get_num_threads())
+    return PagedAttentionKernel(library, num_threads if num_threads is not None else torch.get_num_threads())
 
 
 @lru_cache(maxsize=1)
@@ -143,11 +190,11 @@ def _load_library() -> ctypes.CDLL | None:
             logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
             return None
         library = ctypes.CDLL(str(path))
-        for dtype, symbol in _SYMBOLS.items():
-            function = getattr(library, symbol)
-            function.restype = ctypes.c_int
-            num_pointers = 8 if dtype == torch.int8 else 6
-            function.argtypes = [ctypes.c_void_p] * num_pointers + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        function = getattr(library, _SYMBOL)
+        function.restype = ctypes.c_int
+        pointer, integer = ctypes.c_void_p, ctypes.c_int64
+        function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
+                             pointer, pointer, pointer, pointer] + [integer] * 7 + [ctypes.c_float]
         return library
 
 
@@ -158,12 +205,12 @@ def _build() -> Path:
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler, *_CFLAGS)).encode() + _cpu_identity()).hexdigest()[:16]
     directory = default_cache_dir() / "kernels"
-    target = directory / f"paged_decode-{key}.so"
+    target = directory / f"paged_attention-{key}.so"
     if target.is_file():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: concurrent builders never see half a file.
-    fd, temp_name = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=directory)
+    fd, temp_name = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=directory)
     os.close(fd)
     try:
         result = subprocess.run(

@@ -1,8 +1,10 @@
 """torch SDPA over the paged cache: the CPU path, and the GPU fallback.
 
-On CPU in float32 the decode sequences can go to the C kernel in
-``cpu_kernel.py`` instead (backend name ``cpu_paged``), which reads K/V where
-they lie in the block pool; prefill chunks always use SDPA. With a KV dtype
+On CPU the short queries can go to the C kernel in ``cpu_kernel.py`` instead
+(backend name ``cpu_paged``), which reads K/V where they lie in the block pool:
+every decode token, and every chunk of at most ``KERNEL_MAX_QUERY_LEN`` tokens
+over a cached context (the tokens a speculative step verifies). Longer chunks
+and whole prompts use SDPA, whose matrix products win there. With a KV dtype
 other than the model's (``kv_cache_dtype``), new K/V are cast or quantized on
 write and the SDPA path casts or dequantizes what it gathers.
 """
@@ -15,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionBatch, CacheTensor, read_cache, write_to_cache
-from engine.attention.cpu_kernel import PagedDecodeKernel
+from engine.attention.cpu_kernel import KernelPlan, PagedAttentionKernel
+
+
+# Chunks of at most this many tokens over a cached context go to the C kernel
+# (which scores up to four query vectors per pass over the rows it reads); longer
+# ones to SDPA.
+KERNEL_MAX_QUERY_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -36,39 +44,56 @@ class SdpaMetadata:
     decode_block_tables: torch.Tensor | None
     # SDPA decodes only: (num_decodes, 1, 1, max_blocks * block_size), True = attend
     decode_mask: torch.Tensor | None
-    # Kernel decodes only: (num_decodes,) context lengths and the per-thread sequence ranges
-    decode_context_lens: torch.Tensor | None
-    decode_split_points: list[int] | None
+    # The decodes and short chunks the C kernel attends (None without the kernel or without such sequences)
+    kernel_plan: KernelPlan | None
     prefills: tuple[_PrefillSpan, ...]
 
 
 class SdpaBackend(AttentionBackend):
     """Decodes in one padded SDPA call per layer, or in the C kernel; each prefill chunk in its own SDPA call."""
 
-    def __init__(self, decode_kernel: PagedDecodeKernel | None = None) -> None:
-        self.decode_kernel = decode_kernel
-        self.name = "sdpa" if decode_kernel is None else "cpu_paged"
+    def __init__(self, kernel: PagedAttentionKernel | None = None) -> None:
+        self.kernel = kernel
+        self.name = "sdpa" if kernel is None else "cpu_paged"
 
     def build_metadata(self, batch: AttentionBatch) -> SdpaMetadata:
         device, bs = batch.device, batch.block_size
         nd = batch.num_decodes
-        decode_tables = decode_mask = decode_lens = split_points = None
-        if nd:
+        decode_tables = decode_mask = None
+        # The kernel's sequences: every decode, and each short chunk over a cached context.
+        kernel_seqs = []
+        if self.kernel is not None:
+            row = 0
+            for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
+                if i < nd or (q_len <= KERNEL_MAX_QUERY_LEN and ctx_len > q_len):
+                    kernel_seqs.append((i, row))
+                row += q_len
+        elif nd:
             max_blocks = max(len(t) for t in batch.block_tables[:nd])
             tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables[:nd]]
             decode_tables = torch.tensor(tables, dtype=torch.long, device=device)
             lens = torch.tensor(batch.context_lens[:nd], dtype=torch.long, device=device)
-            if self.decode_kernel is not None:
-                decode_lens = lens
-                split_points = self.decode_kernel.split_points(batch.context_lens[:nd])
-            else:
-                # Padding positions read block 0 (zeros or another sequence's KV): masked out.
-                positions = torch.arange(max_blocks * bs, device=device)
-                decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+            # Padding positions read block 0 (zeros or another sequence's KV): masked out.
+            positions = torch.arange(max_blocks * bs, device=device)
+            decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        plan = None
+        if kernel_seqs:
+            assert self.kernel is not None
+            plan = self.kernel.plan(
+                [row for _, row in kernel_seqs],
+                [batch.query_lens[i] for i, _ in kernel_seqs],
+                [batch.context_lens[i] for i, _ in kernel_seqs],
+                [batch.block_tables[i] for i, _ in kernel_seqs],
+                batch.num_kv_heads,
+                batch.num_heads // batch.num_kv_heads,
+            )
+        in_kernel = {i for i, _ in kernel_seqs}
         prefills = []
-        start = nd
-        for i in range(nd, len(batch.query_lens)):
-            q_len, ctx_len = batch.query_lens[i], batch.context_lens[i]
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            if i < nd or i in in_kernel:
+                start += q_len
+                continue
             slots = mask = None
             if ctx_len != q_len:
                 table = torch.tensor(batch.block_tables[i], dtype=torch.long)
@@ -79,9 +104,8 @@ class SdpaBackend(AttentionBackend):
                 mask = (pos[None, :] <= q_pos[:, None]).to(device)
             prefills.append(_PrefillSpan(start, start + q_len, slots, mask))
             start += q_len
-        return SdpaMetadata(
-            batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, split_points, tuple(prefills)
-        )
+        num_sdpa_decodes = 0 if self.kernel is not None else nd
+        return SdpaMetadata(batch.slot_mapping, num_sdpa_decodes, decode_tables, decode_mask, plan, tuple(prefills))
 
     def forward(
         self,
@@ -97,19 +121,11 @@ class SdpaBackend(AttentionBackend):
 
         out = torch.empty_like(query)
         nd = metadata.num_decodes
-        if nd and self.decode_kernel is not None:
-            assert metadata.decode_block_tables is not None and metadata.decode_context_lens is not None
-            assert metadata.decode_split_points is not None
-            out[:nd] = self.decode_kernel(
-                query[:nd],
-                key_cache,
-                value_cache,
-                metadata.decode_block_tables,
-                metadata.decode_context_lens,
-                metadata.decode_split_points,
-                head_dim**-0.5,
-            )
-        elif nd:
+        if metadata.kernel_plan is not None:
+            assert self.kernel is not None
+            # Writes the plan's rows of ``out`` in place; the rest are SDPA's below.
+            self.kernel(query.contiguous(), key_cache, value_cache, metadata.kernel_plan, head_dim**-0.5, out)
+        if nd:
             assert metadata.decode_block_tables is not None
             block_ids = metadata.decode_block_tables.flatten()  # (nd * max_blocks,)
             # index_select on the block dimension is several times faster on CPU

@@ -54,6 +54,28 @@ def test_chunked_prefill_under_small_token_budget_equals_transformers(checkpoint
     _assert_no_block_held(llm)
 
 
+def test_short_chunks_through_the_kernel_equal_transformers(checkpoint: Path, oracle: Oracle) -> None:
+    # 12 tokens per step: every chunk after a prompt's first is a short query over a cached
+    # context, which the C kernel attends (the shape a speculative step's verification has).
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    llm = _llm(checkpoint, num_kv_blocks=256, max_num_batched_tokens=12)
+    backend = llm.engine.runner.backend
+    kernel_query_lens: set[int] = set()
+    build_metadata = backend.build_metadata
+
+    def recording_build_metadata(batch: object) -> object:
+        metadata = build_metadata(batch)
+        if metadata.kernel_plan is not None:
+            kernel_query_lens.update(metadata.kernel_plan.query_lens.tolist())
+        return metadata
+
+    backend.build_metadata = recording_build_metadata
+    outputs = llm.generate(prompts, GREEDY)
+    _assert_matches_oracle(outputs, prompts, oracle)
+    assert 1 in kernel_query_lens and max(kernel_query_lens) == 12
+    _assert_no_block_held(llm)
+
+
 def test_sdpa_backend_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
     # The pure-torch path that machines without a C compiler (and GPUs without flash-attn) take.
     prompts = random_prompts(PROMPT_LENGTHS, seed=13)

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against a plain torch reference, its work split, and the fallback without a compiler."""
+"""The C paged-attention kernel against a plain torch reference, its work split, and the fallback without a compiler."""
 
 from __future__ import annotations
 
@@ -9,70 +9,94 @@ import pytest
 import torch
 
 from engine.attention import cpu_kernel, select_backend
-from engine.attention.cpu_kernel import PagedDecodeKernel, load_paged_decode_kernel
+from engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
 from engine.kv_cache import QuantizedKV, dequantize_int8, quantize_int8
 
 
 def _reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],
-               lens: list[int]) -> torch.Tensor:
-    """Attention of each sequence's query over its own context, gathered position by position."""
+               lens: list[int], query_lens: list[int]) -> torch.Tensor:
+    """Causal attention of each sequence's last query_len positions over its own context, position by position."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     group = query.shape[1] // num_kv_heads
     outputs = []
-    for i, (table, length) in enumerate(zip(tables, lens)):
+    row = 0
+    for table, length, q_len in zip(tables, lens, query_lens):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
         k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)  # (ctx, heads, d)
         v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,chd->hc", query[i].double(), k.double()) * head_dim**-0.5
-        outputs.append(torch.einsum("hc,chd->hd", scores.softmax(-1), v.double()))
+        for r in range(q_len):
+            visible = length - q_len + r + 1
+            scores = torch.einsum("hd,chd->hc", query[row].double(), k[:visible].double()) * head_dim**-0.5
+            outputs.append(torch.einsum("hc,chd->hd", scores.softmax(-1), v[:visible].double()))
+            row += 1
     return torch.stack(outputs).float()
 
 
-@pytest.mark.parametrize(
-    ("num_kv_heads", "group", "head_dim", "block_size"),
-    [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 24, 5)],
-)
-@pytest.mark.parametrize("num_threads", [1, 2, 3])
-def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_dim: int, block_size: int,
-                                            num_threads: int) -> None:
-    kernel = load_paged_decode_kernel(num_threads)
-    assert kernel is not None, "this machine has a C compiler: the kernel must build"
-    rng = random.Random(0)
-    torch.manual_seed(0)
-    num_blocks = 200
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    # Context lengths around block boundaries, blocks scattered over the pool.
-    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 97]
-    free = list(range(1, num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    max_blocks = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-    query = torch.randn(len(lens), num_kv_heads * group, head_dim)
-
-    out = kernel(query, key_cache, value_cache, padded, torch.tensor(lens), kernel.split_points(lens), head_dim**-0.5)
-
-    assert out.shape == query.shape
-    torch.testing.assert_close(out, _reference(query, key_cache, value_cache, tables, lens), atol=2e-6, rtol=2e-5)
-
-
-def _scattered_batch(block_size: int, seed: int) -> tuple[list[int], list[list[int]], torch.Tensor]:
-    """Context lengths around block boundaries, their blocks scattered over a pool of 200, and queries."""
+def _scattered_batch(block_size: int, seed: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """Context lengths around block boundaries, their blocks scattered over a pool of 200, and query lengths
+    (decodes, and chunks of up to 9 tokens as a speculative step verifies)."""
     rng = random.Random(seed)
-    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 97]
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 97, 40]
+    query_lens = [1, 1, 3, 1, 5, 9, 1]
     free = list(range(1, 200))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    max_blocks = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-    return lens, tables, padded
+    return lens, tables, [min(q, n) for q, n in zip(query_lens, lens)]
 
 
-@pytest.mark.parametrize(
-    ("num_kv_heads", "group", "head_dim", "block_size"),
-    [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 24, 5)],
-)
+def _run(kernel: PagedAttentionKernel, query: torch.Tensor, key_cache: object, value_cache: object,
+         tables: list[list[int]], lens: list[int], query_lens: list[int]) -> torch.Tensor:
+    num_kv_heads = (key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache).shape[2]
+    rows = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    plan = kernel.plan(rows, query_lens, lens, tables, num_kv_heads, query.shape[1] // num_kv_heads)
+    out = torch.full_like(query, float("nan"))
+    kernel(query, key_cache, value_cache, plan, query.shape[2] ** -0.5, out)
+    return out
+
+
+SHAPES = [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 24, 5), (2, 2, 16, 4)]
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES)
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                                            num_threads: int) -> None:
+    kernel = load_paged_attention_kernel(num_threads)
+    assert kernel is not None, "this machine has a C compiler: the kernel must build"
+    torch.manual_seed(0)
+    key_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
+    value_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
+    lens, tables, query_lens = _scattered_batch(block_size, seed=0)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim)
+
+    out = _run(kernel, query, key_cache, value_cache, tables, lens, query_lens)
+
+    expected = _reference(query, key_cache, value_cache, tables, lens, query_lens)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+def test_kernel_leaves_rows_outside_its_plan_untouched() -> None:
+    kernel = load_paged_attention_kernel(2)
+    assert kernel is not None
+    torch.manual_seed(0)
+    cache = torch.randn(8, 4, 1, 16)
+    query = torch.randn(5, 2, 16)
+    # One sequence of 2 query rows at rows 1-2; rows 0, 3 and 4 belong to someone else.
+    plan = kernel.plan([1], [2], [6], [[3, 5]], 1, 2)
+    out = torch.full_like(query, 7.0)
+    kernel(query, cache, cache, plan, 0.25, out)
+    assert torch.equal(out[[0, 3, 4]], torch.full((3, 2, 16), 7.0))
+    assert not torch.isnan(out[1:3]).any() and not torch.equal(out[1:3], torch.full((2, 2, 16), 7.0))
+
+
+def test_plan_rejects_a_query_longer_than_its_context() -> None:
+    kernel = load_paged_attention_kernel(1)
+    assert kernel is not None
+    with pytest.raises(ValueError, match="query length"):
+        kernel.plan([0], [5], [4], [[1]], 1, 1)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES[:3])
 @pytest.mark.parametrize("num_threads", [1, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
@@ -80,13 +104,13 @@ def test_compact_kv_kernels_match_reference_attention_over_the_dequantized_cache
     num_kv_heads: int, group: int, head_dim: int, block_size: int, num_threads: int, kv_dtype: torch.dtype,
     query_dtype: torch.dtype,
 ) -> None:
-    kernel = load_paged_decode_kernel(num_threads)
+    kernel = load_paged_attention_kernel(num_threads)
     assert kernel is not None
     torch.manual_seed(0)
-    lens, tables, padded = _scattered_batch(block_size, seed=0)
+    lens, tables, query_lens = _scattered_batch(block_size, seed=0)
     keys = torch.randn(200, block_size, num_kv_heads, head_dim) * 2
     values = torch.randn(200, block_size, num_kv_heads, head_dim)
-    query = torch.randn(len(lens), num_kv_heads * group, head_dim).to(query_dtype)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim).to(query_dtype)
     if kv_dtype == torch.int8:
         key_cache, value_cache = QuantizedKV(*quantize_int8(keys)), QuantizedKV(*quantize_int8(values))
         # What the kernel must attend over: exactly the dequantized values.
@@ -96,36 +120,51 @@ def test_compact_kv_kernels_match_reference_attention_over_the_dequantized_cache
         key_cache, value_cache = keys.to(kv_dtype), values.to(kv_dtype)
         seen_keys, seen_values = key_cache.float(), value_cache.float()
 
-    out = kernel(query, key_cache, value_cache, padded, torch.tensor(lens), kernel.split_points(lens), head_dim**-0.5)
+    out = _run(kernel, query, key_cache, value_cache, tables, lens, query_lens)
 
     assert out.shape == query.shape and out.dtype == query_dtype
-    expected = _reference(query.float(), seen_keys, seen_values, tables, lens)
+    expected = _reference(query.float(), seen_keys, seen_values, tables, lens, query_lens)
     if query_dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=4e-6, rtol=2e-5)
-    else:  # float32 result rounded once to bfloat16
-        torch.testing.assert_close(out, expected.to(query_dtype), atol=0, rtol=2**-8)
+    else:  # a float32 result rounded once to bfloat16: at most one bfloat16 step (2^-7 relative) off
+        torch.testing.assert_close(out, expected.to(query_dtype), atol=0, rtol=2**-7)
 
 
 def test_kernel_rejects_int8_kv_without_scales() -> None:
-    kernel = load_paged_decode_kernel(1)
+    kernel = load_paged_attention_kernel(1)
     assert kernel is not None
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.int8)
+    plan = kernel.plan([0], [1], [1], [[0]], 1, 1)
+    query = torch.zeros(1, 1, 8)
     with pytest.raises(ValueError, match="QuantizedKV"):
-        kernel(torch.zeros(1, 1, 8), cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), [0, 1], 1.0)
+        kernel(query, cache, cache, plan, 1.0, torch.empty_like(query))
     with pytest.raises(ValueError, match="float16"):
         half = cache.half()
-        kernel(torch.zeros(1, 1, 8), half, half, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), [0, 1], 1.0)
+        kernel(query, half, half, plan, 1.0, torch.empty_like(query))
 
 
-def test_split_points_balance_context_across_threads() -> None:
+def test_split_balances_work_across_threads_and_keeps_small_work_on_one() -> None:
     library = cpu_kernel._load_library()
     assert library is not None
-    assert PagedDecodeKernel(library, 1).split_points([100, 200, 50, 300, 10]) == [0, 5]
-    assert PagedDecodeKernel(library, 2).split_points([100, 200, 50, 300, 10]) == [0, 3, 5]
-    assert PagedDecodeKernel(library, 3).split_points([100, 100, 100, 100, 100, 100]) == [0, 2, 4, 6]
-    # Never an empty range, even with more threads than sequences.
-    assert PagedDecodeKernel(library, 4).split_points([7]) == [0, 1]
-    assert PagedDecodeKernel(library, 4).split_points([1, 1]) == [0, 1, 2]
+    work = [1000, 2000, 500, 3000, 100]
+    assert PagedAttentionKernel(library, 1).split(work) == ((0, 5),)
+    assert PagedAttentionKernel(library, 2).split(work) == ((0, 3), (3, 5))
+    assert PagedAttentionKernel(library, 3).split([1000] * 6) == ((0, 2), (2, 4), (4, 6))
+    # Never an empty range, even with more threads than items.
+    assert PagedAttentionKernel(library, 4).split([7000]) == ((0, 1),)
+    assert PagedAttentionKernel(library, 4).split([5000, 5000]) == ((0, 1), (1, 2))
+    # Under 4,096 units of work (a batch-1 decode) one thread does it all.
+    assert PagedAttentionKernel(library, 2).split([1000, 1000, 1000]) == ((0, 3),)
+
+
+def test_plan_items_are_sequences_times_kv_heads_weighted_by_passes() -> None:
+    library = cpu_kernel._load_library()
+    assert library is not None
+    kernel = PagedAttentionKernel(library, 2)
+    # Costs per item: 3000 x ceil(1 * 3 / 4) = 3000 (three items), then 1000 x ceil(5 * 3 / 4) = 4000 (three items).
+    plan = kernel.plan([0, 1], [1, 5], [3000, 1000], [[1], [2]], 3, 3)
+    assert plan.item_ranges == ((0, 4), (4, 6))
+    assert plan.query_rows.tolist() == [0, 1] and plan.query_lens.tolist() == [1, 5]
 
 
 def test_without_a_compiler_auto_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -133,7 +172,7 @@ def test_without_a_compiler_auto_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     cpu_kernel._load_library.cache_clear()
     try:
-        assert load_paged_decode_kernel() is None
+        assert load_paged_attention_kernel() is None
         assert select_backend("auto", torch.device("cpu"), torch.float32).name == "sdpa"
         with pytest.raises(ValueError, match="cpu_paged"):
             select_backend("cpu_paged", torch.device("cpu"), torch.float32)
