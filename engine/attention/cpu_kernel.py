@@ -1,27 +1,17 @@
-"""Builds and calls the paged-attention C kernel (``kernels/paged_attention.c``) on CPUs.
+"""Builds and calls the paged-attention C kernel (``engine/kernels/paged_attention.c``) on CPUs.
 
 The kernel attends short queries (decode tokens, and the few tokens a
 speculative step verifies) over the paged cache where it lies. It is compiled
-once per machine with the system C compiler into
-``<pdserve cache dir>/kernels/`` (the file name carries a hash of the source,
-the flags and the CPU's feature flags, so a changed source or a different CPU
-never loads a stale build) and loaded with ctypes. Without a compiler, or when
-the build fails, ``load_paged_attention_kernel`` returns None and the engine
-keeps the pure-torch SDPA path; nothing else depends on the kernel.
+once per machine (``engine.native``) and loaded with ctypes. Without a
+compiler, or when the build fails, ``load_paged_attention_kernel`` returns
+None and the engine keeps the pure-torch SDPA path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,14 +19,12 @@ from pathlib import Path
 
 import torch
 
-from engine.default_model import default_cache_dir
 from engine.kv_cache import QuantizedKV
+from engine.native import compile_kernel
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
-# -march=native is safe because the cached file is keyed by this CPU's feature flags.
-_CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+_SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention.c"
 _SYMBOL = "pdserve_paged_attention"
 # The C side's kv_kind codes.
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
@@ -48,7 +36,6 @@ _VECTORS_PER_PASS = 4
 # Work under this many (context position x pass) units runs on the calling thread:
 # handing it to a pool thread costs more than it saves (batch-1 decode).
 _MIN_PARALLEL_WORK = 4096
-_BUILD_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -170,9 +157,6 @@ class PagedAttentionKernel:
             raise ValueError("the paged attention kernel was given a query longer than its context")
 
 
-_build_lock = threading.Lock()
-
-
 def load_paged_attention_kernel(num_threads: int | None = None) -> PagedAttentionKernel | None:
     """The compiled kernel, building it on first use; None where it cannot be built on this machine."""
     library = _load_library()
@@ -183,59 +167,15 @@ def load_paged_attention_kernel(num_threads: int | None = None) -> PagedAttentio
 
 @lru_cache(maxsize=1)
 def _load_library() -> ctypes.CDLL | None:
-    with _build_lock:
-        try:
-            path = _build()
-        except (OSError, subprocess.SubprocessError) as error:
-            logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
-            return None
-        library = ctypes.CDLL(str(path))
-        function = getattr(library, _SYMBOL)
-        function.restype = ctypes.c_int
-        pointer, integer = ctypes.c_void_p, ctypes.c_int64
-        function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
-                             pointer, pointer, pointer, pointer] + [integer] * 7 + [ctypes.c_float]
-        return library
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found (set CC, or install gcc)")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *_CFLAGS)).encode() + _cpu_identity()).hexdigest()[:16]
-    directory = default_cache_dir() / "kernels"
-    target = directory / f"paged_attention-{key}.so"
-    if target.is_file():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: concurrent builders never see half a file.
-    fd, temp_name = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=directory)
-    os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *_CFLAGS, "-o", temp_name, str(_SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=_BUILD_TIMEOUT_S,
-        )
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(temp_name, target)
-    finally:
-        if os.path.exists(temp_name):
-            os.unlink(temp_name)
-    return target
-
-
-def _cpu_identity() -> bytes:
-    """The CPU's model and feature flags, so that a build for another CPU is never loaded."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features", "model name")):
-                    flags += line
-    except OSError:
-        pass
-    return flags.encode()
+        path = compile_kernel(_SOURCE)
+    except OSError as error:
+        logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
+        return None
+    library = ctypes.CDLL(str(path))
+    function = getattr(library, _SYMBOL)
+    function.restype = ctypes.c_int
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
+                         pointer, pointer, pointer, pointer] + [integer] * 7 + [ctypes.c_float]
+    return library

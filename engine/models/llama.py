@@ -18,22 +18,34 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.layers.fused_ops import FusedOps, load_fused_ops
 from engine.layers.linear import LinearMethod, PackedLinear, UnquantizedLinearMethod
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm of the residual stream, after adding the previous sublayer's output into it (``delta``)."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused: FusedOps | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        residual: torch.Tensor,  # (num_tokens, hidden); updated in place to residual + delta
+        delta: torch.Tensor | None = None,  # (num_tokens, hidden)
+    ) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(residual, self.weight, self.eps, delta)
+        if delta is not None:
+            residual.add_(delta)
         # Normalise in float32 whatever the model dtype, as the reference does.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
+        dtype = residual.dtype
+        x32 = residual.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
@@ -58,8 +70,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # (num_tokens, hidden)
-        positions: torch.Tensor,  # (num_tokens,)
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: (num_tokens, 1, head_dim) each
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         attn_metadata: Any,
@@ -68,7 +79,7 @@ class Attention(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(n, heads + 2 * kv_heads, self.head_dim)
         # Queries and keys are adjacent columns, so one rotation covers both.
-        qk = rotary(positions, qkv[:, : heads + kv_heads])  # (n, heads + kv_heads, head_dim)
+        qk = apply_rotary(qkv[:, : heads + kv_heads], *rope)  # (n, heads + kv_heads, head_dim)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]  # (n, kv_heads, head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (n, heads, head_dim)
@@ -85,6 +96,8 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
         self.act = _ACTIVATIONS[config.hidden_act]
         self.intermediate_size = config.intermediate_size
+        # Fused silu(gate) * up (only ever set for silu).
+        self.fused: FusedOps | None = None
 
     def pack_weights(self, method: LinearMethod) -> None:
         self.gate_up_proj = PackedLinear([self.gate_proj, self.up_proj], method)
@@ -93,6 +106,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * intermediate)
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         # One fresh (contiguous) temporary, multiplied in place: at prefill sizes
         # the (tokens, intermediate) temporaries are large, and fresh allocations
@@ -111,17 +126,16 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        residual: torch.Tensor,  # (num_tokens, hidden): the residual stream, updated in place
+        delta: torch.Tensor | None,  # the previous layer's MLP output, not yet added (None before layer 0)
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         attn_metadata: Any,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, rotary, kv_cache, backend, attn_metadata
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> torch.Tensor:  # this layer's MLP output, for the next norm to add
+        # Each sublayer's output is added into the residual by the norm after it (fused on CPU in bf16).
+        attn_out = self.self_attn(self.input_layernorm(residual, delta), rope, kv_cache, backend, attn_metadata)
+        return self.mlp(self.post_attention_layernorm(residual, attn_out))
 
 
 class DecoderModel(nn.Module):
@@ -154,6 +168,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, method: LinearMethod | None = None) -> None:
         """Fuse the loaded projections that share an input (see the module docstring); call once, after loading.
 
+        On CPU in bf16 the norms (with the residual adds) and the MLP's activation
+        also switch to fused C kernels (engine/layers/fused_ops.py).
+
         ``method`` (default: unquantized) serves the decoder's projections; the LM
         head stays unquantized in the model dtype, as in vLLM (a tied head is the
         embedding's tensor, which a quantized copy would only add to).
@@ -168,6 +185,14 @@ class LlamaForCausalLM(nn.Module):
             # A tied head stays the embedding's tensor (PackedLinear does not copy a single matrix).
             self.lm_head_packed = PackedLinear([self.lm_head])
             del self.lm_head
+        weight = self.model.norm.weight
+        fused = load_fused_ops(weight.device, weight.dtype)
+        if fused is not None:
+            for layer in self.model.layers:
+                layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
+                if layer.mlp.act is nn.functional.silu:
+                    layer.mlp.fused = fused
+            self.model.norm.fused = fused
 
     @property
     def num_kv_heads(self) -> int:
@@ -185,11 +210,12 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         attn_metadata: Any,
     ) -> torch.Tensor:  # (num_tokens, hidden)
-        hidden = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary
+        residual = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        rope = self.model.rotary.tables(positions, residual.dtype)  # once per step, shared by every layer
+        delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, positions, rotary, kv_cache, backend, attn_metadata)
-        return self.model.norm(hidden)
+            delta = layer(residual, delta, rope, kv_cache, backend, attn_metadata)
+        return self.model.norm(residual, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled reach here: (num_sampled, hidden) -> (num_sampled, vocab)

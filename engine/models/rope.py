@@ -53,7 +53,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin for every position up to ``max_positions``, applied in place of HF's per-call tables."""
+    """Precomputed cos/sin for every position up to ``max_positions``, in place of HF's per-call tables."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -64,11 +64,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions (num_tokens,); x (num_tokens, heads, head_dim), any heads (queries and keys together)
-        cos = self.cos.index_select(0, positions).to(x.dtype).unsqueeze(1)  # (num_tokens, 1, head_dim)
-        sin = self.sin.index_select(0, positions).to(x.dtype).unsqueeze(1)
-        return x * cos + _rotate_half(x) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` (num_tokens,), each (num_tokens, 1, head_dim) in ``dtype``: once per step."""
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (num_tokens, heads, head_dim), any heads (queries and keys together), rotated by
+    ``RotaryEmbedding.tables``."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

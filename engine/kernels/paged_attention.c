@@ -29,101 +29,19 @@
  *
  * Arithmetic is float32 throughout: each cached row is widened once per block of
  * up to VECTORS_PER_PASS query vectors, scores are max-subtracted, exponentiated
- * (a vectorised exp within 2 ulp of expf) and normalised, and the output is
+ * (a vectorised exp within 2 ulp of expf, vector.h) and normalised, and the output is
  * accumulated in float32, rounded once to bfloat16 when io_bf16.
  * Returns 0, -1 when out of memory, -2 for an argument it cannot serve (a query
  * longer than its context, head_dim above MAX_HEAD_DIM, int8 without scales).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "vector.h"
 
 enum kv_kind { KV_FLOAT32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
 /* Query vectors (query row x head of the group) scored together against each widened row. */
 #define VECTORS_PER_PASS 4
-#define LANES 16
 /* The largest head size served (Llama and Qwen2 use 64 and 128). */
 #define MAX_HEAD_DIM 256
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef int8_t v16b __attribute__((vector_size(16)));
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE v16f load_f32(const float *p)
-{
-    v16f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-ALWAYS_INLINE void store_f32(float *p, v16f v)
-{
-    memcpy(p, &v, sizeof(v));
-}
-
-ALWAYS_INLINE float bf16_to_float(uint16_t bits)
-{
-    union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
-    return value.f;
-}
-
-ALWAYS_INLINE uint16_t float_to_bf16(float f)
-{
-    /* Round to nearest even, as torch's .to(torch.bfloat16) does (inputs here are finite). */
-    union { float f; uint32_t u; } value = { .f = f };
-    return (uint16_t)((value.u + 0x7FFFu + ((value.u >> 16) & 1u)) >> 16);
-}
-
-ALWAYS_INLINE v16f load_bf16(const uint16_t *p)
-{
-    v16h half;
-    memcpy(&half, p, sizeof(half));
-    v16u bits = __builtin_convertvector(half, v16u) << 16;
-    v16f v;
-    memcpy(&v, &bits, sizeof(v));
-    return v;
-}
-
-ALWAYS_INLINE v16f load_int8(const int8_t *p, float scale)
-{
-    v16b bytes;
-    memcpy(&bytes, p, sizeof(bytes));
-    return __builtin_convertvector(bytes, v16f) * scale;
-}
-
-ALWAYS_INLINE float sum16(v16f v)
-{
-    typedef float v8f __attribute__((vector_size(32)));
-    typedef float v4f __attribute__((vector_size(16)));
-    v8f half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4f quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-    return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum), 0 below -87 (under 2^-125 of the maximum's 1).
- * Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial for e^r, times 2^n. */
-ALWAYS_INLINE v16f exp16(v16f x)
-{
-    const v16i underflow = x < -87.0f;
-    x = (v16f)(((v16i)x & ~underflow) | ((v16i)(v16f){} & underflow));
-    const v16f rounded = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to integer */
-    const v16f n = rounded - 12582912.0f;
-    const v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const v16f y = p * (r * r) + r + 1.0f;
-    const v16i exponent = ((v16i)rounded - 0x4B400000 + 127) << 23; /* the integer n, as 2^n's bits */
-    return (v16f)((v16i)(y * (v16f)exponent) & ~underflow);
-}
 
 /* The row (lanes [16 * chunk, 16 * chunk + 16)) of cache row `index`, widened to float32. */
 ALWAYS_INLINE v16f load_row_chunk(enum kv_kind kind, const void *cache, const float *scales, int64_t index,

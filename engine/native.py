@@ -1,0 +1,75 @@
+"""Compiles the engine's C kernels once per machine into the cache dir; ctypes loads them.
+
+Each kernel is one C file (in ``engine/kernels/``, with the headers beside it) compiled with the system compiler into
+``<pdserve cache dir>/kernels/``. The file name carries a hash of the source,
+the compiler and flags, and the CPU's model and feature flags, so a changed
+source or another CPU never loads a stale build. Callers treat ``OSError`` as
+"no kernel here" and keep their pure-torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from engine.default_model import default_cache_dir
+
+# -march=native is safe because the cached file is keyed by this CPU's feature flags.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+_BUILD_TIMEOUT_S = 120
+_build_lock = threading.Lock()
+
+
+def compile_kernel(source: Path) -> Path:
+    """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (set CC, or install gcc)")
+    # The kernels' shared header (vector.h) is part of every build.
+    text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(text + " ".join((compiler, *CFLAGS)).encode() + _cpu_identity()).hexdigest()[:16]
+    directory = default_cache_dir() / "kernels"
+    target = directory / f"{source.stem}-{key}.so"
+    with _build_lock:
+        if target.is_file():
+            return target
+        directory.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: concurrent builders never see half a file.
+        fd, temp_name = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            try:
+                result = subprocess.run(
+                    [compiler, *CFLAGS, "-I", str(source.parent), "-o", temp_name, str(source)],
+                    capture_output=True,
+                    text=True,
+                    timeout=_BUILD_TIMEOUT_S,
+                )
+            except subprocess.SubprocessError as error:
+                raise OSError(f"{compiler} did not finish: {error}") from error
+            if result.returncode != 0:
+                raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+            os.replace(temp_name, target)
+        finally:
+            if os.path.exists(temp_name):
+                os.unlink(temp_name)
+    return target
+
+
+def _cpu_identity() -> bytes:
+    """The CPU's model and feature flags, so that a build for another CPU is never loaded."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features", "model name")):
+                    flags += line
+    except OSError:
+        pass
+    return flags.encode()
