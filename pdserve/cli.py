@@ -34,7 +34,9 @@ TRANSPORTS = ("grpc", "shm", "torch_dist", "cuda_ipc")
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 on GPUs and on CPUs with native bf16 (AMX or AVX512-BF16), float32 on "
+                             "other CPUs; float32 is the exactness oracle (token for token transformers' output)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                         help="what the KV pool stores: auto (the model's dtype), bfloat16, or int8 with a "
                         "float32 scale per token and KV head (about 4x the blocks of float32 in the same memory)")
@@ -164,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
     up.add_argument("--model", default=None)
-    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model dtype of every worker (see `pdserve offline --help`)")
     up.add_argument("--device", default="auto")
     _add_quantization_args(up)
     up.add_argument("--prefill-workers", type=int, default=1)

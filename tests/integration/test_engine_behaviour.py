@@ -173,3 +173,19 @@ def test_invalid_prompts_raise_value_error_and_leave_the_engine_clean(tiny_llm: 
     assert tiny_llm.engine.block_manager.num_used_blocks == 0
     (ok,) = tiny_llm.generate([[5, 6, 8]], greedy)
     assert len(ok.token_ids) >= 1
+
+
+def test_dtype_auto_is_bf16_where_the_cpu_runs_it_natively(llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import llm_engine
+
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    llm = LLM(model=str(llama_checkpoint), num_kv_blocks=16)
+    assert llm.engine.dtype == (torch.bfloat16 if native else torch.float32)
+    # A CPU without native bf16 serves float32; GPUs bf16.
+    monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: False)
+    assert llm_engine.auto_dtype(torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: True)
+    assert llm_engine.auto_dtype(torch.device("cpu")) == torch.bfloat16
+    assert llm_engine.auto_dtype(torch.device("cuda")) == torch.bfloat16
