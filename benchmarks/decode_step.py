@@ -1,6 +1,7 @@
 """Side-by-side timings of the engine's two CPU hot paths: the projections and decode attention.
 
     python -m benchmarks.decode_step [--batch 32] [--steps-before 40] [--repeats 12] [--json out.json]
+        [--dtype float32] [--quantization int4] [--kv-cache-dtype int8] [--skip-linear]
 
 1. Linear layers: every distinct weight shape of the model at the decode batch
    size and at a 2,048-token prefill step, as ``F.linear`` on the checkpoint's
@@ -76,8 +77,8 @@ def linear_layers(hidden: int, intermediate: int, q_out: int, kv_out: int, batch
     return rows
 
 
-def decode_step(batch: int, steps_before: int, repeats: int) -> dict:
-    llm = LLM(dtype="float32")
+def decode_step(batch: int, steps_before: int, repeats: int, **engine_args: object) -> dict:
+    llm = LLM(**engine_args)
     engine = llm.engine
     workload = make_workload(batch, 32, 256, 64, VOCAB_SIZE, 0)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -113,16 +114,26 @@ def main() -> None:
     parser.add_argument("--steps-before", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype for the step (default float32)")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"])
+    parser.add_argument("--skip-linear", action="store_true", help="time the decode step only")
     args = parser.parse_args()
 
-    # SmolLM2-135M's shapes: hidden 576, intermediate 1536, 9 query heads and 3 KV heads of 64.
-    linear = linear_layers(576, 1536, 576, 192, args.batch, args.repeats * 4)
-    print(f"{'tokens':>6}  {'projection':<8}  {'F.linear ms':>11}  {'PackedLinear ms':>15}  speed-up (min)")
-    for row in linear:
-        old, new = row["F.linear"]["min_ms"], row["PackedLinear"]["min_ms"]
-        print(f"{row['tokens']:>6}  {row['projection']:<8}  {old:>11.3f}  {new:>15.3f}  {old / new:.2f}x")
-    step = decode_step(args.batch, args.steps_before, args.repeats)
-    print(f"\ndecode step, batch {step['batch']}, mean context {step['mean_context']:.0f} tokens:")
+    linear = []
+    if not args.skip_linear:
+        # SmolLM2-135M's shapes: hidden 576, intermediate 1536, 9 query heads and 3 KV heads of 64.
+        linear = linear_layers(576, 1536, 576, 192, args.batch, args.repeats * 4)
+        print(f"{'tokens':>6}  {'projection':<8}  {'F.linear ms':>11}  {'PackedLinear ms':>15}  speed-up (min)")
+        for row in linear:
+            old, new = row["F.linear"]["min_ms"], row["PackedLinear"]["min_ms"]
+            print(f"{row['tokens']:>6}  {row['projection']:<8}  {old:>11.3f}  {new:>15.3f}  {old / new:.2f}x")
+    step = decode_step(
+        args.batch, args.steps_before, args.repeats,
+        dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+    )
+    setting = f"{args.dtype}, quantization {args.quantization}, KV {args.kv_cache_dtype}"
+    print(f"\ndecode step ({setting}), batch {step['batch']}, mean context {step['mean_context']:.0f} tokens:")
     for name in ("sdpa", "cpu_paged"):
         if name in step:
             print(f"  {name:<10} min {step[name]['min_ms']:.1f} ms, median {step[name]['median_ms']:.1f} ms")
