@@ -39,12 +39,16 @@ VOCAB_SIZE = 49152
 
 
 def _llama_cpp_generate(llm: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy: evaluate the prompt, then argmax and feed back one token at a time."""
+    """Greedy: evaluate the prompt, then argmax and feed back one token at a time.
+
+    ``Llama.eval`` keeps no logits unless every position's are asked for, so the
+    last position's are read from the context (llama-cpp-python 0.3.x's ``_ctx``)."""
     llm.reset()
     llm.eval(prompt)
     tokens = []
     for _ in range(max_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+        token = int(np.argmax(logits))
         tokens.append(token)
         if len(tokens) < max_tokens:
             llm.eval([token])
