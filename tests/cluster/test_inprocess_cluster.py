@@ -49,10 +49,10 @@ async def test_cluster_in_process_equals_transformers(
     assert info.block_size == 16 and info.vocab_size == 512 and list(info.eos_token_ids) == [7]
     # Every lease released, every block free on both sides.
     await wait_until(
-        lambda: not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
+        lambda: not prefill.runtime.engine.leases.request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
         "every lease released and every decode finished",
     )
-    assert prefill.runtime.engine.held_request_ids == []
+    assert prefill.runtime.engine.leases.request_ids == []
     assert decode.runtime.async_engine.latest_stats.num_free_blocks == 256
 
 
@@ -180,7 +180,7 @@ async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(
 ) -> None:
     import socket
 
-    from kv_transfer.descriptor import KVHandoff, KVLayout
+    from kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
     from protos.pdserve.v1.internal import worker_pb2
 
     with socket.socket() as probe:  # a loopback port nobody listens on: the prefill worker is gone
@@ -197,7 +197,7 @@ async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(
         lease_deadline_ms=2**40, worker_id="gone", epoch=1,
     )
     request = worker_pb2.DecodeRequest(
-        request_id="orphan", prompt_token_ids=prompt, handoff=handoff.to_proto(),
+        request_id="orphan", prompt_token_ids=prompt, handoff=handoff_to_proto(handoff),
         sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
     )
     if policy == "fail":
