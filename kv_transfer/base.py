@@ -28,14 +28,20 @@ class KVTransferError(RuntimeError):
 class KVSource(Protocol):
     """The prefill side's held requests, as the transports see them (``engine.kv_leases.LeaseTable``)."""
 
-    def export(self, request_id: str, first_block: int) -> torch.Tensor:
-        """The request's blocks from ``first_block`` on: (num_layers, 2, n, block_size, num_kv_heads, head_dim).
+    @property
+    def num_layers(self) -> int:
+        """Layers of every held request's blocks (the first dimension of ``export``)."""
+        ...
+
+    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+        """The request's blocks from ``first_block`` on, of ``layers``: (layers, 2, n, block_size, num_kv_heads, head_dim).
 
         Must return a tensor the caller owns (a copy, as ``KVCache.export_blocks``
         makes): transports read it after the call returns. Called from a worker
-        thread, not the event loop. Raises ``KeyError`` when the request is not
-        held (unknown, released, lease expired) and ``ValueError`` when
-        ``first_block`` is past its blocks.
+        thread, not the event loop; a transport may export a request layer by
+        layer, so that the copy overlaps the sending. Raises ``KeyError`` when
+        the request is not held (unknown, released, lease expired) and
+        ``ValueError`` when ``first_block`` is past its blocks.
         """
         ...
 
