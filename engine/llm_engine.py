@@ -153,7 +153,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler, manager = self.scheduler, self.block_manager
         return EngineStats(
-            num_running=len(scheduler.running),
+            # A request whose KV is on its way holds its blocks and runs at the next step after it lands.
+            num_running=len(scheduler.running) + len(scheduler.receiving),
             num_waiting=scheduler.num_waiting,
             num_queued_tokens=scheduler.num_queued_tokens,
             num_free_blocks=manager.num_free_blocks,
