@@ -236,3 +236,31 @@ async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(
     codes = await asyncio.gather(*(outcome() for _ in range(3)))
     assert sorted(codes) == [0, 8, 8]  # one OK, two RESOURCE_EXHAUSTED
     assert await outcome() == 0  # admitted again once idle
+
+
+@pytest.mark.asyncio
+async def test_a_handoff_through_the_services_hashes_each_prompt_block_once(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.hashing
+    import engine.sequence
+
+    # No Redis: the gateway routes by load and hashes nothing; what is counted is the workers' hashing.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=64))
+    assert cluster.stub is not None
+    hashed: list[list[int]] = []
+    for module in (engine.sequence, engine.hashing):  # the engines' sequences, and hash_prompt_blocks
+
+        def counting(parent, token_ids, model_id, real=module.hash_block):  # noqa: ANN001, ANN202
+            hashed.append(list(token_ids))
+            return real(parent, token_ids, model_id)
+
+        monkeypatch.setattr(module, "hash_block", counting)
+    prompt = random_prompts([37], seed=47)[0]  # 2 full blocks; 37 + 8 tokens never fill a third
+    params = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens, _ = await _collect(cluster.stub, generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
+    assert tokens == Oracle(llama_checkpoint).generate(prompt, 8)
+    # Hashed by the prefill engine as the prompt was computed; the prefill service and the decode
+    # engine took those hashes from the handoff (before: each block hashed three times here).
+    assert hashed == [prompt[:16], prompt[16:32]]
+    assert cluster.decode.runtime.engine.block_manager.num_cached_blocks == 2
