@@ -23,11 +23,15 @@ class _HeldBlocks:
     def __init__(self, blocks: torch.Tensor) -> None:
         self.blocks = blocks
 
-    def export(self, request_id: str, first_block: int) -> torch.Tensor:
+    @property
+    def num_layers(self) -> int:
+        return self.blocks.shape[0]
+
+    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
         if request_id != REQUEST_ID:
             raise KeyError(request_id)
         # A copy, as the engine's export makes one: part of the real cost.
-        return self.blocks[:, :, first_block:].clone()
+        return self.blocks[layers, :, first_block:].clone()
 
 
 class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):

@@ -45,6 +45,5 @@ class ColocatedServer(WorkerServer):
         self.server.add_servicer(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.decode)
 
     async def close_servicer(self) -> None:
-        self.prefill.leases.release_all()
-        self.prefill.sender.close()
+        await self.prefill.close()
         await self.decode.close()

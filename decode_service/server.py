@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 import grpc
 import torch
 
-from engine.llm_engine import KVExport, LLMEngine, MissingKVBlocksError
+from engine.kv_handoff import KVHandoff
+from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from kv_transfer.descriptor import KVHandoff
+from kv_transfer.descriptor import handoff_from_proto
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
@@ -27,7 +29,12 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    """Fetches only the blocks it lacks, imports them, and streams every token after the first."""
+    """Takes a request over from a prefill worker and streams every token after the first.
+
+    The request waits in the engine's scheduler for blocks (WAITING_FOR_REMOTE_KVS);
+    once it has them, only the blocks it does not already cache are fetched,
+    written in between two steps, and decoding goes on.
+    """
 
     FAILURE_POLICIES = ("recompute", "fail")
 
@@ -59,56 +66,53 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ):
         params = sampling_params_from_proto(request.sampling_params)
-        handoff = KVHandoff.from_proto(request.handoff)
+        handoff = handoff_from_proto(request.handoff)
         prompt = list(request.prompt_token_ids)
-        self._check_handoff(handoff, prompt)
         stub = self._stub(handoff.address)
-        # Counted while the KV is fetched and the import may wait for free blocks.
+        # Its own engine id: in a colocated worker the prefill side still holds the
+        # request's KV under the client's id until the lease ends.
+        request_id = f"{handoff.request_id}/decode"
+        receive_kv = functools.partial(self._receive_kv, handoff, stub)
+        # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
+            stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv)
             try:
-                stream = await self._fetch_and_import(handoff, prompt, params, stub)
+                # Once the KV landed (or will be recomputed), the prefill worker's copy is no longer needed.
                 first = await anext(stream)
             finally:
                 self._release_lease(handoff, stub)
         num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
-        async for output in stream:
-            response = worker_pb2.DecodeResponse(
-                token_ids=output.token_ids[num_sent:],
-                text=output.text[text_sent:],
-                finish_reason=finish_reason_to_proto(output.finish_reason),
-            )
-            if output.logprobs:
-                response.logprobs.extend(logprobs_to_proto(output.logprobs[logprobs_sent:]))
-            num_sent, text_sent = len(output.token_ids), len(output.text)
-            logprobs_sent = len(output.logprobs or [])
-            yield response
-
-    async def _fetch_and_import(
-        self, handoff: KVHandoff, prompt: list[int], params, stub: worker_pb2_grpc.PrefillWorkerStub  # noqa: ANN001
-    ):  # noqa: ANN202 - an async generator of RequestOutput
-        """The request's output stream: imported KV, or per policy a local recompute when the KV cannot be had."""
-        # Its own engine id: in a colocated worker the prefill side still holds the
-        # request's KV under the client's id until the lease ends.
-        request_id, first_token = f"{handoff.request_id}/decode", handoff.first_token_id
         try:
-            kv = await self._fetch(handoff, stub, use_local_prefix=True)
+            async for output in stream:
+                response = worker_pb2.DecodeResponse(
+                    token_ids=output.token_ids[num_sent:],
+                    text=output.text[text_sent:],
+                    finish_reason=finish_reason_to_proto(output.finish_reason),
+                )
+                if output.logprobs:
+                    response.logprobs.extend(logprobs_to_proto(output.logprobs[logprobs_sent:]))
+                num_sent, text_sent = len(output.token_ids), len(output.text)
+                logprobs_sent = len(output.logprobs or [])
+                yield response
+        finally:
+            # Closing the stream now (not at garbage collection) aborts an unfinished
+            # request at once when the RPC is cancelled.
+            await stream.aclose()
+
+    async def _receive_kv(
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int
+    ) -> torch.Tensor | None:
+        """The handoff's blocks from ``first_block`` on; None (recompute here) when they cannot be had."""
+        try:
+            return await self._fetch(handoff, first_block, stub)
         except (grpc.aio.AioRpcError, KVTransferError) as error:
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             if self.kv_failure_policy == "fail":
                 raise Unavailable(f"KV transfer from {handoff.address} failed: {detail}") from error
             # Never a truncated or corrupted answer: recompute the prompt here instead.
-            log.warning("KV transfer for %s failed (%s); recomputing its prompt here", request_id, detail)
+            log.warning("KV transfer for %s failed (%s); recomputing its prompt here", handoff.request_id, detail)
             self.kv_recomputes += 1
-            return self.engine.resume_request(request_id, prompt, first_token, params)
-        try:
-            stream = self.engine.import_request(request_id, prompt, first_token, params, kv)
-            first = await anext(stream)
-        except MissingKVBlocksError:
-            # Our cached prefix was evicted between the lookup and the import: take every block.
-            kv = await self._fetch(handoff, stub, use_local_prefix=False)
-            stream = self.engine.import_request(request_id, prompt, first_token, params, kv)
-            first = await anext(stream)
-        return _prepend(first, stream)
+            return None
 
     @grpc_errors
     async def Load(  # noqa: N802
@@ -121,44 +125,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         report.kv_recomputes = self.kv_recomputes
         return report
 
-    def _check_handoff(self, handoff: KVHandoff, prompt: list[int]) -> None:
-        engine = self.runtime.engine
-        if handoff.model_id != engine.model_id:
-            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {engine.model_id!r}")
-        if handoff.layout.block_size != engine.block_size:
-            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {engine.block_size}")
-        if handoff.num_tokens != len(prompt):
-            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt)}")
-
     async def _fetch(
-        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, use_local_prefix: bool
-    ) -> KVExport:
-        first_block = 0
-        if use_local_prefix:
-            # Read from this thread, not queued behind a step: dict lookups only, and a
-            # stale answer is caught at import (MissingKVBlocksError) and refetched.
-            cached = self.runtime.engine.num_cached_prefix_blocks(list(handoff.block_hashes))
-            # An import reuses only full prompt blocks; the partial last one always travels.
-            first_block = min(cached, handoff.num_tokens // handoff.layout.block_size)
-        if first_block < handoff.num_blocks:
-            started = time.perf_counter()
-            blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub)
-            seconds, num_bytes = time.perf_counter() - started, blocks.numel() * blocks.element_size()
-            self.kv_receive_seconds += seconds
-            self.kv_bytes_received += num_bytes
-            self.kv_transfers += 1
-            self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
-        else:
-            blocks = torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
-        return KVExport(
-            request_id=handoff.request_id,
-            model_id=handoff.model_id,
-            block_size=handoff.layout.block_size,
-            num_tokens=handoff.num_tokens,
-            block_hashes=handoff.block_hashes,
-            first_block=first_block,
-            blocks=blocks,
-        )
+        self, handoff: KVHandoff, first_block: int, stub: worker_pb2_grpc.PrefillWorkerStub
+    ) -> torch.Tensor:
+        if first_block == handoff.num_blocks:
+            # Every block is cached here already: nothing to ask the prefill worker for.
+            return torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
+        started = time.perf_counter()
+        blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub)
+        seconds, num_bytes = time.perf_counter() - started, blocks.numel() * blocks.element_size()
+        self.kv_receive_seconds += seconds
+        self.kv_bytes_received += num_bytes
+        self.kv_transfers += 1
+        self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
+        return blocks
 
     def _receiver(self, transport: str) -> KVReceiver:
         if transport not in self._receivers:
@@ -188,17 +168,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.gather(task, return_exceptions=True)
         for channel, _ in self._channels.values():
             await channel.close()
-
-
-async def _prepend(first, stream):  # noqa: ANN001, ANN202
-    try:
-        yield first
-        async for item in stream:
-            yield item
-    finally:
-        # Closing the inner stream now (not at garbage collection) aborts an
-        # unfinished request at once when the RPC is cancelled.
-        await stream.aclose()
 
 
 class DecodeServer(WorkerServer):

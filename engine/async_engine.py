@@ -2,7 +2,7 @@
 
 The engine is single-threaded and never awaits; the services are asyncio. This
 bridge runs ``LLMEngine.step()`` in a loop on a dedicated thread, takes
-commands (add, import, abort, any call) from a thread-safe queue between steps,
+commands (add, import, abort, a landed KV, any call) from a thread-safe queue between steps,
 and hands each request's outputs back to its asyncio queue with
 ``call_soon_threadsafe``. No gRPC or servers here: the services sit on top.
 """
@@ -13,13 +13,15 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
+
+import torch
 
 from engine.block_manager import BlockEvent
 from engine.errors import EngineDeadError
-from engine.llm_engine import EngineStats, KVExport, LLMEngine
+from engine.kv_handoff import KVHandoff, KVHoldParams, KVSlot
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -28,13 +30,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass
-class _PendingImport:
-    request_id: str
-    prompt_token_ids: list[int]
-    first_token_id: int
-    params: SamplingParams
-    kv: KVExport
+# What a request's stream carries: its outputs, where its remote KV goes, or the error that ends it.
+_StreamItem = RequestOutput | KVSlot | BaseException
 
 
 class AsyncEngine:
@@ -43,7 +40,8 @@ class AsyncEngine:
     ``generate`` and ``import_request`` yield cumulative ``RequestOutput``s until
     the request finishes; cancelling the consuming task aborts the request on
     the engine. ``on_block_events`` (if given) is called on the engine thread
-    after every step that stored or evicted prefix blocks.
+    after every step that stored or evicted prefix blocks. Leases on held KV
+    (``engine.leases``) expire between steps.
     """
 
     def __init__(
@@ -56,8 +54,7 @@ class AsyncEngine:
         self._on_block_events = on_block_events
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
-        self._pending_imports: list[_PendingImport] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_StreamItem]]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -122,7 +119,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        hold_kv: bool = False,
+        hold_kv: KVHoldParams | None = None,
         validate_as: SamplingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes. Raises ``ValueError`` on bad input.
@@ -143,29 +140,26 @@ class AsyncEngine:
             yield output
 
     async def import_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams, kv: KVExport
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handoff: KVHandoff,
+        receive_kv: Callable[[int], Awaitable[torch.Tensor | None]],
     ) -> AsyncIterator[RequestOutput]:
-        """Join a request prefilled elsewhere (waiting for free blocks if need be) and yield its outputs.
+        """Join a request prefilled elsewhere and yield its outputs.
 
-        The first output is the state at import: the handed-off first token and its text.
+        The request waits in the scheduler (WAITING_FOR_REMOTE_KVS) until it has
+        blocks; then ``receive_kv(first_block)`` fetches the handoff's blocks from
+        ``first_block`` on (None: they cannot be had, and the prompt is recomputed
+        here), and they land between two steps. The first output is the state at
+        landing: the handed-off first token and its text.
         """
         stream = self._open_stream(request_id)
-        pending = _PendingImport(request_id, prompt_token_ids, first_token_id, params, kv)
-        await self._start(request_id, lambda engine: self._try_import(pending, queue_if_full=True))
-        async for output in self._drain(request_id, stream):
-            yield output
-
-    async def resume_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """``LLMEngine.resume_request`` from asyncio; the first output is the state with the first token."""
-        stream = self._open_stream(request_id)
-
-        def resume(engine: LLMEngine) -> None:
-            self._deliver(request_id, engine.resume_request(request_id, prompt_token_ids, first_token_id, params))
-
-        await self._start(request_id, resume)
-        async for output in self._drain(request_id, stream):
+        await self._start(
+            request_id, lambda engine: engine.add_remote_request(request_id, prompt_token_ids, params, handoff)
+        )
+        async for output in self._drain(request_id, stream, receive_kv):
             yield output
 
     async def abort(self, request_id: str) -> None:
@@ -206,15 +200,18 @@ class AsyncEngine:
         if self._stopping.is_set():
             raise EngineDeadError("the engine is shutting down")
 
-    def _open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+    def _open_stream(self, request_id: str) -> asyncio.Queue[_StreamItem]:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         return stream
 
     async def _drain(
-        self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]
+        self,
+        request_id: str,
+        stream: asyncio.Queue[_StreamItem],
+        receive_kv: Callable[[int], Awaitable[torch.Tensor | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
@@ -222,6 +219,12 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, KVSlot):
+                    # Blocks are allocated: fetch the KV here, off the engine thread, then land it there.
+                    assert receive_kv is not None, "only imported requests get KV slots"
+                    blocks = await receive_kv(item.first_block)
+                    self._commands.put(lambda slot=item, blocks=blocks: self._land_kv(slot, blocks))
+                    continue
                 finished = item.finished
                 yield item
                 if finished:
@@ -235,36 +238,26 @@ class AsyncEngine:
     # ---- internals (engine thread) ------------------------------------------------------
 
     def _abort_on_thread(self, request_id: str) -> None:
-        self._pending_imports = [p for p in self._pending_imports if p.request_id != request_id]
         self.engine.abort_request(request_id)
 
-    def _try_import(self, pending: _PendingImport, queue_if_full: bool) -> bool:
-        output = self.engine.import_request(
-            pending.request_id, pending.prompt_token_ids, pending.first_token_id, pending.params, pending.kv
-        )
-        if output is None:
-            if queue_if_full:
-                self._pending_imports.append(pending)
-            return False
-        # The state at import (first token, its text) opens the stream.
-        self._deliver(pending.request_id, output)
-        return True
+    def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | None) -> None:
+        try:
+            if blocks is None:
+                output = self.engine.recompute_remote(slot.request_id)
+            else:
+                output = self.engine.receive_kv(slot.request_id, slot.first_block, blocks)
+        except Exception as error:  # noqa: BLE001 - reported to that request only
+            self._deliver(slot.request_id, error)
+            return
+        # None: aborted while its KV was on the way, and the KV is dropped.
+        if output is not None:
+            self._deliver(slot.request_id, output)
 
-    def _retry_pending_imports(self) -> None:
-        still_waiting = []
-        for index, pending in enumerate(self._pending_imports):
-            try:
-                imported = self._try_import(pending, queue_if_full=False)
-            except Exception as error:  # noqa: BLE001 - reported to that request only
-                self._deliver(pending.request_id, error)
-                continue
-            if not imported:
-                # First come, first served: later imports wait behind this one.
-                still_waiting.extend(self._pending_imports[index:])
-                break
-        self._pending_imports = still_waiting
+    def _deliver_kv_slots(self) -> None:
+        for slot in self.engine.drain_kv_slots():
+            self._deliver(slot.request_id, slot)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: _StreamItem) -> None:
         entry = self._streams.get(request_id)
         if entry is not None:
             loop, stream = entry
@@ -284,17 +277,20 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stopping.is_set():
-                busy = engine.has_unfinished_requests()
+                # Requests that only wait for remote KV leave the thread asleep: their KV lands as a command.
+                busy = engine.has_work()
                 for command in self._next_commands(0.0 if busy else self._idle_wait_s):
                     command()
-                if self._pending_imports:
-                    self._retry_pending_imports()
-                if engine.has_unfinished_requests():
+                engine.leases.expire()
+                # Blocks allocated by a command: the transfer starts now, not after the next step.
+                self._deliver_kv_slots()
+                if engine.has_work():
                     outputs = engine.step()
                     # Before the outputs reach anyone: a Load right after one must see this step.
                     self.latest_stats = engine.stats()
                     for output in outputs:
                         self._deliver(output.request_id, output)
+                    self._deliver_kv_slots()
                     if self._on_block_events is not None:
                         events = engine.drain_block_events()
                         if events:

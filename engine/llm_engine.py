@@ -8,6 +8,7 @@ The engine is single-threaded and knows nothing of asyncio or gRPC; the offline
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from engine.default_model import DEFAULT_MODEL_ID
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
+from engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout, KVSlot
+from engine.kv_leases import LeaseTable
 from engine.layers.linear import linear_method
 from engine.model_loader import load_eos_token_ids, load_hf_config, load_weights, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
@@ -29,10 +32,6 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-
-class MissingKVBlocksError(ValueError):
-    """A handoff skipped blocks this engine was expected to cache, and they are gone (evicted)."""
-
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,25 +45,8 @@ class EngineStats:
     num_queued_tokens: int
     num_free_blocks: int
     num_total_blocks: int
-    num_held: int  # finished requests whose blocks are pinned for export
+    num_held: int  # finished requests whose blocks are pinned for export (leases)
     num_preemptions: int
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """A sequence's computed KV blocks, as they leave one engine for another.
-
-    ``blocks`` holds the sequence's blocks from index ``first_block`` on:
-    (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-    """
-
-    request_id: str
-    model_id: str
-    block_size: int
-    num_tokens: int  # tokens whose KV the blocks hold
-    block_hashes: tuple[BlockHash, ...]  # of the full blocks among them
-    first_block: int
-    blocks: torch.Tensor
 
 
 class LLMEngine:
@@ -112,10 +94,16 @@ class LLMEngine:
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
+        self.kv_layout = KVLayout(
+            num_layers=num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            block_size=block_size,
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+        )
+        # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
+        self.leases = LeaseTable(self.block_manager, self.kv_cache)
         self._requests: dict[str, Sequence] = {}
-        # Requests whose blocks stay pinned after they finish, until release_kv.
-        self._hold_on_finish: set[str] = set()
-        self._held: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
 
@@ -136,59 +124,51 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         *,
-        hold_kv: bool = False,
+        hold_kv: KVHoldParams | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument.
 
-        ``hold_kv``: when the request finishes, its blocks stay pinned (for
-        ``export_kv``) until ``release_kv`` — what a prefill worker does while a
-        decode worker fetches them.
+        ``hold_kv``: when the request finishes, its blocks go to ``leases``
+        (pinned until released or expired) and its last output carries the
+        ``KVHandoff`` — what a prefill worker does while a decode worker fetches them.
         """
         request_id = self._new_request_id(request_id)
         token_ids = self.validate_request(prompt, params)
         seq = self._new_sequence(request_id, token_ids, params)
+        seq.kv_hold = hold_kv
         self._register(seq)
-        if hold_kv:
-            self._hold_on_finish.add(request_id)
         self.scheduler.add(seq)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish ``request_id`` with reason "abort" and free its blocks now; None if unknown."""
+        """Finish ``request_id`` with reason "abort" and free its blocks now (held ones too); None if unknown."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
-            self.release_kv(request_id)
+            # Finished already, its KV held for a decode worker that will not come.
+            self.leases.release(request_id)
             return None
-        self._hold_on_finish.discard(request_id)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
-
-    def release_kv(self, request_id: str) -> bool:
-        """Unpin the blocks of a finished ``hold_kv`` request; False if none are held."""
-        seq = self._held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
-
-    @property
-    def held_request_ids(self) -> list[str]:
-        return list(self._held)
 
     def stats(self) -> EngineStats:
         scheduler, manager = self.scheduler, self.block_manager
         return EngineStats(
-            num_running=len(scheduler.running),
+            # A request whose KV is on its way holds its blocks and runs at the next step after it lands.
+            num_running=len(scheduler.running) + len(scheduler.receiving),
             num_waiting=scheduler.num_waiting,
             num_queued_tokens=scheduler.num_queued_tokens,
             num_free_blocks=manager.num_free_blocks,
             num_total_blocks=manager.num_blocks,
-            num_held=len(self._held),
+            num_held=len(self.leases),
             num_preemptions=scheduler.num_preemptions,
         )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_work(self) -> bool:
+        """Whether ``step()`` may do anything now: false while every request only waits for remote KV."""
+        return self.scheduler.has_work()
 
     def drain_block_events(self) -> list[BlockEvent]:
         """Prefix blocks stored and evicted since the last call (for the cluster index)."""
@@ -225,16 +205,34 @@ class LLMEngine:
                 seq.logprobs.append(TokenLogprobs(token_id, logprobs[row], top))
             detokenizer = self._detokenizers.get(seq.request_id)
             reason = self._finish_reason(seq, token_id, detokenizer)
+            handoff = None
             if reason is not None:
-                hold = seq.request_id in self._hold_on_finish
-                self.scheduler.finish(seq, reason, free_blocks=not hold)
-                if hold:
-                    self._hold_on_finish.discard(seq.request_id)
-                    self._held[seq.request_id] = seq
+                self.scheduler.finish(seq, reason, free_blocks=seq.kv_hold is None)
+                if seq.kv_hold is not None:
+                    handoff = self._handoff(seq, seq.kv_hold)
+                    self.leases.grant(seq, handoff, seq.kv_hold.lease_s)
                 self._requests.pop(seq.request_id, None)
                 self._detokenizers.pop(seq.request_id, None)
-            outputs.append(self._output(seq, detokenizer))
+            outputs.append(self._output(seq, detokenizer, handoff))
         return outputs
+
+    def _handoff(self, seq: Sequence, hold: KVHoldParams) -> KVHandoff:
+        """The descriptor of a finished request's held prompt KV, from what the sequence already has."""
+        num_tokens = seq.num_computed_tokens  # the prompt: the first token's KV was never computed
+        return KVHandoff(
+            request_id=seq.request_id,
+            model_id=self.model_id,
+            layout=self.kv_layout,
+            # Hashed as the tokens arrived (the prefix cache needed them): not computed again.
+            block_hashes=tuple(seq.block_hashes()[: num_tokens // self.block_size]),
+            num_tokens=num_tokens,
+            first_token_id=seq.output_token_ids[0],
+            transport=hold.transport,
+            address=hold.address,
+            lease_deadline_ms=int((time.time() + hold.lease_s) * 1000),
+            worker_id=hold.worker_id,
+            epoch=hold.epoch,
+        )
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
         params = seq.params
@@ -256,94 +254,81 @@ class LLMEngine:
             return "length"
         return None
 
-    # ---- KV export / import (what the KV transfer moves) ---------------------------------
+    # ---- requests prefilled elsewhere (decode side of a handoff) ----------------------------
 
-    def export_kv(self, request_id: str, first_block: int = 0) -> KVExport:
-        """Copy of the computed KV of a running or held request, from block ``first_block`` on."""
-        seq = self._held.get(request_id) or self._requests.get(request_id)
-        if seq is None or not seq.block_table:
-            raise KeyError(f"request {request_id!r} holds no KV blocks")
-        num_tokens = seq.num_computed_tokens
-        num_blocks = -(-num_tokens // self.block_size)
-        block_ids = seq.block_table[first_block:num_blocks]
-        full = num_tokens // self.block_size
-        return KVExport(
-            request_id=request_id,
-            model_id=self.model_id,
-            block_size=self.block_size,
-            num_tokens=num_tokens,
-            block_hashes=tuple(seq.block_hashes()[:full]),
-            first_block=first_block,
-            blocks=self.kv_cache.export_blocks(block_ids),
-        )
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           handoff: KVHandoff) -> str:
+        """Queue a request whose prompt KV is on its way from another engine (WAITING_FOR_REMOTE_KVS).
 
-    def num_cached_prefix_blocks(self, block_hashes: list[BlockHash]) -> int:
-        """How many leading blocks of a handoff this engine already holds (need not travel)."""
-        return len(self.block_manager.lookup_prefix(block_hashes))
-
-    def import_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token_id: int,
-        params: SamplingParams,
-        kv: KVExport,
-    ) -> RequestOutput | None:
-        """Join a request prefilled elsewhere to the running batch; its state, or None when its blocks don't fit now."""
-        if kv.model_id != self.model_id or kv.block_size != self.block_size:
-            raise ValueError(
-                f"KV handoff for model {kv.model_id!r} block size {kv.block_size} does not match "
-                f"this engine ({self.model_id!r}, block size {self.block_size})"
-            )
-        if kv.num_tokens != len(prompt_token_ids):
-            raise ValueError(f"KV handoff covers {kv.num_tokens} tokens, the prompt has {len(prompt_token_ids)}")
-        request_id = self._new_request_id(request_id)
-        token_ids = self.validate_request(prompt_token_ids, params)
-        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
-        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
-        seq.append_token(first_token_id)
-        hashes = list(kv.block_hashes)
-        if not self.block_manager.can_import(seq, hashes, kv.num_tokens):
-            return None
-        to_copy = self.block_manager.allocate_imported(seq, hashes, kv.num_tokens)
-        if to_copy and to_copy[0] < kv.first_block:
-            self.block_manager.free(seq)
-            raise MissingKVBlocksError(
-                f"KV handoff starts at block {kv.first_block} but this engine lacks block {to_copy[0]}"
-            )
-        local = [i - kv.first_block for i in to_copy]
-        if local:
-            self.kv_cache.import_blocks([seq.block_table[i] for i in to_copy], kv.blocks[:, :, local])
-        self.block_manager.cache_computed_blocks(seq)
-        seq.num_cached_tokens = 0
-        self._register(seq)
-        detokenizer = self._detokenizers.get(request_id)
-        if detokenizer is not None:
-            detokenizer.add(seq.output_token_ids)
-        self.scheduler.add_running(seq)
-        return self._output(seq, detokenizer)
-
-    def resume_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
-    ) -> RequestOutput:
-        """Continue a request whose first token was sampled elsewhere but whose KV never arrived.
-
-        The prompt and the first token are recomputed here (the path a preempted
-        sequence takes), then decoding goes on; a seeded request resumes its
-        random stream after the first token's draw.
+        It gets blocks as soon as it is first in line and they fit (``drain_kv_slots``
+        says where its KV goes), is never scheduled before ``receive_kv``, and an
+        abort frees its blocks like any other request's. Raises ``ValueError``
+        naming the field when ``handoff`` cannot be served here.
         """
+        if handoff.model_id != self.model_id:
+            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {self.model_id!r}")
+        if handoff.layout.block_size != self.block_size:
+            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {self.block_size}")
+        if handoff.num_tokens != len(prompt_token_ids):
+            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt_token_ids)}")
         request_id = self._new_request_id(request_id)
         token_ids = self.validate_request(prompt_token_ids, params)
-        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1)
+        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes)
         seq.prompt_logprobs = None  # delivered by the engine that prefilled it
-        seq.append_token(first_token_id)
+        seq.append_token(handoff.first_token_id)
         seq.num_cached_tokens = 0
+        # Nothing of the prompt is computed here: only the first token is left to run.
+        seq.num_computed_tokens = seq.num_prompt_tokens
         self._register(seq)
         detokenizer = self._detokenizers.get(request_id)
         if detokenizer is not None:
             detokenizer.add(seq.output_token_ids)
-        self.scheduler.add(seq)
-        return self._output(seq, detokenizer)
+        self.scheduler.add_remote(seq)
+        return request_id
+
+    def drain_kv_slots(self) -> list[KVSlot]:
+        """Remote requests that got their blocks since the last call: fetch their KV from ``first_block`` on."""
+        return self.scheduler.drain_kv_slots()
+
+    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor) -> RequestOutput | None:
+        """Write a remote request's KV into its blocks and join it to the running batch.
+
+        ``blocks``: the handoff's blocks from ``first_block`` (its ``KVSlot``) on,
+        (num_layers, 2, n, block_size, num_kv_heads, row_size). Returns the state
+        at landing (the first token and its text), or None when the request is
+        no longer waiting for its KV (aborted): the KV is dropped.
+        """
+        seq = self._receiving(request_id)
+        if seq is None:
+            return None
+        to_fill = seq.block_table[first_block:]
+        if blocks.shape[2] != len(to_fill):
+            raise ValueError(f"KV for {request_id!r} has {blocks.shape[2]} blocks from block {first_block}, "
+                             f"its slot has {len(to_fill)}")
+        if to_fill:
+            self.kv_cache.import_blocks(to_fill, blocks)
+        self.block_manager.cache_computed_blocks(seq)
+        self.scheduler.kv_received(seq)
+        return self._output(seq, self._detokenizers.get(request_id))
+
+    def recompute_remote(self, request_id: str) -> RequestOutput | None:
+        """A remote request's KV will never land: compute its prompt and first token here instead.
+
+        The path a preempted sequence takes; a seeded request resumes its random
+        stream after the first token's draw. The state with the first token, or
+        None when the request is no longer waiting for its KV.
+        """
+        seq = self._receiving(request_id)
+        if seq is None:
+            return None
+        self.scheduler.kv_lost(seq)
+        return self._output(seq, self._detokenizers.get(request_id))
+
+    def _receiving(self, request_id: str) -> Sequence | None:
+        seq = self._requests.get(request_id)
+        if seq is None or seq.request_id not in self.scheduler.receiving:
+            return None
+        return seq
 
     # ---- internals -------------------------------------------------------------------
 
@@ -353,7 +338,7 @@ class LLMEngine:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         # A finished request whose KV is still held counts: reusing its id would orphan its blocks.
-        if request_id in self._requests or request_id in self._held:
+        if request_id in self._requests or request_id in self.leases:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
@@ -391,7 +376,12 @@ class LLMEngine:
         return token_ids
 
     def _new_sequence(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, num_draws_done: int = 0
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_draws_done: int = 0,
+        block_hashes: tuple[BlockHash, ...] = (),
     ) -> Sequence:
         generator = None
         if params.seed is not None:
@@ -401,14 +391,16 @@ class LLMEngine:
             if not params.is_greedy:
                 for _ in range(num_draws_done):
                     torch.empty(self.vocab_size).exponential_(generator=generator)
-        return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator)
+        return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator, block_hashes)
 
     def _register(self, seq: Sequence) -> None:
         self._requests[seq.request_id] = seq
         if self.tokenizer is not None:
             self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
 
-    def _output(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, kv_handoff: KVHandoff | None = None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -420,6 +412,7 @@ class LLMEngine:
             # Complete from the first output on (the step that samples it ends the
             # prompt); an abort before then reports none rather than a part.
             prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs,
+            kv_handoff=kv_handoff,
         )
 
 

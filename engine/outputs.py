@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv_handoff import KVHandoff
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # On the last output of a request added with hold_kv: its held KV, as a decode worker takes it over.
+    kv_handoff: KVHandoff | None = None
 
     @property
     def finished(self) -> bool:

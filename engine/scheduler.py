@@ -7,6 +7,11 @@ pool runs dry the newest running sequence is preempted (its blocks freed, its
 tokens recomputed later). A sequence's "tokens to compute" is simply
 ``num_tokens - num_computed_tokens``, which covers prompt chunks, decodes and
 recomputation after preemption with one rule.
+
+A request prefilled elsewhere enters as WAITING_FOR_REMOTE_KVS (vLLM v1): it
+queues with the others for blocks, holds them in ``receiving`` while its KV is
+on its way (never scheduled), and joins the running batch when the KV lands.
+An abort ends it through ``finish`` like any other request.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.kv_handoff import KVSlot
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -60,6 +66,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # WAITING_FOR_REMOTE_KVS with blocks allocated, by request id: not scheduled until the KV lands.
+        self.receiving: dict[str, Sequence] = {}
+        # Allocations for remote KV since the last drain: where each request's KV must be written.
+        self._new_slots: list[KVSlot] = []
         self.num_preemptions = 0
 
     # ---- requests in and out -----------------------------------------------------------
@@ -68,10 +78,31 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Join a sequence that already holds blocks (imported KV) to the running batch."""
+    def add_remote(self, seq: Sequence) -> None:
+        """Queue a sequence whose prompt KV comes from another engine; blocks now if it is first in line and fits."""
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting.append(seq)
+        if all(queued.is_finished for queued in itertools.islice(self.waiting, len(self.waiting) - 1)):
+            # Nothing ahead of it: allocate at once, so the transfer starts before the next step.
+            self._allocate_waiting_remote()
+
+    def kv_received(self, seq: Sequence) -> None:
+        """The KV of a ``receiving`` sequence landed in its blocks: it joins the running batch."""
+        del self.receiving[seq.request_id]
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def kv_lost(self, seq: Sequence) -> None:
+        """The KV of a ``receiving`` sequence will never land: recompute it here, first in line (as preempted)."""
+        del self.receiving[seq.request_id]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def drain_kv_slots(self) -> list[KVSlot]:
+        """Blocks allocated for remote KV since the last call, oldest first."""
+        slots, self._new_slots = self._new_slots, []
+        return slots
 
     def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         """End ``seq`` now (stop, length or abort); its blocks are freed at once unless the caller holds them."""
@@ -79,6 +110,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        self.receiving.pop(seq.request_id, None)
         # A waiting sequence stays in the deque and is skipped lazily: removal
         # from the middle of a deque is O(n), skipping is O(1).
         seq.status = SequenceStatus.FINISHED
@@ -96,7 +128,8 @@ class Scheduler:
         pending = itertools.chain(self.running, (seq for seq in self.waiting if not seq.is_finished))
         return sum(seq.num_tokens - seq.num_computed_tokens for seq in pending)
 
-    def has_unfinished(self) -> bool:
+    def has_work(self) -> bool:
+        """Whether a step may do anything: a request runs or waits to be admitted (not merely for remote KV)."""
         return bool(self.running) or any(not seq.is_finished for seq in self.waiting)
 
     # ---- one step --------------------------------------------------------------------
@@ -133,10 +166,14 @@ class Scheduler:
         )
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.is_finished:
                 self.waiting.popleft()
+                continue
+            if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._allocate_waiting_remote():
+                    break
                 continue
             if seq.needs_prompt_logprobs:
                 # Cached KV has no logits: such a prompt is computed in full (as vLLM does).
@@ -157,6 +194,31 @@ class Scheduler:
             scheduled.append(ScheduledSequence.of(seq, num_cached, num_new))
             budget -= num_new
         return budget
+
+    @property
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.receiving)
+
+    def _allocate_waiting_remote(self) -> bool:
+        """Give blocks to the remote sequences first in line; False when the first of them cannot have them yet."""
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.is_finished:
+                self.waiting.popleft()
+                continue
+            if seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                return True
+            # The handoff's hashes, seeded into the sequence: only full prompt blocks can be reused.
+            hashes, num_tokens = seq.block_hashes(), seq.num_prompt_tokens
+            if self._num_admitted >= self.config.max_num_seqs or not self.block_manager.can_import(
+                seq, hashes, num_tokens
+            ):
+                return False
+            self.waiting.popleft()
+            to_fill = self.block_manager.allocate_imported(seq, hashes, num_tokens)
+            self.receiving[seq.request_id] = seq
+            self._new_slots.append(KVSlot(seq.request_id, to_fill[0] if to_fill else len(seq.block_table)))
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -7,12 +7,15 @@ import enum
 import torch
 
 from engine.hashing import BlockHash, hash_block
+from engine.kv_handoff import KVHoldParams
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    # Prefilled elsewhere: queued for blocks, then holding them until the KV lands (vLLM v1's name).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"  # holds blocks and is scheduled every step
     FINISHED = "finished"
 
@@ -34,6 +37,7 @@ class Sequence:
         block_size: int,
         model_id: str,
         generator: torch.Generator | None = None,
+        block_hashes: tuple[BlockHash, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -53,7 +57,10 @@ class Sequence:
         # Grows chunk by chunk as the prompt is computed; None when not asked for
         # (or delivered by the engine that prefilled the request).
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if params.prompt_logprobs is not None else None
-        self._block_hashes: list[BlockHash] = []
+        # Seeded from a handoff on a decode engine: the prefill engine hashed those blocks already.
+        self._block_hashes: list[BlockHash] = list(block_hashes)
+        # Set on a prefill engine: when the request finishes, its blocks go to the lease table.
+        self.kv_hold: KVHoldParams | None = None
 
     @property
     def num_tokens(self) -> int:

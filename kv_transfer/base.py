@@ -1,8 +1,9 @@
 """The one interface of KV transfer: a source and a stager on the prefill side, a receiver on the decode side.
 
-A prefill worker owns a ``KVSource`` (its held requests) and serves FetchKV and
-StageKV through ``kv_transfer.sender.KVSenderServicer``, which hands staged
-transports to a ``KVStager`` each. A decode worker builds one ``KVReceiver``
+A prefill worker hands ``kv_transfer.sender.KVSenderServicer`` a ``KVSource``
+(its engine's lease table, the one owner of held requests) and serves FetchKV
+and StageKV through it; the sender hands staged transports to a ``KVStager``
+each and never calls back into the service. A decode worker builds one ``KVReceiver``
 per transport name with ``make_receiver`` and calls ``fetch``. Transports are
 imported on first use, so a CPU machine never touches the CUDA-only ones.
 """
@@ -25,16 +26,22 @@ class KVTransferError(RuntimeError):
 
 
 class KVSource(Protocol):
-    """The prefill side's held requests, as the transports see them."""
+    """The prefill side's held requests, as the transports see them (``engine.kv_leases.LeaseTable``)."""
 
-    def export(self, request_id: str, first_block: int) -> torch.Tensor:
-        """The request's blocks from ``first_block`` on: (num_layers, 2, n, block_size, num_kv_heads, head_dim).
+    @property
+    def num_layers(self) -> int:
+        """Layers of every held request's blocks (the first dimension of ``export``)."""
+        ...
+
+    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+        """The request's blocks from ``first_block`` on, of ``layers``: (layers, 2, n, block_size, num_kv_heads, head_dim).
 
         Must return a tensor the caller owns (a copy, as ``KVCache.export_blocks``
         makes): transports read it after the call returns. Called from a worker
-        thread, not the event loop. Raises ``KeyError`` when the request is not
-        held (unknown, released, lease expired) and ``ValueError`` when
-        ``first_block`` is past its blocks.
+        thread, not the event loop; a transport may export a request layer by
+        layer, so that the copy overlaps the sending. Raises ``KeyError`` when
+        the request is not held (unknown, released, lease expired) and
+        ``ValueError`` when ``first_block`` is past its blocks.
         """
         ...
 

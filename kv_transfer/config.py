@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Every transport a handoff may name. grpc streams with FetchKV; the others are
-# staged with StageKV and read out of band.
-TRANSPORTS: tuple[str, ...] = ("grpc", "shm", "torch_dist", "cuda_ipc")
+from engine.kv_handoff import TRANSPORTS
+
+# Every transport a handoff may name (the handoff type validates it, hence defined there).
 STAGED_TRANSPORTS: tuple[str, ...] = ("shm", "torch_dist", "cuda_ipc")
 
 # The FetchKV contract (worker.proto): chunks of at most 1 MiB.

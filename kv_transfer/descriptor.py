@@ -1,201 +1,70 @@
-"""What crosses from a prefill worker to a decode worker: the KV layout and the handoff descriptor.
+"""The handoff descriptor and KV layout on the wire: protobuf conversion at the service edge.
 
-Both are frozen dataclasses validated on construction, so a malformed handoff
-fails where it is built or parsed (``from_proto``) with a ``ValueError`` that
-names the field, never halfway through a transfer.
+The types themselves are the engine's (``engine.kv_handoff``): the prefill
+engine builds the ``KVHandoff`` and the decode engine takes it, so they cannot
+carry protobuf methods. Parsing validates once, here, with a ``ValueError``
+naming the field; nothing downstream checks the descriptor again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from engine.hashing import BlockHash
-from engine.kv_cache import SCALE_BYTES, bytes_per_block
-from kv_transfer.config import TRANSPORTS
+from engine.kv_handoff import KVHandoff, KVLayout
 from protos.pdserve.v1.internal import worker_pb2
 
-# The KV cache dtypes the engine supports (engine.config.SUPPORTED_DTYPES less "auto", and int8 KV).
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-}
-_UINT32_MAX = 2**32 - 1
-_UINT64_MAX = 2**64 - 1
+__all__ = ["KVHandoff", "KVLayout", "handoff_from_proto", "handoff_to_proto", "layout_from_proto", "layout_to_proto"]
 
 
-def _check_range(name: str, value: int, low: int, high: int) -> None:
-    # bool is an int subclass; a True layer count is a bug, not a 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
+    return worker_pb2.KVLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+    )
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape and type of KV blocks; the prefill and decode sides must agree on every field.
-
-    A transfer of ``n`` blocks is one contiguous tensor of
-    ``tensor_shape(n) == (num_layers, 2, n, block_size, num_kv_heads, head_dim)``,
-    the layout ``engine.kv_cache.KVCache.export_blocks`` returns. With dtype
-    int8 the last dimension is ``head_dim + 4``: each row's float32 scale
-    travels as 4 bytes after its values (``engine.kv_cache.pack_int8``).
-
-    A decode worker whose ``kv_cache_dtype`` differs from the prefill worker's
-    converts on import (``KVCache.import_blocks``): int8 is dequantized, float
-    is cast or quantized as a local write would be.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str  # torch dtype name, e.g. "float32"
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            _check_range(name, getattr(self, name), 1, _UINT32_MAX)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype)
-
-    @property
-    def row_size(self) -> int:
-        """Elements of one (token, KV head) row on the wire: head_dim, plus the scale's 4 bytes for int8."""
-        return self.head_dim + (SCALE_BYTES if self.dtype == "int8" else 0)
-
-    def tensor_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """(num_layers, 2, num_blocks, block_size, num_kv_heads, row_size)."""
-        _check_range("num_blocks", num_blocks, 0, _UINT32_MAX)
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_size)
-
-    @classmethod
-    def from_tensor(cls, blocks: torch.Tensor) -> KVLayout:
-        """The layout of an exported (num_layers, 2, n, block_size, num_kv_heads, row_size) tensor."""
-        if blocks.dim() != 6 or blocks.shape[1] != 2:
-            raise ValueError(
-                f"KV blocks must be (layers, 2, blocks, block_size, heads, head_dim), got {tuple(blocks.shape)}"
-            )
-        dtype = next((name for name, value in _DTYPES.items() if value == blocks.dtype), str(blocks.dtype))
-        num_layers, _, _, block_size, num_kv_heads, row_size = blocks.shape
-        head_dim = row_size - (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
-        return cls(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
-        )
-
-    def to_proto(self) -> worker_pb2.KVLayout:
-        return worker_pb2.KVLayout(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
-
-    @classmethod
-    def from_proto(cls, message: worker_pb2.KVLayout) -> KVLayout:
-        return cls(
-            num_layers=message.num_layers,
-            num_kv_heads=message.num_kv_heads,
-            head_dim=message.head_dim,
-            block_size=message.block_size,
-            dtype=message.dtype,
-        )
+def layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
+    return KVLayout(
+        num_layers=message.num_layers,
+        num_kv_heads=message.num_kv_heads,
+        head_dim=message.head_dim,
+        block_size=message.block_size,
+        dtype=message.dtype,
+    )
 
 
-@dataclass(frozen=True)
-class KVHandoff:
-    """Everything a decode worker needs to take over a prefilled request (mirrors ``worker_pb2.KVHandoff``).
+def handoff_to_proto(handoff: KVHandoff) -> worker_pb2.KVHandoff:
+    return worker_pb2.KVHandoff(
+        request_id=handoff.request_id,
+        model_id=handoff.model_id,
+        layout=layout_to_proto(handoff.layout),
+        block_hashes=list(handoff.block_hashes),
+        num_tokens=handoff.num_tokens,
+        first_token_id=handoff.first_token_id,
+        transport=handoff.transport,
+        address=handoff.address,
+        lease_deadline_ms=handoff.lease_deadline_ms,
+        worker_id=handoff.worker_id,
+        epoch=handoff.epoch,
+    )
 
-    The prefill worker holds ``num_blocks`` blocks for the request until
-    ``lease_deadline_ms``; ``block_hashes`` cover its full blocks only, so a
-    decode worker can skip the leading ones it already caches and fetch the
-    rest from ``first_block`` on.
-    """
 
-    request_id: str
-    model_id: str
-    layout: KVLayout
-    block_hashes: tuple[BlockHash, ...]
-    num_tokens: int  # prompt tokens whose KV the blocks hold
-    first_token_id: int
-    transport: str  # one of kv_transfer.config.TRANSPORTS
-    address: str  # host:port of the prefill worker's internal gRPC server
-    lease_deadline_ms: int  # Unix time after which the prefill worker frees the blocks
-    worker_id: str
-    epoch: int  # changes when the prefill worker restarts
-
-    def __post_init__(self) -> None:
-        for name in ("request_id", "model_id", "address", "worker_id"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        if not isinstance(self.layout, KVLayout):
-            raise ValueError(f"layout must be a KVLayout, got {type(self.layout).__name__}")
-        if not isinstance(self.block_hashes, tuple) or not all(isinstance(h, bytes) and h for h in self.block_hashes):
-            raise ValueError("block_hashes must be a tuple of non-empty bytes")
-        _check_range("num_tokens", self.num_tokens, 1, _UINT32_MAX)
-        _check_range("first_token_id", self.first_token_id, 0, _UINT32_MAX)
-        _check_range("lease_deadline_ms", self.lease_deadline_ms, 0, _UINT64_MAX)
-        _check_range("epoch", self.epoch, 0, _UINT64_MAX)
-        full_blocks = self.num_tokens // self.layout.block_size
-        if len(self.block_hashes) > full_blocks:
-            raise ValueError(
-                f"block_hashes has {len(self.block_hashes)} hashes but {self.num_tokens} tokens "
-                f"fill only {full_blocks} blocks of {self.layout.block_size}"
-            )
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"address must be host:port, got {self.address!r}")
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks the prefill worker holds for the request, the last possibly partial."""
-        return -(-self.num_tokens // self.layout.block_size)
-
-    def to_proto(self) -> worker_pb2.KVHandoff:
-        return worker_pb2.KVHandoff(
-            request_id=self.request_id,
-            model_id=self.model_id,
-            layout=self.layout.to_proto(),
-            block_hashes=list(self.block_hashes),
-            num_tokens=self.num_tokens,
-            first_token_id=self.first_token_id,
-            transport=self.transport,
-            address=self.address,
-            lease_deadline_ms=self.lease_deadline_ms,
-            worker_id=self.worker_id,
-            epoch=self.epoch,
-        )
-
-    @classmethod
-    def from_proto(cls, message: worker_pb2.KVHandoff) -> KVHandoff:
-        # An absent layout would parse as all zeros; say so rather than "num_layers must be in [1, ...]".
-        if not message.HasField("layout"):
-            raise ValueError("layout is missing from the handoff")
-        return cls(
-            request_id=message.request_id,
-            model_id=message.model_id,
-            layout=KVLayout.from_proto(message.layout),
-            block_hashes=tuple(BlockHash(h) for h in message.block_hashes),
-            num_tokens=message.num_tokens,
-            first_token_id=message.first_token_id,
-            transport=message.transport,
-            address=message.address,
-            lease_deadline_ms=message.lease_deadline_ms,
-            worker_id=message.worker_id,
-            epoch=message.epoch,
-        )
+def handoff_from_proto(message: worker_pb2.KVHandoff) -> KVHandoff:
+    # An absent layout would parse as all zeros; say so rather than "num_layers must be in [1, ...]".
+    if not message.HasField("layout"):
+        raise ValueError("layout is missing from the handoff")
+    return KVHandoff(
+        request_id=message.request_id,
+        model_id=message.model_id,
+        layout=layout_from_proto(message.layout),
+        block_hashes=tuple(BlockHash(h) for h in message.block_hashes),
+        num_tokens=message.num_tokens,
+        first_token_id=message.first_token_id,
+        transport=message.transport,
+        address=message.address,
+        lease_deadline_ms=message.lease_deadline_ms,
+        worker_id=message.worker_id,
+        epoch=message.epoch,
+    )

@@ -48,15 +48,43 @@ class KVSenderServicer:
     async def FetchKV(  # noqa: N802 - the gRPC method name
         self, request: worker_pb2.FetchKVRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.KVChunk]:
-        blocks = await self._export(request.request_id, request.first_block, context, to_host=True)
-        data = byte_view(blocks)
-        total, num_blocks, step = data.nbytes, blocks.shape[2], self.config.chunk_bytes
-        # At least one chunk, so an empty range still tells the receiver its size.
-        for offset in range(0, max(total, 1), step):
-            # bytes(): protobuf takes no memoryview; this copy is the only one before serialization.
-            yield worker_pb2.KVChunk(
-                data=bytes(data[offset : offset + step]), offset=offset, total_bytes=total, num_blocks=num_blocks
-            )
+        # Layer by layer, the next layer copied out of the KV cache (off the loop) while
+        # this one streams: the copy overlaps the sending instead of preceding it. The
+        # chunks are the same as from one export: every one `step` bytes but the last.
+        num_layers, step = self._source.num_layers, self.config.chunk_bytes
+        total = num_blocks = offset = 0
+        carry = bytearray()  # the head of a chunk that spans two layers
+
+        def chunk(data: bytes) -> worker_pb2.KVChunk:
+            return worker_pb2.KVChunk(data=data, offset=offset, total_bytes=total, num_blocks=num_blocks)
+
+        pending = self._start_export(request.request_id, request.first_block, 0)
+        try:
+            for layer in range(num_layers):
+                blocks = await self._finish_export(pending, context)
+                if layer + 1 < num_layers:
+                    pending = self._start_export(request.request_id, request.first_block, layer + 1)
+                data = byte_view(blocks)
+                if layer == 0:
+                    total, num_blocks = data.nbytes * num_layers, blocks.shape[2]
+                position = 0
+                if carry:
+                    position = min(step - len(carry), data.nbytes)
+                    carry += data[:position]
+                    if len(carry) < step:
+                        continue
+                    yield chunk(bytes(carry))
+                    offset, carry = offset + step, bytearray()
+                while data.nbytes - position >= step:
+                    # bytes(): protobuf takes no memoryview; this copy is the only one before serialization.
+                    yield chunk(bytes(data[position : position + step]))
+                    offset, position = offset + step, position + step
+                carry += data[position:]
+            if carry or total == 0:
+                # At least one chunk, so an empty range still tells the receiver its size.
+                yield chunk(bytes(carry))
+        finally:
+            _discard(pending)
 
     async def StageKV(  # noqa: N802 - the gRPC method name
         self, request: worker_pb2.StageKVRequest, context: grpc.aio.ServicerContext
@@ -99,6 +127,22 @@ class KVSenderServicer:
                 self._stagers[transport] = make_stager(transport, self.config)
             return self._stagers[transport]
 
+    def _start_export(self, request_id: str, first_block: int, layer: int) -> asyncio.Future[torch.Tensor]:
+        """One layer's held blocks, on the CPU and contiguous, copied on a worker thread."""
+
+        def export() -> torch.Tensor:
+            return host_contiguous(self._source.export(request_id, first_block, slice(layer, layer + 1)))
+
+        return asyncio.ensure_future(asyncio.to_thread(export))
+
+    async def _finish_export(
+        self, pending: asyncio.Future[torch.Tensor], context: grpc.aio.ServicerContext
+    ) -> torch.Tensor:
+        try:
+            return await pending
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await _abort_for(exc, context)
+
     async def _export(
         self, request_id: str, first_block: int, context: grpc.aio.ServicerContext, *, to_host: bool
     ) -> torch.Tensor:
@@ -113,6 +157,15 @@ class KVSenderServicer:
             return await asyncio.to_thread(export)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await _abort_for(exc, context)
+
+
+def _discard(pending: asyncio.Future[torch.Tensor]) -> None:
+    """Drop an export nobody will read (the stream ended early), without an unretrieved-exception warning."""
+    if pending.done():
+        if not pending.cancelled():
+            pending.exception()
+    else:
+        pending.cancel()
 
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:

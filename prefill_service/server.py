@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 import grpc
-import torch
 
-from engine.hashing import hash_prompt_blocks
+from engine.kv_handoff import KVHoldParams
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
-from kv_transfer.descriptor import KVHandoff, KVLayout
+from kv_transfer.descriptor import handoff_to_proto
 from kv_transfer.sender import KVSenderServicer
-from prefill_service.leases import LeaseTable
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import grpc_errors
@@ -32,34 +29,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """Prefill with ``max_tokens=1`` and ``hold_kv``: the first token comes back, the blocks stay pinned."""
 
     def __init__(self, runtime: WorkerRuntime, lease_s: float, transfer: TransferConfig) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.runtime = runtime
         self.engine = runtime.async_engine
-        self.leases = LeaseTable(lease_s, self._end_lease)
-        # Exports read held blocks from a transport thread while the engine thread
-        # steps: never during or after a release, hence the lock and the leased set.
-        self._export_lock = threading.Lock()
-        self._leased: set[str] = set()
-        self.sender = KVSenderServicer(self, transfer)
-        engine = runtime.engine
-        self.layout = KVLayout(
-            num_layers=int(engine.hf_config.num_hidden_layers),
-            num_kv_heads=engine.model.num_kv_heads,
-            head_dim=engine.model.head_dim,
-            block_size=engine.block_size,
-            dtype=str(engine.kv_cache_dtype).removeprefix("torch."),
-        )
-
-    # KVSource, called by the transports from a worker thread.
-    def export(self, request_id: str, first_block: int) -> torch.Tensor:
-        """Copy a leased request's blocks without queueing behind a step (a prefill step takes seconds).
-
-        Safe off the engine thread: pinned blocks are neither freed nor written
-        while leased, and the lease cannot end while the copy runs.
-        """
-        with self._export_lock:
-            if request_id not in self._leased:
-                raise KeyError(f"request {request_id!r} holds no KV here (unknown, released or lease expired)")
-            return self.runtime.engine.export_kv(request_id, first_block).blocks
+        self.lease_s = lease_s
+        # The engine's lease table owns every held request; the transports read held
+        # blocks through it (a KVSource) and hear from it when a lease ends.
+        self.leases = runtime.engine.leases
+        self.sender = KVSenderServicer(self.leases, transfer)
+        self.leases.on_end = self.sender.release
 
     @grpc_errors
     @with_request_id(lambda request: request.request_id)
@@ -68,12 +47,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
+        hold = KVHoldParams(
+            transport=request.transport or "grpc",
+            address=self.runtime.address,
+            worker_id=self.runtime.config.worker_id,
+            epoch=self.runtime.epoch,
+            lease_s=self.lease_s,
+        )
         final = None
         # The first token only, checked against the client's max_tokens; cancelling
-        # this RPC aborts the request and frees its blocks.
+        # this RPC aborts the request and frees its blocks (held ones too).
         with self.runtime.admit(len(prompt)):
             async for output in self.engine.generate(
-                prompt, _first_token_params(params), request.request_id, hold_kv=True, validate_as=params
+                prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params
             ):
                 final = output
         assert final is not None and final.token_ids
@@ -87,30 +73,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             response.logprobs.CopyFrom(logprobs_to_proto(final.logprobs)[0])
         if final.prompt_logprobs:
             response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
+        assert final.kv_handoff is not None
         if final.finish_reason == "stop" or params.max_tokens == 1:
             # The first token already ends the request: nothing to hand off.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
-            self.engine.submit(lambda engine: engine.release_kv(request.request_id))
+            self._release(request.request_id)
             return response
-        with self._export_lock:
-            self._leased.add(request.request_id)
-        deadline_ms = self.leases.grant(request.request_id)
-        # Computed here rather than asked of the engine thread, which is busy stepping.
-        block_hashes = tuple(hash_prompt_blocks(prompt, self.layout.block_size, self.runtime.engine.model_id))
-        handoff = KVHandoff(
-            request_id=request.request_id,
-            model_id=self.runtime.engine.model_id,
-            layout=self.layout,
-            block_hashes=block_hashes,
-            num_tokens=len(prompt),
-            first_token_id=final.token_ids[0],
-            transport=request.transport or "grpc",
-            address=self.runtime.address,
-            lease_deadline_ms=deadline_ms,
-            worker_id=self.runtime.config.worker_id,
-            epoch=self.runtime.epoch,
-        )
-        response.handoff.CopyFrom(handoff.to_proto())
+        response.handoff.CopyFrom(handoff_to_proto(final.kv_handoff))
         return response
 
     @grpc_errors
@@ -128,7 +97,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def ReleaseKV(  # noqa: N802
         self, request: worker_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseKVResponse:
-        self.leases.release(request.request_id)
+        self._release(request.request_id)
         return worker_pb2.ReleaseKVResponse()
 
     @grpc_errors
@@ -137,12 +106,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.LoadReport:
         return self.runtime.load_report()
 
-    def _end_lease(self, request_id: str) -> None:
-        with self._export_lock:
-            self._leased.discard(request_id)
-        self.sender.release(request_id)
+    def _release(self, request_id: str) -> None:
+        """End a lease between two steps (the lease table lives on the engine thread); idempotent."""
         if self.engine.is_alive:
-            self.engine.submit(lambda engine: engine.release_kv(request_id))
+            self.engine.submit(lambda engine: engine.leases.release(request_id))
+
+    async def close(self) -> None:
+        """Free every held request and everything staged; after the server stopped serving."""
+        if self.engine.is_alive:
+            await self.engine.call(lambda engine: engine.leases.release_all())
+        self.sender.close()
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:
@@ -177,5 +150,4 @@ class PrefillServer(WorkerServer):
         self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer)
 
     async def close_servicer(self) -> None:
-        self.servicer.leases.release_all()
-        self.servicer.sender.close()
+        await self.servicer.close()

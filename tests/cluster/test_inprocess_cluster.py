@@ -49,10 +49,10 @@ async def test_cluster_in_process_equals_transformers(
     assert info.block_size == 16 and info.vocab_size == 512 and list(info.eos_token_ids) == [7]
     # Every lease released, every block free on both sides.
     await wait_until(
-        lambda: not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
+        lambda: not prefill.runtime.engine.leases.request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
         "every lease released and every decode finished",
     )
-    assert prefill.runtime.engine.held_request_ids == []
+    assert prefill.runtime.engine.leases.request_ids == []
     assert decode.runtime.async_engine.latest_stats.num_free_blocks == 256
 
 
@@ -180,7 +180,7 @@ async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(
 ) -> None:
     import socket
 
-    from kv_transfer.descriptor import KVHandoff, KVLayout
+    from kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
     from protos.pdserve.v1.internal import worker_pb2
 
     with socket.socket() as probe:  # a loopback port nobody listens on: the prefill worker is gone
@@ -197,7 +197,7 @@ async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(
         lease_deadline_ms=2**40, worker_id="gone", epoch=1,
     )
     request = worker_pb2.DecodeRequest(
-        request_id="orphan", prompt_token_ids=prompt, handoff=handoff.to_proto(),
+        request_id="orphan", prompt_token_ids=prompt, handoff=handoff_to_proto(handoff),
         sampling_params=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
     )
     if policy == "fail":
@@ -236,3 +236,31 @@ async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(
     codes = await asyncio.gather(*(outcome() for _ in range(3)))
     assert sorted(codes) == [0, 8, 8]  # one OK, two RESOURCE_EXHAUSTED
     assert await outcome() == 0  # admitted again once idle
+
+
+@pytest.mark.asyncio
+async def test_a_handoff_through_the_services_hashes_each_prompt_block_once(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.hashing
+    import engine.sequence
+
+    # No Redis: the gateway routes by load and hashes nothing; what is counted is the workers' hashing.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=64))
+    assert cluster.stub is not None
+    hashed: list[list[int]] = []
+    for module in (engine.sequence, engine.hashing):  # the engines' sequences, and hash_prompt_blocks
+
+        def counting(parent, token_ids, model_id, real=module.hash_block):  # noqa: ANN001, ANN202
+            hashed.append(list(token_ids))
+            return real(parent, token_ids, model_id)
+
+        monkeypatch.setattr(module, "hash_block", counting)
+    prompt = random_prompts([37], seed=47)[0]  # 2 full blocks; 37 + 8 tokens never fill a third
+    params = generation_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens, _ = await _collect(cluster.stub, generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
+    assert tokens == Oracle(llama_checkpoint).generate(prompt, 8)
+    # Hashed by the prefill engine as the prompt was computed; the prefill service and the decode
+    # engine took those hashes from the handoff (before: each block hashed three times here).
+    assert hashed == [prompt[:16], prompt[16:32]]
+    assert cluster.decode.runtime.engine.block_manager.num_cached_blocks == 2

@@ -56,7 +56,7 @@ async def test_int8_decode_worker_through_the_cluster_equals_an_int8_engine_in_p
                             WorkerConfig("prefill", "p0", REDIS_URL, prefix))
     decode = DecodeServer(_engine(llama_checkpoint, "int8"), ServerConfig(), WorkerConfig("decode", "d0", REDIS_URL, prefix))
     # The descriptor says what the prefill side holds; the decode side converts if it differs.
-    assert prefill.servicer.layout.dtype == {"int8": "int8", "auto": "float32"}[prefill_kv_dtype]
+    assert prefill.runtime.engine.kv_layout.dtype == {"int8": "int8", "auto": "float32"}[prefill_kv_dtype]
     servers: list = []
     try:
         p_port = await prefill.start()

@@ -90,7 +90,7 @@ async def test_unclaimed_handoff_pins_blocks_until_the_lease_expires_then_frees_
     assert await _wait_free_blocks(stub, NUM_BLOCKS) == NUM_BLOCKS
     assert server.servicer.leases.num_expired == 1
     assert len(server.servicer.leases) == 0
-    assert server.runtime.engine.held_request_ids == []
+    assert server.runtime.engine.leases.request_ids == []
     assert await _fetch_code(stub, "never-decoded") == (grpc.StatusCode.NOT_FOUND, 0)
 
 
@@ -107,7 +107,7 @@ async def test_release_kv_frees_held_blocks_before_the_lease_expires(long_lease)
     assert await _wait_free_blocks(stub, NUM_BLOCKS) == NUM_BLOCKS
     assert server.servicer.leases.num_expired == 0
     assert len(server.servicer.leases) == 0
-    assert server.runtime.engine.held_request_ids == []
+    assert server.runtime.engine.leases.request_ids == []
     assert await _fetch_code(stub, "released-early") == (grpc.StatusCode.NOT_FOUND, 0)
     # A second release of the same id is harmless.
     await stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="released-early"), timeout=5)
@@ -135,7 +135,7 @@ async def test_prefill_that_times_out_while_the_engine_is_busy_holds_no_blocks(l
                      "the engine to finish the abandoned request")
     # Nobody will ever claim or release this request's KV: none of it may stay held.
     assert await _wait_free_blocks(stub, NUM_BLOCKS) == NUM_BLOCKS
-    assert server.runtime.engine.held_request_ids == []
+    assert server.runtime.engine.leases.request_ids == []
     assert len(server.servicer.leases) == 0
 
 

@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
-from kv_transfer.descriptor import KVHandoff, KVLayout
+from kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
 from protos.pdserve.v1 import generation_pb2
 from protos.pdserve.v1.internal import worker_pb2
 from service_common.convert import sampling_params_from_proto, sampling_params_to_proto
@@ -143,7 +143,7 @@ async def test_decode_recompute_after_a_failed_transfer_continues_the_adjustment
             address=dead, lease_deadline_ms=2**40, worker_id="gone", epoch=1,
         )
         request = worker_pb2.DecodeRequest(
-            request_id=f"orphan-{index}", prompt_token_ids=prompt, handoff=handoff.to_proto(),
+            request_id=f"orphan-{index}", prompt_token_ids=prompt, handoff=handoff_to_proto(handoff),
             sampling_params=sampling_params_to_proto(params),
         )
         tokens = [t async for r in stub.Decode(request, timeout=30) for t in r.token_ids]  # type: ignore[union-attr]

@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.conftest import random_prompts
+from tests.support.handoff import handoff_tokens, prefill_and_hold
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,19 +36,13 @@ def test_cuda_kv_handoff_equals_the_same_kv_dtype_in_process(
     assert reference.engine.runner.backend.name == "sdpa"  # flash-attn reads only the model's dtype
     expected = [out.token_ids for out in reference.generate(prompts, GREEDY)]
     prefill, decode = _llm(llama_checkpoint, kv_cache_dtype, dtype).engine, _llm(llama_checkpoint, kv_cache_dtype, dtype).engine
-    for prompt in prompts:
-        request_id = prefill.add_request(prompt, GREEDY)
-        (first,) = prefill.step()
-        kv = prefill.export_kv(request_id)
-        assert kv.blocks.device.type == "cuda" and kv.blocks.dtype == decode.kv_cache.dtype
-        prefill.abort_request(request_id)
-        assert decode.import_request(request_id, prompt, first.token_ids[0], GREEDY, kv)
-    outputs: dict[str, list[int]] = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-    assert [outputs[f"req-{i}"] for i in range(len(prompts))] == expected
+    held = prefill_and_hold(prefill, prompts[0], GREEDY)
+    blocks = prefill.leases.export(held.request_id, 0)
+    assert blocks.device.type == "cuda" and blocks.dtype == decode.kv_cache.dtype
+    assert prefill.leases.release(held.request_id)
+    outputs = handoff_tokens(prefill, decode, prompts, GREEDY)
+    # req-0 was the look at the held blocks above.
+    assert [outputs[f"req-{i}"] for i in range(1, 5)] == expected
 
 
 def test_flash_attn_refuses_a_kv_dtype_other_than_the_models(llama_checkpoint: Path) -> None:

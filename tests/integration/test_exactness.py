@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import Oracle, random_prompts
-from tests.support.handoff import handoff_tokens
+from tests.support.handoff import hand_over, handoff_tokens, prefill_and_hold
 
 # Mixed lengths from 1 to 300 tokens, around block boundaries (block size 16) too.
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 95, 160, 300]
@@ -185,14 +185,15 @@ def test_kv_import_copies_only_blocks_the_decoder_lacks(llama_checkpoint: Path) 
     decode.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     while decode.has_unfinished_requests():
         decode.step()
-    request_id = prefill.add_request(prompt, GREEDY)
-    (first,) = prefill.step()
-    hashes = prefill.export_kv(request_id).block_hashes
-    skip = decode.num_cached_prefix_blocks(list(hashes))
-    assert skip == 4
-    kv = prefill.export_kv(request_id, first_block=skip)
-    assert kv.blocks.shape[2] == 1  # only the partial fifth block travels
-    assert decode.import_request("moved", prompt, first.token_ids[0], GREEDY, kv)
+    held = prefill_and_hold(prefill, prompt, GREEDY)
+    assert held.kv_handoff is not None and len(held.kv_handoff.block_hashes) == 4
+    decode.add_remote_request("moved", prompt, GREEDY, held.kv_handoff)
+    (slot,) = decode.drain_kv_slots()
+    # Blocks are allocated before anything moves: the 4 cached ones are shared, only the partial fifth travels.
+    assert slot.first_block == 4
+    blocks = prefill.leases.export(held.request_id, slot.first_block)
+    assert blocks.shape[2] == 1
+    assert decode.receive_kv("moved", slot.first_block, blocks) is not None
 
 
 def test_seeded_sampling_continues_the_same_stream_across_a_kv_handoff(llama_checkpoint: Path) -> None:
@@ -201,9 +202,7 @@ def test_seeded_sampling_continues_the_same_stream_across_a_kv_handoff(llama_che
     (reference,) = _llm(llama_checkpoint, num_kv_blocks=64).generate([prompt], params)
     prefill = _llm(llama_checkpoint, num_kv_blocks=64).engine
     decode = _llm(llama_checkpoint, num_kv_blocks=64).engine
-    request_id = prefill.add_request(prompt, params, hold_kv=True)
-    (first,) = prefill.step()
-    assert decode.import_request("moved", prompt, first.token_ids[0], params, prefill.export_kv(request_id))
+    hand_over(prefill, decode, prompt, params)
     tokens: list[int] = []
     while decode.has_unfinished_requests():
         for out in decode.step():

@@ -16,6 +16,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.hashing import hash_prompt_blocks
+from engine.kv_handoff import KVHandoff
 from tests.conftest import EOS_TOKEN_ID, Oracle, random_prompts
 
 MAX_TOKENS = 20
@@ -267,7 +269,16 @@ def test_continued_requests_do_not_compute_prompt_logprobs_again(llama_checkpoin
     prompt = random_prompts([40], seed=31)[0]
     expected = oracle_llama.generate(prompt, 8)
     params = _greedy(prompt_logprobs=2, max_tokens=8)
-    first = engine.resume_request("resumed", prompt, expected[0], params)
+    handoff = KVHandoff(
+        request_id="resumed", model_id=engine.model_id, layout=engine.kv_layout,
+        block_hashes=tuple(hash_prompt_blocks(prompt, engine.block_size, engine.model_id)), num_tokens=len(prompt),
+        first_token_id=expected[0], transport="grpc", address="127.0.0.1:1", lease_deadline_ms=0,
+        worker_id="prefill-test", epoch=1,
+    )
+    engine.add_remote_request("resumed", prompt, params, handoff)
+    assert [slot.first_block for slot in engine.drain_kv_slots()] == [0]
+    first = engine.recompute_remote("resumed")
+    assert first is not None and first.token_ids == expected[:1]
     outputs = [first]
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())

@@ -41,9 +41,11 @@ def full_blocks(request_id: str) -> torch.Tensor:
 class SeededSource:
     """Holds the requests of ``NUM_BLOCKS``; anything else is not held (KeyError)."""
 
-    def export(self, request_id: str, first_block: int) -> torch.Tensor:
+    num_layers = LAYOUT.num_layers
+
+    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
         if request_id not in NUM_BLOCKS:
             raise KeyError(f"request {request_id!r} is not held")
         if not 0 <= first_block <= NUM_BLOCKS[request_id]:
             raise ValueError(f"first_block {first_block} is past the {NUM_BLOCKS[request_id]} blocks held")
-        return full_blocks(request_id)[:, :, first_block:].clone()
+        return full_blocks(request_id)[layers, :, first_block:].clone()

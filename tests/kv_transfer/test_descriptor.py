@@ -9,6 +9,7 @@ import torch
 
 from engine.hashing import BlockHash
 from kv_transfer import KVHandoff, KVLayout, TransferConfig, make_receiver, make_stager
+from kv_transfer.descriptor import handoff_from_proto, handoff_to_proto, layout_from_proto, layout_to_proto
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 
@@ -48,14 +49,14 @@ def test_int8_layout_counts_each_rows_scale_bytes() -> None:
     blocks = torch.zeros(layout.tensor_shape(5), dtype=torch.int8)
     assert KVLayout.from_tensor(blocks) == layout
     assert blocks.numel() * blocks.element_size() == 5 * layout.bytes_per_block
-    assert KVLayout.from_proto(layout.to_proto()) == layout
+    assert layout_from_proto(layout_to_proto(layout)) == layout
 
 
 def test_handoff_round_trips_through_proto_unchanged() -> None:
     handoff = _handoff()
-    message = handoff.to_proto()
+    message = handoff_to_proto(handoff)
     assert message.layout.dtype == "bfloat16" and list(message.block_hashes) == [b"\x01" * 16, b"\x02" * 16]
-    assert KVHandoff.from_proto(message) == handoff
+    assert handoff_from_proto(message) == handoff
     assert handoff.num_blocks == 3
 
 
@@ -89,10 +90,10 @@ def test_invalid_layout_field_raises_value_error_naming_it(field: str, value: ob
 
 
 def test_handoff_without_layout_in_proto_is_rejected() -> None:
-    message = _handoff().to_proto()
+    message = handoff_to_proto(_handoff())
     message.ClearField("layout")
     with pytest.raises(ValueError, match="layout"):
-        KVHandoff.from_proto(message)
+        handoff_from_proto(message)
 
 
 def test_factories_reject_unknown_names_listing_the_valid_ones() -> None:

@@ -71,7 +71,7 @@ async def test_gateway_and_workers_export_exact_metrics_over_http(
     decoded = sum(1 for f in finals if f.usage.completion_tokens > 1)  # requests that reached the decode worker
     # Wait for both sides to go idle: leases released, decode requests done.
     await wait_until(
-        lambda: not prefill.runtime.engine.held_request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
+        lambda: not prefill.runtime.engine.leases.request_ids and decode.runtime.async_engine.latest_stats.num_running == 0,
         "every lease released and every decode finished",
     )
 

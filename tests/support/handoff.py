@@ -2,26 +2,54 @@
 
 from __future__ import annotations
 
-from engine import LLMEngine, SamplingParams
+import dataclasses
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.kv_handoff import KVHoldParams
+
+# Where the held KV would be fetched from; nothing dials it in-process.
+HOLD = KVHoldParams(transport="grpc", address="127.0.0.1:1", worker_id="prefill-test", epoch=1, lease_s=60.0)
+
+
+def prefill_and_hold(prefill: LLMEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    """Run ``prompt`` to its first token on ``prefill`` as a prefill worker does; the finished output, KV held."""
+    assert params.min_tokens == 0, "the prefill service's first-token parameters are not modelled here"
+    request_id = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), hold_kv=HOLD)
+    while True:
+        for out in prefill.step():
+            if out.request_id == request_id and out.finished:
+                assert out.kv_handoff is not None and request_id in prefill.leases
+                return out
+
+
+def hand_over(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    """Prefill ``prompt``, move its KV to ``decode`` (only the blocks it lacks) and end the lease; the state at landing."""
+    held = prefill_and_hold(prefill, prompt, params)
+    assert held.kv_handoff is not None
+    request_id = decode.add_remote_request(held.request_id, prompt, params, held.kv_handoff)
+    (slot,) = decode.drain_kv_slots()
+    assert slot.request_id == request_id
+    blocks = prefill.leases.export(request_id, slot.first_block)
+    assert prefill.leases.release(request_id)
+    landed = decode.receive_kv(request_id, slot.first_block, blocks)
+    assert landed is not None
+    return landed
 
 
 def handoff_tokens(
     prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]], params: SamplingParams
 ) -> dict[str, list[int]]:
-    """Prefill every prompt on ``prefill``, move its KV to ``decode``, decode there to the end; tokens by request id.
+    """Hand every prompt from ``prefill`` to ``decode``, decode there to the end; tokens by request id.
 
-    Asserts that ``decode`` holds no block afterwards.
+    Asserts that neither engine holds a block afterwards.
     """
     for prompt in prompts:
-        request_id = prefill.add_request(prompt, params)
-        (first,) = prefill.step()
-        kv = prefill.export_kv(request_id)
-        prefill.abort_request(request_id)
-        assert decode.import_request(request_id, prompt, first.token_ids[0], params, kv)
+        hand_over(prefill, decode, prompt, params)
     outputs: dict[str, list[int]] = {}
     while decode.has_unfinished_requests():
         for out in decode.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
     assert decode.block_manager.num_used_blocks == 0
+    assert prefill.block_manager.num_used_blocks == 0
     return outputs

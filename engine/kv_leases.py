@@ -1,0 +1,128 @@
+"""The one owner of KV held for a handoff: a finished request's blocks, pinned until released or expired.
+
+A prefill engine finishes a request with ``KVHoldParams`` by handing its
+sequence here instead of freeing its blocks. From then on nothing else knows
+the request: the lease ends on ``release`` (the decode side took the KV, or the
+first token ended the request), on ``expire`` (nobody came in time) or on
+``release_all`` (shutdown), and each frees the blocks through the block
+manager. Everything but ``export`` runs on the engine thread.
+
+``export`` is the ``kv_transfer.KVSource`` the prefill service hands its
+transports: they copy held blocks from their own threads, without queueing
+behind a step (a prefill step takes seconds). That is safe because held blocks
+are pinned (never reallocated, never written), and the lock keeps a lease from
+ending while a copy runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVCache
+from engine.kv_handoff import KVHandoff
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class _Lease:
+    seq: Sequence
+    handoff: KVHandoff
+    expires_at: float  # time.monotonic()
+
+
+class LeaseTable:
+    """Held requests by id; ``grant`` takes a finished sequence's blocks, ``release``/``expire`` free them."""
+
+    def __init__(
+        self, block_manager: BlockManager, kv_cache: KVCache, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._block_manager = block_manager
+        self._kv_cache = kv_cache
+        self._clock = clock
+        self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()
+        self.num_expired = 0
+        # Told the id of every lease that ends, on the engine thread (the prefill
+        # service frees what its transports staged for it).
+        self.on_end: Callable[[str], None] | None = None
+
+    # ---- engine thread -------------------------------------------------------------
+
+    def grant(self, seq: Sequence, handoff: KVHandoff, lease_s: float) -> None:
+        """Hold ``seq``'s blocks (already pinned: its finish did not free them) for ``lease_s`` seconds."""
+        lease = _Lease(seq, handoff, self._clock() + lease_s)
+        with self._lock:
+            self._leases[seq.request_id] = lease
+
+    def release(self, request_id: str) -> bool:
+        """End a lease now and free its blocks; False if ``request_id`` holds none (idempotent)."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self._end(lease)
+        return True
+
+    def expire(self) -> list[str]:
+        """End every lease past its deadline; returns their ids."""
+        now = self._clock()
+        with self._lock:
+            expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+            for lease in expired:
+                del self._leases[lease.seq.request_id]
+        for lease in expired:
+            self.num_expired += 1
+            self._end(lease)
+        return [lease.seq.request_id for lease in expired]
+
+    def release_all(self) -> None:
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for lease in leases:
+            self._end(lease)
+
+    # ---- any thread ----------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self._kv_cache.data.shape[0]
+
+    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+        """A copy of the held blocks from ``first_block`` on, of ``layers``:
+        (num_layers, 2, n, block_size, num_kv_heads, head_dim).
+
+        ``KeyError`` when ``request_id`` holds nothing here (unknown, released,
+        expired); ``ValueError`` when ``first_block`` is past its blocks.
+        """
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                raise KeyError(f"request {request_id!r} holds no KV here (unknown, released or lease expired)")
+            num_blocks = lease.handoff.num_blocks
+            if not 0 <= first_block <= num_blocks:
+                raise ValueError(f"first_block must be in [0, {num_blocks}], got {first_block}")
+            return self._kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._leases)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _end(self, lease: _Lease) -> None:
+        self._block_manager.free(lease.seq)
+        if self.on_end is not None:
+            self.on_end(lease.seq.request_id)
