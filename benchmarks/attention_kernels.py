@@ -7,7 +7,8 @@ whose ``engine/attention/cpu_kernel.py`` is the decode-only kernel (``load_paged
 Both kernels attend the same decode step, alternating in one process: batch 32 at the mean
 context of the offline workload mid-run (190 tokens), SmolLM2-135M's shape (30 layers, 9 query
 heads over 3 KV heads of 64), per KV dtype; minimum and median milliseconds of a whole step
-(every layer). Written for issue 11, to measure the rewrite against the kernel it replaced.
+(every layer). Queries are float32 over a float32 cache and bfloat16 over the compact ones, as
+in a float32 and a bf16 model. Written for issue 11, to measure the rewrite against the kernel it replaced.
 """
 
 from __future__ import annotations
@@ -52,22 +53,24 @@ def main() -> None:
         next_block += count
     num_blocks = next_block
     torch.manual_seed(0)
-    query = torch.randn(len(lens), NUM_KV_HEADS * GROUP, HEAD_DIM)
+    queries = {True: torch.randn(len(lens), NUM_KV_HEADS * GROUP, HEAD_DIM)}
+    queries[False] = queries[True].bfloat16()
     values = torch.randn(NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.long)
     context_lens = torch.tensor(lens, dtype=torch.long)
     split = old_kernel.split_points(lens)
     plan = new_kernel.plan(list(range(len(lens))), [1] * len(lens), lens, tables, NUM_KV_HEADS, GROUP)
-    out = torch.empty_like(query)
     print(f"decode attention of a whole step ({NUM_LAYERS} layers), batch {len(lens)}, mean context "
           f"{statistics.mean(lens):.0f}, {args.threads} thread(s); ms of CPU time on the calling thread")
     for name, dtype in KV_DTYPES.items():
         cache = KVCache(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
         cache.import_blocks(range(num_blocks), values)
         layers = cache.layers()
+        query = queries[dtype == torch.float32]
+        out = torch.empty_like(query)
         runs = {
-            "old": lambda: [old_kernel(query, k, v, padded, context_lens, split, HEAD_DIM**-0.5) for k, v in layers],
-            "new": lambda: [new_kernel(query, k, v, plan, HEAD_DIM**-0.5, out) for k, v in layers],
+            "old": lambda q=query: [old_kernel(q, k, v, padded, context_lens, split, HEAD_DIM**-0.5) for k, v in layers],
+            "new": lambda q=query, o=out: [new_kernel(q, k, v, plan, HEAD_DIM**-0.5, o) for k, v in layers],
         }
         times: dict[str, list[float]] = {key: [] for key in runs}
         for run in runs.values():
