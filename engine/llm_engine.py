@@ -241,8 +241,10 @@ class LLMEngine:
             detokenizer = self._detokenizers.get(seq.request_id)
             # The accepted proposed tokens, then the target's own: appended one by
             # one so that a stop condition cuts the run where plain decoding would stop.
+            num_appended = 0
             for row in range(first_row, first_row + num_accepted + 1):
                 token_id = token_ids[row]
+                num_appended += 1
                 seq.append_token(token_id)
                 if seq.logprobs is not None and logprobs is not None:
                     n = seq.params.logprobs or 0
@@ -255,8 +257,8 @@ class LLMEngine:
             if proposal:
                 assert spec is not None
                 spec.record(seq, len(proposal), num_accepted, generator_states)
-                if reason is None:
-                    self.scheduler.accept_proposed(seq, num_accepted)
+                # Every appended token but the last has its KV computed now, as after plain decoding.
+                self.scheduler.accept_proposed(seq, num_appended - 1)
             if reason is not None:
                 hold = seq.request_id in self._hold_on_finish
                 self.scheduler.finish(seq, reason, free_blocks=not hold)
