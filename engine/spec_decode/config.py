@@ -88,6 +88,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{required} is required")
         return cls(**dict(config))
 
+    def to_json(self) -> str:
+        """The fields that differ from the defaults, as ``from_dict`` reads them back."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default})
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
