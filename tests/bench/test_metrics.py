@@ -6,6 +6,8 @@ values sits at rank q/100 * (n - 1), interpolated between its two neighbours.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.bench.metrics import SLOs, compute_metrics, latency_samples, latency_stats
@@ -142,3 +144,16 @@ def test_bad_inputs_are_refused() -> None:
         SLOs(ttft_ms=0)
     with pytest.raises(ValueError, match="succeeded without a single token"):
         _record(9, 0.0, [], 1.0, 1, 0, 0)
+
+
+def test_spec_decode_acceptance_counts_completed_requests_only() -> None:
+    records = [
+        dataclasses.replace(RECORDS[0], spec_decode_drafts=2, spec_decode_draft_tokens=8, spec_decode_accepted_tokens=6),
+        dataclasses.replace(RECORDS[1], spec_decode_drafts=1, spec_decode_draft_tokens=4, spec_decode_accepted_tokens=1),
+        RECORDS[2],
+        dataclasses.replace(RECORDS[3], spec_decode_drafts=5, spec_decode_draft_tokens=20, spec_decode_accepted_tokens=20),
+    ]
+    metrics = compute_metrics(records, duration_s=2.0)
+    assert metrics.spec_decode_acceptance_rate == pytest.approx(7 / 12, **EXACT)
+    assert metrics.spec_decode_mean_accepted_length == pytest.approx(1 + 7 / 3, **EXACT)
+    assert compute_metrics(RECORDS, duration_s=2.0).spec_decode_acceptance_rate is None

@@ -18,10 +18,11 @@ from tests.support.waiting import wait_until
 MAX_TOKENS = 24
 
 
-async def _tokens(stub, prompt: list[int]) -> list[int]:  # noqa: ANN001
-    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+async def _generate(stub, prompt: list[int], use_speculation: bool = True) -> tuple[list[int], generation_pb2.Usage]:  # noqa: ANN001
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, use_speculation=use_speculation)
     request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
-    return [t async for response in stub.Generate(request, timeout=60) for t in response.token_ids]
+    responses = [response async for response in stub.Generate(request, timeout=60)]
+    return [t for response in responses for t in response.token_ids], responses[-1].usage
 
 
 @pytest.mark.asyncio
@@ -42,15 +43,22 @@ async def test_speculating_workers_equal_transformers_and_count_it(
         llama_checkpoint, ClusterOptions(num_kv_blocks=128, metrics=True, speculative_config=spec, **roles)
     )
     prompts = [p + p for p in random_prompts([4, 9, 20], seed=61)]
-    results = await asyncio.gather(*(_tokens(cluster.stub, p) for p in prompts))
+    # The last request asks not to be speculated on.
+    results = await asyncio.gather(*(_generate(cluster.stub, p, i < 2) for i, p in enumerate(prompts)))
     oracle = Oracle(llama_checkpoint)
-    assert results == [oracle.generate(p, MAX_TOKENS) for p in prompts]
+    assert [tokens for tokens, _ in results] == [oracle.generate(p, MAX_TOKENS) for p in prompts]
+    usages = [usage for _, usage in results]
+    assert usages[2].spec_decode_drafts == usages[2].spec_decode_draft_tokens == 0
     worker = cluster.colocated[0] if colocated else cluster.decode
     await wait_until(lambda: worker.runtime.async_engine.latest_stats.num_running == 0, "decodes finished")
     stats = worker.runtime.async_engine.latest_stats
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     if method == "draft_model":
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    # Each request's usage carries its own counts; together they are the worker's.
+    assert sum(u.spec_decode_drafts for u in usages) == stats.spec_num_drafts
+    assert sum(u.spec_decode_draft_tokens for u in usages) == stats.spec_num_draft_tokens
+    assert sum(u.spec_decode_accepted_tokens for u in usages) == stats.spec_num_accepted_tokens
     scraped = await _scrape(worker.metrics_endpoint.port)
     assert _value(scraped, "pdserve_spec_decode_num_drafts_total") == stats.spec_num_drafts
     assert _value(scraped, "pdserve_spec_decode_num_draft_tokens_total") == stats.spec_num_draft_tokens
