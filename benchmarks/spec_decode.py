@@ -10,17 +10,24 @@ prompt, so that machine noise falls on all of them alike; the best of
 ``--repeats`` passes is kept per (setting, prompt). Also checks that every
 setting's greedy tokens equal plain decoding's.
 
-    python -m benchmarks.spec_decode [--max-tokens 128] [--repeats 2] [--setting NAME=JSON ...]
+    python -m benchmarks.spec_decode [--max-tokens 128] [--repeats 2] [--threads N] [--setting NAME=JSON ...]
+
+Between batch 1 and W1 a sweep over batch sizes 2-16 (speculation forced on)
+shows where speculation stops paying: what ``disable_by_batch_size``'s
+default is set from.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from engine.spec_decode.config import SpeculativeConfig
 
 PASSAGE = (
     "The river town of Ellsworth grew up around a mill that ground wheat for the farms upstream. In 1871 a "
@@ -51,9 +58,12 @@ CHAT = (
 )
 DEFAULT_SETTINGS = (
     "ngram-k4={\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}",
-    "draft-int8-k3={\"method\": \"draft_model\", \"model\": \"default\", \"num_speculative_tokens\": 3, "
-    "\"quantization\": \"int8\"}",
+    "draft-bf16int4-k3={\"method\": \"draft_model\", \"model\": \"default\", \"num_speculative_tokens\": 3, "
+    "\"dtype\": \"bfloat16\", \"quantization\": \"int4\"}",
 )
+# Batch sizes at which speculation (forced on) is compared with plain decoding, to place the cut-off.
+SWEEP_BATCH_SIZES = (2, 4, 8, 16)
+FORCED_ON = 1_000_000
 
 
 @dataclass
@@ -72,7 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="batch 1: tokens generated per prompt")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts; best kept per prompt")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--skip-w1", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true", help="no batch-size sweep")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
     settings = {}
@@ -96,12 +108,17 @@ def _time_one(llm: Any, prompt: list[int], params: Any) -> Timing:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    import torch
+
     from engine import LLM, SamplingParams
 
-    # A cut-off of 1 000 000 keeps the speculating engines speculating at batch 1 whatever the default.
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # Speculation forced on (cut-off 1 000 000) for batch 1 and the sweep; W1 runs with each config's own.
     llms = {"plain": LLM(dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=64)}
     for name, config in args.settings.items():
-        llms[name] = LLM(dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=64, speculative_config=config)
+        forced = {**config, "disable_by_batch_size": FORCED_ON}
+        llms[name] = LLM(dtype=args.dtype, num_kv_blocks=2048, max_num_seqs=64, speculative_config=forced)
     tokenizer = llms["plain"].tokenizer
     workloads = {
         "grounded": [_chat_ids(tokenizer, text) for text in GROUNDED],
@@ -117,7 +134,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     key = (workload, name, index)
                     if key not in best or timing.seconds < best[key].seconds:
                         best[key] = timing
-    figures: dict[str, Any] = {"load_average": os.getloadavg(), "max_tokens": args.max_tokens, "batch1": {}}
+    figures: dict[str, Any] = {
+        "load_average": os.getloadavg(), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "batch1": {},
+    }
     print(f"load average at the end of batch 1: {os.getloadavg()}")
     print(f"{'workload':<10}{'setting':<16}{'tok/s':>8}{'x plain':>9}{'accept':>8}{'mean len':>9}{'same tokens':>12}")
     for workload, prompts in workloads.items():
@@ -134,7 +153,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             print(f"{workload:<10}{name:<16}{rate:>8.1f}{rate / plain_rate:>9.2f}"
                   f"{_fmt(accept):>8}{_fmt(length):>9}{str(same):>12}")
+    if not args.skip_sweep:
+        figures["sweep"] = _sweep(llms, [p for ps in workloads.values() for p in ps], args)
     if not args.skip_w1:
+        for name, config in args.settings.items():
+            spec = llms[name].engine.spec_decoder
+            spec.config = dataclasses.replace(spec.config, **{"disable_by_batch_size": SpeculativeConfig.from_dict(
+                config).disable_by_batch_size})
         figures["w1"] = _w1(llms, args)
     if args.json:
         with open(args.json, "w") as handle:
@@ -142,8 +167,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return figures
 
 
+def _sweep(llms: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    """Output tokens/s at batch sizes above 1 with speculation forced on, against plain: where it stops paying."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    best: dict[tuple[int, str], float] = {}
+    tokens: dict[tuple[int, str], int] = {}
+    for _ in range(args.repeats):
+        for size in SWEEP_BATCH_SIZES:
+            batch = [prompts[i % len(prompts)] for i in range(size)]
+            for name, llm in llms.items():
+                start = time.perf_counter()
+                outputs = llm.generate(batch, params)
+                elapsed = time.perf_counter() - start
+                best[(size, name)] = min(best.get((size, name), elapsed), elapsed)
+                tokens[(size, name)] = sum(len(o.token_ids) for o in outputs)
+    print(f"batch-size sweep (speculation forced on, grounded and chat prompts cycled), load average {os.getloadavg()}")
+    result: dict[str, Any] = {}
+    for size in SWEEP_BATCH_SIZES:
+        plain_rate = tokens[(size, "plain")] / best[(size, "plain")]
+        row = {}
+        for name in llms:
+            rate = tokens[(size, name)] / best[(size, name)]
+            row[name] = {"tokens_per_s": rate, "ratio": rate / plain_rate}
+        result[str(size)] = row
+        print(f"  batch {size:>2}: " + "  ".join(f"{n} {v['tokens_per_s']:.1f} tok/s ({v['ratio']:.2f}x)" for n, v in row.items()))
+    return result
+
+
 def _w1(llms: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """W1 through each engine (speculation on, with its default cut-off), best of ``--repeats``."""
+    """W1 through each engine (speculation on, with its config's cut-off), best of ``--repeats``."""
     from benchmarks.workload import make_workload
     from engine import SamplingParams
 
