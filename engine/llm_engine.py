@@ -27,7 +27,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder
+from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
 
 class MissingKVBlocksError(ValueError):
     """A handoff skipped blocks this engine was expected to cache, and they are gone (evicted)."""
@@ -96,13 +96,16 @@ class LLMEngine:
         )
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
+        # A draft model is loaded before the pool is sized: its weights and its parallel KV pool share the memory.
+        spec_config = config.speculative_config
+        draft = load_draft(spec_config, self) if spec_config else None
 
         block_size = cache_cfg.block_size
         num_layers = int(hf_config.num_hidden_layers)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         block_bytes = bytes_per_block(
             num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
-        )
+        ) + (draft.block_bytes if draft else 0)
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
@@ -115,9 +118,7 @@ class LLMEngine:
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
-        self.spec_decoder: SpecDecoder | None = (
-            build_spec_decoder(config.speculative_config, self) if config.speculative_config else None
-        )
+        self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
         self._requests: dict[str, Sequence] = {}
         # Requests whose blocks stay pinned after they finish, until release_kv.
         self._hold_on_finish: set[str] = set()

@@ -34,6 +34,7 @@ from engine.spec_decode.proposer import NgramProposer, Proposer
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+    from engine.spec_decode.draft_model import DraftModelProposer
 
 
 class SpecDecoder:
@@ -124,21 +125,31 @@ class SpecDecoder:
                 )
 
 
-def build_spec_decoder(config: SpeculativeConfig, engine: LLMEngine) -> SpecDecoder:
-    """The decoder for ``engine`` (whose model, KV pool and scheduler are built)."""
-    if config.method == "ngram":
-        return SpecDecoder(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), engine.max_model_len, engine.vocab_size)
+def load_draft(config: SpeculativeConfig, engine: LLMEngine) -> DraftModelProposer | None:
+    """The draft model of a ``draft_model`` config, loaded and checked against ``engine``'s model (whose
+    pool is not sized yet: the draft's per-block bytes count in its sizing); None for other methods."""
+    if config.method != "draft_model":
+        return None
     from engine.spec_decode.draft_model import DraftModelProposer, DraftTarget
 
     target = DraftTarget(
         model_id=engine.model_id,
         vocab_size=engine.vocab_size,
-        num_blocks=engine.block_manager.num_blocks,
-        block_size=engine.block_size,
+        block_size=engine.config.cache.block_size,
         max_model_len=engine.max_model_len,
         dtype=engine.dtype,
         device=engine.device,
         attention_backend=engine.config.model.attention_backend,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
     )
-    return SpecDecoder(config, DraftModelProposer(config, target), engine.max_model_len, engine.vocab_size)
+    return DraftModelProposer(config, target)
+
+
+def build_spec_decoder(config: SpeculativeConfig, engine: LLMEngine, draft: DraftModelProposer | None) -> SpecDecoder:
+    """The decoder for ``engine``, whose pool now exists (``draft``: from ``load_draft``)."""
+    if draft is None:
+        proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        draft.allocate_kv(engine.block_manager.num_blocks)
+        proposer = draft
+    return SpecDecoder(config, proposer, engine.max_model_len, engine.vocab_size)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import AttentionBatch, select_backend
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, bytes_per_block
 from engine.model_loader import load_hf_config, load_model, resolve_model_path
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
@@ -41,7 +41,6 @@ class DraftTarget:
 
     model_id: str
     vocab_size: int
-    num_blocks: int
     block_size: int
     max_model_len: int
     dtype: torch.dtype
@@ -76,17 +75,24 @@ class DraftModelProposer(Proposer):
             config.quantization, config.quantization_group_size,
         )
         self.block_size = bs = target.block_size
-        self.num_target_blocks = target.num_blocks
+        self.num_layers = int(hf_config.num_hidden_layers)
         # Scratch for positions N-1 .. N+k-2 beyond the target's blocks (the last
         # token may open a new block, the proposal runs k-1 positions further).
         self.blocks_per_seq = -(-config.num_speculative_tokens // bs) + 1
         self.max_seqs = min(config.disable_by_batch_size, target.max_num_seqs)
+        self.block_bytes = bytes_per_block(self.num_layers, bs, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        self.backend = select_backend(target.attention_backend, self.device, self.dtype, self.dtype)
+        self.num_target_blocks = 0
+        self.kv_cache: KVCache | None = None
+
+    def allocate_kv(self, num_target_blocks: int) -> None:
+        """The draft's pool: one block per target block (same ids), then the scratch blocks."""
+        self.num_target_blocks = num_target_blocks
         self.kv_cache = KVCache(
-            int(hf_config.num_hidden_layers), target.num_blocks + self.max_seqs * self.blocks_per_seq, bs,
+            self.num_layers, num_target_blocks + self.max_seqs * self.blocks_per_seq, self.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
         )
         self.kv_layers = self.kv_cache.layers()
-        self.backend = select_backend(target.attention_backend, self.device, self.dtype, self.dtype)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[list[int]]:
