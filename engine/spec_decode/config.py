@@ -13,8 +13,10 @@ DRAFT_QUANTIZATIONS = (None, "int8", "int4")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Above this many requests in the engine (running + waiting) nobody speculates:
 # the step is no longer memory-bound and verifying rejected tokens costs more
-# than it saves. Measured in BENCHMARKS.md ("Speculative decoding (issue 12)").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# than it saves. Measured per method in BENCHMARKS.md ("Speculative decoding
+# (issue 12)", the batch-size sweep): n-gram still paid at 4 and lost at 8; the
+# draft model, whose own forwards grow with the batch, paid at 2 and lost at 4.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 4, "draft_model": 2}
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class SpeculativeConfig:
     ``quantization``, proposes greedily. Either way at most
     ``num_speculative_tokens`` tokens are proposed per request and step, and
     nobody speculates while more than ``disable_by_batch_size`` requests are in
-    the engine.
+    the engine (default: the method's measured cut-off).
     """
 
     method: str
@@ -41,11 +43,14 @@ class SpeculativeConfig:
     quantization: str | None = None
     quantization_group_size: int = 32
     dtype: str = "auto"
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # None: the method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.disable_by_batch_size is None:
+            object.__setattr__(self, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE[self.method])
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
         if self.method == "ngram":
@@ -90,7 +95,9 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         """The fields that differ from the defaults, as ``from_dict`` reads them back."""
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default})
+        defaults = {f.name: f.default for f in fields(self)}
+        defaults["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE[self.method]
+        return json.dumps({name: getattr(self, name) for name in defaults if getattr(self, name) != defaults[name]})
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -26,11 +26,17 @@ def test_config_from_vllm_dict_and_json() -> None:
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
         "ngram", 5, 2, 4,
     )
-    assert config.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert config.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE["ngram"] == 4
     draft = SpeculativeConfig.from_dict(
         '{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3, "quantization": "int4", "dtype": "bfloat16"}'
     )
     assert (draft.model, draft.quantization, draft.dtype) == ("/m", "int4", "bfloat16")
+    assert draft.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE["draft_model"] == 2
+    # What --speculative-config passes on to up's workers reads back the same.
+    assert SpeculativeConfig.from_dict(draft.to_json()) == draft
+    assert draft.to_json() == (
+        '{"method": "draft_model", "num_speculative_tokens": 3, "model": "/m", "quantization": "int4", "dtype": "bfloat16"}'
+    )
 
 
 @pytest.mark.parametrize(
