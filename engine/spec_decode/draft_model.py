@@ -104,7 +104,7 @@ class DraftModelProposer(Proposer):
         chunks = [seq.token_ids[start:] for seq, start in zip(seqs, starts)]
         next_ids = self._forward(chunks, starts, tables)
         proposals = [[token] for token in next_ids]
-        for seq, table in zip(seqs, tables):
+        for seq in seqs:
             # Only the KV inside the target's blocks survives this call.
             seq.num_draft_computed_tokens = min(seq.num_tokens, len(seq.block_table) * self.block_size)
         # Then one token at a time, for the sequences that want more.
