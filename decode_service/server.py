@@ -91,6 +91,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 )
                 if output.logprobs:
                     response.logprobs.extend(logprobs_to_proto(output.logprobs[logprobs_sent:]))
+                if output.spec_decode_stats is not None:
+                    stats = output.spec_decode_stats
+                    response.spec_decode_drafts = stats.num_drafts
+                    response.spec_decode_draft_tokens = stats.num_draft_tokens
+                    response.spec_decode_accepted_tokens = stats.num_accepted_tokens
                 num_sent, text_sent = len(output.token_ids), len(output.text)
                 logprobs_sent = len(output.logprobs or [])
                 yield response

@@ -225,7 +225,23 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0
         self._num_registered.pop(seq.request_id, None)
+
+    def release_unused(self, seq: Sequence) -> None:
+        """Free the blocks past the ones ``seq.num_computed_tokens`` needs (rejected speculative positions).
+
+        Those blocks were taken for this step's proposal and hold nothing cached:
+        they go back to the front of the free queue, as if never taken.
+        """
+        keep = seq.num_blocks_for(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
 
     # ---- internals -----------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.spec_decode.config import SpeculativeConfig
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn")
 # Weight-only quantization of the decoder's projections (engine/layers/linear.py); None keeps the checkpoint's floats.
@@ -90,3 +92,5 @@ class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    # None: no speculative decoding (vLLM's name; engine/spec_decode/).
+    speculative_config: SpeculativeConfig | None = None

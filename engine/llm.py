@@ -8,6 +8,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
 
 PromptInput = str | list[int]
 
@@ -17,7 +18,9 @@ class LLM:
 
     ``model`` is a local folder, a hub id, or None for the embedded default
     (SmolLM2-135M-Instruct). ``num_kv_blocks=None`` sizes the KV pool from
-    available memory. Invalid arguments raise ``ValueError`` naming the argument.
+    available memory. ``speculative_config`` (vLLM's shape, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4}``; see ``engine.spec_decode.SpeculativeConfig``)
+    turns on speculative decoding. Invalid arguments raise ``ValueError`` naming the argument.
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class LLM:
         quantization: str | None = None,
         quantization_group_size: int = 32,
         kv_cache_dtype: str = "auto",
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -58,6 +62,11 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            speculative_config=(
+                speculative_config
+                if speculative_config is None or isinstance(speculative_config, SpeculativeConfig)
+                else SpeculativeConfig.from_dict(speculative_config)
+            ),
         )
         self.engine = LLMEngine(config)
 

@@ -23,15 +23,14 @@ from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout, KVSlot
 from engine.kv_leases import LeaseTable
-from engine.layers.linear import linear_method
-from engine.model_loader import load_eos_token_ids, load_hf_config, load_weights, resolve_model_path
+from engine.model_loader import load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
-from engine.models import model_class
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +46,10 @@ class EngineStats:
     num_total_blocks: int
     num_held: int  # finished requests whose blocks are pinned for export (leases)
     num_preemptions: int
+    # Speculative decoding since start (0 without it): verifying steps, proposed and accepted tokens.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -69,19 +72,22 @@ class LLMEngine:
             )
         self.vocab_size = int(hf_config.vocab_size)
 
-        self.model = _build_model(hf_config, self.max_model_len, self.dtype, self.device)
-        load_weights(self.model, self.model_path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
-        self.model.pack_weights(linear_method(model_cfg.quantization, model_cfg.quantization_group_size))
-        self.model.eval()
+        self.model = load_model(
+            self.model_path, hf_config, self.max_model_len, self.dtype, self.device,
+            model_cfg.quantization, model_cfg.quantization_group_size,
+        )
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
+        # A draft model is loaded before the pool is sized: its weights and its parallel KV pool share the memory.
+        spec_config = config.speculative_config
+        draft = load_draft(spec_config, self) if spec_config else None
 
         block_size = cache_cfg.block_size
         num_layers = int(hf_config.num_hidden_layers)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
         block_bytes = bytes_per_block(
             num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
-        )
+        ) + (draft.block_bytes if draft else 0)
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
@@ -103,6 +109,7 @@ class LLMEngine:
         )
         # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
         self.leases = LeaseTable(self.block_manager, self.kv_cache)
+        self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
@@ -151,7 +158,7 @@ class LLMEngine:
         return self._output(seq, self._detokenizers.pop(request_id, None))
 
     def stats(self) -> EngineStats:
-        scheduler, manager = self.scheduler, self.block_manager
+        scheduler, manager, spec = self.scheduler, self.block_manager, self.spec_decoder
         return EngineStats(
             # A request whose KV is on its way holds its blocks and runs at the next step after it lands.
             num_running=len(scheduler.running) + len(scheduler.receiving),
@@ -161,6 +168,9 @@ class LLMEngine:
             num_total_blocks=manager.num_blocks,
             num_held=len(self.leases),
             num_preemptions=scheduler.num_preemptions,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -181,11 +191,18 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        spec = self.spec_decoder
+        generator_states = spec.save_generators(scheduler_output) if spec else {}
         result = self.runner.execute(scheduler_output)
         self.scheduler.complete_step(scheduler_output)
-        return self._update(result)
+        outputs = self._update(result, generator_states, spec)
+        if spec is not None:
+            spec.propose(self.scheduler)
+        return outputs
 
-    def _update(self, result: StepResult) -> list[RequestOutput]:
+    def _update(
+        self, result: StepResult, generator_states: dict[str, torch.Tensor], spec: SpecDecoder | None
+    ) -> list[RequestOutput]:
         for seq, entries in result.prompt_logprobs:
             assert seq.prompt_logprobs is not None
             seq.prompt_logprobs.extend(entries)
@@ -197,14 +214,32 @@ class LLMEngine:
         top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
         top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         outputs = []
-        for row, (seq, token_id) in enumerate(zip(result.sampled_seqs, token_ids)):
-            seq.append_token(token_id)
-            if seq.logprobs is not None and logprobs is not None:
-                n = seq.params.logprobs or 0
-                top = tuple(zip(top_ids[row][:n], top_lps[row][:n])) if top_ids is not None else ()
-                seq.logprobs.append(TokenLogprobs(token_id, logprobs[row], top))
+        proposals = result.spec_token_ids or ((),) * len(result.sampled_seqs)
+        first_row = 0
+        for seq, proposal in zip(result.sampled_seqs, proposals):
+            samples = token_ids[first_row : first_row + 1 + len(proposal)]
+            num_accepted = SpecDecoder.num_accepted(samples, proposal)
             detokenizer = self._detokenizers.get(seq.request_id)
-            reason = self._finish_reason(seq, token_id, detokenizer)
+            # The accepted proposed tokens, then the target's own: appended one by
+            # one so that a stop condition cuts the run where plain decoding would stop.
+            num_appended = 0
+            for row in range(first_row, first_row + num_accepted + 1):
+                token_id = token_ids[row]
+                num_appended += 1
+                seq.append_token(token_id)
+                if seq.logprobs is not None and logprobs is not None:
+                    n = seq.params.logprobs or 0
+                    top = tuple(zip(top_ids[row][:n], top_lps[row][:n])) if top_ids is not None else ()
+                    seq.logprobs.append(TokenLogprobs(token_id, logprobs[row], top))
+                reason = self._finish_reason(seq, token_id, detokenizer)
+                if reason is not None:
+                    break
+            first_row += 1 + len(proposal)
+            if proposal:
+                assert spec is not None
+                spec.record(seq, len(proposal), num_accepted, generator_states)
+                # Every appended token but the last has its KV computed now, as after plain decoding.
+                self.scheduler.accept_proposed(seq, num_appended - 1)
             handoff = None
             if reason is not None:
                 self.scheduler.finish(seq, reason, free_blocks=seq.kv_hold is None)
@@ -413,6 +448,9 @@ class LLMEngine:
             # prompt); an abort before then reports none rather than a part.
             prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs,
             kv_handoff=kv_handoff,
+            spec_decode_stats=None
+            if self.spec_decoder is None
+            else SpecDecodeStats(seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens),
         )
 
 
@@ -454,18 +492,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         pass
     return False
-
-
-def _build_model(hf_config: object, max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    cls = model_class(hf_config)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            # Rotary tables are built in float32 explicitly; weights in `dtype`.
-            return cls(hf_config, max_positions)
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _load_tokenizer(path: Path) -> object | None:

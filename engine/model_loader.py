@@ -23,6 +23,8 @@ from engine.default_model import ensure_default_model
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from engine.models.llama import LlamaForCausalLM
+
 # What a hub download needs: configs, weights, tokenizer files (tokenizer.json,
 # vocab.json, merges.txt, tokenizer.model, chat_template.jinja); never .bin/.pt/.gguf.
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja")
@@ -101,6 +103,34 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str], *, tie_wo
                 for key in keys:
                     param = params[key]
                     param.data.copy_(checkpoint.get_tensor(key).to(param.dtype))
+
+
+def load_model(
+    path: Path,
+    hf_config: PretrainedConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    quantization_group_size: int = 32,
+) -> LlamaForCausalLM:
+    """The checkpoint at ``path`` as a ready pdserve model: built in ``dtype`` on ``device``, weights
+    loaded, projections packed with ``quantization``'s linear method, in eval mode."""
+    from engine.layers.linear import linear_method
+    from engine.models import model_class
+
+    cls = model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            # Rotary tables are built in float32 explicitly; weights in `dtype`.
+            model = cls(hf_config, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(model, path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    model.pack_weights(linear_method(quantization, quantization_group_size))
+    return model.eval()
 
 
 def _checkpoint_files_by_key(folder: Path) -> dict[str, Path]:

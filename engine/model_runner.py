@@ -31,6 +31,9 @@ class StepResult:
     sampled_seqs: tuple[Sequence, ...]
     sampled: SamplerOutput | None
     prompt_logprobs: tuple[tuple[Sequence, list[TokenLogprobs]], ...] = ()
+    # Per sampled sequence, the proposal it verified: its rows in ``sampled`` are
+    # 1 + len(proposal) consecutive ones, position by position.
+    spec_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class ModelRunner:
@@ -55,20 +58,26 @@ class ModelRunner:
         metadata = self.backend.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_layers, self.backend, metadata)
         prompt_logprobs = self._prompt_logprobs(items, hidden)
-        sampled_seqs = tuple(item.seq for item in items if item.samples)
-        if not sampled_seqs:
+        sampling = [item for item in items if item.samples]
+        if not sampling:
             return StepResult((), None, prompt_logprobs)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (num_sampled, vocab)
-        params = [seq.params for seq in sampled_seqs]
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (num_sampled_rows, vocab)
+        # A sequence verifying a proposal has one row per position: each samples
+        # exactly as plain decoding would once the proposed tokens before it are in.
+        row_items = [item for item in sampling for _ in range(item.num_sampled_rows)]
+        params = [item.seq.params for item in row_items]
         histories = None
         if any(p.adjusts_logits for p in params):
             histories = [
-                TokenHistory(seq.token_ids, seq.num_prompt_tokens) if seq.params.adjusts_logits else None
-                for seq in sampled_seqs
+                _history(item.seq, item.spec_token_ids[:j]) if item.seq.params.adjusts_logits else None
+                for item in sampling
+                for j in range(item.num_sampled_rows)
             ]
-        sampled = self.sampler(logits, params, [seq.generator for seq in sampled_seqs], histories)
-        return StepResult(sampled_seqs, sampled, prompt_logprobs)
+        sampled = self.sampler(logits, params, [item.seq.generator for item in row_items], histories)
+        return StepResult(
+            tuple(item.seq for item in sampling), sampled, prompt_logprobs, tuple(i.spec_token_ids for i in sampling)
+        )
 
     def _prompt_logprobs(
         self, items: list[ScheduledSequence], hidden: torch.Tensor
@@ -133,7 +142,9 @@ class ModelRunner:
         for item in items:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             end = start + n
-            token_ids.extend(seq.token_ids[start:end])
+            num_real = n - len(item.spec_token_ids)
+            token_ids.extend(seq.token_ids[start : start + num_real])
+            token_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -142,7 +153,7 @@ class ModelRunner:
             block_tables.append(table)
             num_decodes += item.is_decode
             if item.samples:
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - item.num_sampled_rows, len(token_ids)))
         device = self.device
         batch = AttentionBatch(
             num_decodes=num_decodes,
@@ -161,3 +172,10 @@ class ModelRunner:
             batch,
             sample_rows,
         )
+
+
+def _history(seq: Sequence, proposed: tuple[int, ...]) -> TokenHistory:
+    """The tokens a position's logit adjustments read: the sequence's, then the proposed ones before it."""
+    if not proposed:
+        return TokenHistory(seq.token_ids, seq.num_prompt_tokens)
+    return TokenHistory(seq.token_ids + list(proposed), seq.num_prompt_tokens)

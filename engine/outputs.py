@@ -19,6 +19,30 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """What speculative decoding did for one request so far.
+
+    ``num_drafts``: steps that verified a proposal; ``num_draft_tokens``:
+    proposed tokens verified; ``num_accepted_tokens``: those the target kept.
+    """
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the verified proposed tokens that were kept (0 when none were verified)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step produced on average: the accepted ones plus the target's own (vLLM's
+        "mean acceptance length"); 1 when no step verified."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
 @dataclass
 class RequestOutput:
     """The state of one request: its tokens so far, and why it finished if it has.
@@ -42,6 +66,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     # On the last output of a request added with hold_kv: its held KV, as a decode worker takes it over.
     kv_handoff: KVHandoff | None = None
+    # None when the engine does not speculate.
+    spec_decode_stats: SpecDecodeStats | None = None
 
     @property
     def finished(self) -> bool:

@@ -39,6 +39,10 @@ class SamplingParams:
     ``prompt_logprobs=N`` returns the log-probability of every prompt token
     after the first, with the ``N`` most likely tokens at each position; such a
     request computes its whole prompt even when its prefix is cached.
+
+    ``use_speculation=False`` keeps this request out of the engine's
+    speculative decoding (when the engine has a ``speculative_config``): it then
+    decodes one token per step. Its tokens are the same either way; only speed differs.
     """
 
     max_tokens: int = 16
@@ -56,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     prompt_logprobs: int | None = None
+    use_speculation: bool = True
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -103,6 +108,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
             if not _is_number(bias) or not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
                 raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+        if not isinstance(self.use_speculation, bool):
+            raise ValueError(f"use_speculation must be a bool, got {self.use_speculation!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
 

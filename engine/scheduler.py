@@ -28,17 +28,31 @@ from engine.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence's share of a step: ``num_new_tokens`` tokens from ``start``."""
+    """One sequence's share of a step: ``num_new_tokens`` tokens from ``start``.
+
+    With a proposal, the last ``len(spec_token_ids)`` of those tokens are the
+    proposed ones (vLLM v1's shape: speculative tokens are scheduled tokens);
+    the step then samples at every position from the sequence's last token on.
+    """
 
     seq: Sequence
     start: int  # num_computed_tokens when scheduled
     num_new_tokens: int
     # Whether this step reaches the sequence's last token, so a new token is sampled.
     samples: bool
+    spec_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, seq: Sequence, start: int, num_new_tokens: int) -> ScheduledSequence:
-        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens)
+    def of(
+        cls, seq: Sequence, start: int, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()
+    ) -> ScheduledSequence:
+        samples = start + num_new_tokens == seq.num_tokens + len(spec_token_ids)
+        return cls(seq, start, num_new_tokens, samples, spec_token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions whose logits this step samples: 1 + proposal length when sampling, else 0."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
     @property
     def is_decode(self) -> bool:
@@ -143,6 +157,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            spec = self._fit_proposal(seq, num_new, budget)
+            num_new += len(spec)
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -152,7 +168,7 @@ class Scheduler:
             else:
                 start = seq.num_computed_tokens
                 self.block_manager.append(seq, num_new)
-                scheduled.append(ScheduledSequence.of(seq, start, num_new))
+                scheduled.append(ScheduledSequence.of(seq, start, num_new, spec))
                 budget -= num_new
                 index += 1
                 continue
@@ -164,6 +180,21 @@ class Scheduler:
         return SchedulerOutput(
             tuple(scheduled), tuple(preempted), self.config.max_num_batched_tokens - budget
         )
+
+    def _fit_proposal(self, seq: Sequence, num_new: int, budget: int) -> tuple[int, ...]:
+        """The part of ``seq``'s proposal that this step verifies (consumed: the sequence proposes anew).
+
+        Only a sequence whose last token is all that is left to compute verifies;
+        the proposal is cut to the token budget, and dropped when the blocks for
+        it are not free: a proposal never preempts anybody.
+        """
+        spec, seq.spec_token_ids = seq.spec_token_ids, []
+        if not spec or num_new != seq.num_tokens - seq.num_computed_tokens or num_new != 1:
+            return ()
+        spec = spec[: budget - num_new]
+        if spec and not self.block_manager.can_append(seq, num_new + len(spec)):
+            return ()
+        return tuple(spec)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
@@ -222,12 +253,24 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def complete_step(self, output: SchedulerOutput) -> None:
-        """Record that the step ran: advance computed counts and cache newly full blocks."""
+        """Record that the step ran: advance computed counts and cache newly full blocks.
+
+        Proposed tokens are not counted as computed here: until verified they are
+        not the sequence's tokens. ``accept_proposed`` adds the accepted ones.
+        """
         for item in output.scheduled:
-            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens - len(item.spec_token_ids)
             self.block_manager.cache_computed_blocks(item.seq)
+
+    def accept_proposed(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification appended ``seq``'s accepted tokens: their KV counts as computed, the
+        blocks held for the rejected positions go back to the pool, and newly full blocks are cached."""
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.release_unused(seq)
+        self.block_manager.cache_computed_blocks(seq)

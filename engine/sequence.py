@@ -61,6 +61,15 @@ class Sequence:
         self._block_hashes: list[BlockHash] = list(block_hashes)
         # Set on a prefill engine: when the request finishes, its blocks go to the lease table.
         self.kv_hold: KVHoldParams | None = None
+        # Speculative decoding: the proposal for the next step (scheduled as extra
+        # query tokens, never part of ``token_ids`` until verified), and counters.
+        self.spec_token_ids: list[int] = []
+        self.num_spec_steps = 0  # steps that verified a proposal
+        self.num_draft_tokens = 0  # proposed tokens verified
+        self.num_accepted_tokens = 0  # of those, the ones the target kept
+        # Tokens whose draft-model KV is in the draft's parallel pool (same block
+        # ids); reset with num_computed_tokens whenever the blocks are freed.
+        self.num_draft_computed_tokens = 0
 
     @property
     def num_tokens(self) -> int:

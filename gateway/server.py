@@ -164,6 +164,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     )
                     if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
                         response.finish_reason = piece.finish_reason
+                        usage.spec_decode_drafts = piece.spec_decode_drafts
+                        usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
+                        usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
                         response.usage.CopyFrom(usage)
                         finished = True
                     yield response

@@ -17,7 +17,7 @@ from pdserve.security_flags import (
     auth_token_from_args,
     client_tls_from_args,
 )
-from pdserve.serve import engine_config, run_colocated, run_decode, run_gateway, run_prefill
+from pdserve.serve import add_speculative_config_argument, engine_config, run_colocated, run_decode, run_gateway, run_prefill
 from pdserve.up import run_up
 
 DEMO_QUESTIONS = (
@@ -48,6 +48,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     _add_quantization_args(parser)
+    add_speculative_config_argument(parser)
 
 
 def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")
+    add_speculative_config_argument(up, "of every decode and colocated worker (prefill workers do not decode); ")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
                     "ones in start order (0: a free port each); listed at start (default: off)")

@@ -46,6 +46,7 @@ class ClusterConfig:
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
+    decode_args: tuple[str, ...] = ()  # passed to decode and colocated workers only (e.g. --speculative-config)
     # Prometheus /metrics of every process started: the gateway on this port, the workers on the
     # next ones in start order (prefill-0.., decode-0..); 0: a free port each. None: off.
     metrics_port: int | None = None
@@ -107,8 +108,9 @@ class LocalCluster:
             common += ["--model", config.model]
         for role, name in workers:
             ready = self._ready_file(name)
+            role_args = config.decode_args if role in ("decode", "colocated") else ()
             self._spawn(name, [role, *common, "--worker-id", name, "--ready-file", str(ready), *self._metrics_args(name),
-                               *config.engine_args])
+                               *config.engine_args, *role_args])
         for role, name in workers:
             address = self._wait_ready(name)
             if role in ("prefill", "colocated"):

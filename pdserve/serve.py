@@ -13,6 +13,26 @@ from pathlib import Path
 from pdserve.security_flags import auth_token_from_args, client_tls_from_args, server_tls_from_args
 
 
+def speculative_config(text: str):  # noqa: ANN201 - engine types imported lazily
+    """``--speculative-config``'s value: vLLM's JSON shape, checked while the arguments are parsed."""
+    from engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_dict(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def add_speculative_config_argument(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    parser.add_argument(
+        "--speculative-config", type=speculative_config, default=None, metavar="JSON",
+        help=f"speculative decoding {whose}as in vLLM, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 3, "quantization": "int4"}\'; "disable_by_batch_size": N steps aside above N '
+        "requests (default: off)",
+    )
+
+
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -24,6 +44,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
             kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        speculative_config=args.speculative_config,
     )
 
 

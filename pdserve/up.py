@@ -17,6 +17,13 @@ def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     return engine_args
 
 
+def up_decode_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The flags ``up`` passes on to the workers that decode (decode and colocated) only."""
+    if args.speculative_config is None:
+        return ()
+    return ("--speculative-config", args.speculative_config.to_json())
+
+
 def run_up(args: argparse.Namespace) -> int:
     import signal
 
@@ -33,6 +40,7 @@ def run_up(args: argparse.Namespace) -> int:
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
+        decode_args=up_decode_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
         http_max_n=args.max_n,
     )

@@ -19,6 +19,7 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "prompt_logprobs",
+    "use_speculation",
 )
 
 _FINISH_REASONS = {

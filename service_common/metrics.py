@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service_common.errors import status_for
@@ -184,6 +184,13 @@ class _EngineStatsCollector(Collector):
         yield blocks
         yield GaugeMetricFamily("pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
                                 value=used / stats.num_total_blocks if stats.num_total_blocks else 0.0)
+        # Speculative decoding (vLLM's spec_decode_num_* counters); 0 on an engine that does not speculate.
+        yield CounterMetricFamily("pdserve_spec_decode_num_drafts", "Steps that verified a proposal",
+                                  value=stats.spec_num_drafts)
+        yield CounterMetricFamily("pdserve_spec_decode_num_draft_tokens", "Proposed tokens verified",
+                                  value=stats.spec_num_draft_tokens)
+        yield CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens", "Proposed tokens the target kept",
+                                  value=stats.spec_num_accepted_tokens)
 
 
 class MetricsEndpoint:

@@ -28,6 +28,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    # Speculative decoding on the decode worker (0 without it): verifying steps, proposed and accepted tokens.
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

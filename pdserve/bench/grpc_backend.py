@@ -58,6 +58,9 @@ class GrpcBackend:
                         prompt_tokens=response.usage.prompt_tokens,
                         completion_tokens=response.usage.completion_tokens,
                         cached_prompt_tokens=response.usage.cached_prompt_tokens,
+                        spec_decode_drafts=response.usage.spec_decode_drafts,
+                        spec_decode_draft_tokens=response.usage.spec_decode_draft_tokens,
+                        spec_decode_accepted_tokens=response.usage.spec_decode_accepted_tokens,
                     )
                 yield StreamChunk(timestamp=timestamp, num_tokens=len(response.token_ids), usage=usage)
         except grpc.aio.AioRpcError as error:

@@ -94,6 +94,10 @@ class BenchMetrics:
     tpot: LatencyStats
     itl: LatencyStats
     e2el: LatencyStats
+    # Speculative decoding over the completed requests: accepted / verified proposed tokens, and tokens per
+    # verifying step (accepted + the target's own); None when no request was speculated on.
+    spec_decode_acceptance_rate: float | None = None
+    spec_decode_mean_accepted_length: float | None = None
 
 
 def ttft_s(record: RequestRecord) -> float:
@@ -156,6 +160,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slos: S
     output_tokens = sum(r.output_tokens for r in done)
     cached_tokens = sum(r.cached_prompt_tokens for r in done)
     good = sum(meets_slos(r, slos) for r in done) if slos.is_set else None
+    drafts = sum(r.spec_decode_drafts for r in done)
+    draft_tokens = sum(r.spec_decode_draft_tokens for r in done)
+    accepted = sum(r.spec_decode_accepted_tokens for r in done)
     samples = latency_samples(done)
     return BenchMetrics(
         duration_s=duration_s,
@@ -176,6 +183,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slos: S
         tpot=latency_stats(samples.tpot_ms),
         itl=latency_stats(samples.itl_ms),
         e2el=latency_stats(samples.e2el_ms),
+        spec_decode_acceptance_rate=accepted / draft_tokens if draft_tokens else None,
+        spec_decode_mean_accepted_length=1 + accepted / drafts if drafts else None,
     )
 
 

@@ -32,6 +32,10 @@ class RequestRecord:
     output_tokens: int
     cached_prompt_tokens: int
     error: RequestError | None = None
+    # Speculative decoding, from the final usage (0 without it).
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.chunk_times) != len(self.chunk_tokens):

@@ -50,6 +50,9 @@ def format_run_table(result: RunResult) -> str:
     ]
     if metrics.goodput is not None:
         rows.append(("Request goodput (req/s)", f"{metrics.goodput:.2f}"))
+    if metrics.spec_decode_acceptance_rate is not None:
+        rows.append(("Spec decode acceptance rate (%)", _number(_percent(metrics.spec_decode_acceptance_rate))))
+        rows.append(("Spec decode mean accepted length", _number(metrics.spec_decode_mean_accepted_length)))
     lines = [_rule(" Serving Benchmark Result ", "="), *(_row(name, value) for name, value in rows)]
     for title, short, attribute in LATENCY_SECTIONS:
         stats: LatencyStats = getattr(metrics, attribute)

@@ -141,4 +141,7 @@ async def measure_request(
         output_tokens=counts.completion_tokens,
         cached_prompt_tokens=counts.cached_prompt_tokens,
         error=error,
+        spec_decode_drafts=counts.spec_decode_drafts,
+        spec_decode_draft_tokens=counts.spec_decode_draft_tokens,
+        spec_decode_accepted_tokens=counts.spec_decode_accepted_tokens,
     )

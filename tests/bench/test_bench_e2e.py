@@ -17,6 +17,7 @@ METRIC_KEYS = {
     "duration_s", "completed", "failed", "errors_by_code", "first_errors", "total_prompt_tokens",
     "total_output_tokens", "total_cached_prompt_tokens", "request_throughput", "output_throughput",
     "total_token_throughput", "prefix_cache_hit_rate", "good_requests", "goodput", "ttft", "tpot", "itl", "e2el",
+    "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length",
 }
 STATS_KEYS = {"count", "mean_ms", "median_ms", "p90_ms", "p99_ms"}
 

@@ -6,6 +6,8 @@ values sits at rank q/100 * (n - 1), interpolated between its two neighbours.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.bench.metrics import SLOs, compute_metrics, latency_samples, latency_stats
@@ -142,3 +144,32 @@ def test_bad_inputs_are_refused() -> None:
         SLOs(ttft_ms=0)
     with pytest.raises(ValueError, match="succeeded without a single token"):
         _record(9, 0.0, [], 1.0, 1, 0, 0)
+
+
+def test_spec_decode_acceptance_counts_completed_requests_only() -> None:
+    records = [
+        dataclasses.replace(RECORDS[0], spec_decode_drafts=2, spec_decode_draft_tokens=8, spec_decode_accepted_tokens=6),
+        dataclasses.replace(RECORDS[1], spec_decode_drafts=1, spec_decode_draft_tokens=4, spec_decode_accepted_tokens=1),
+        RECORDS[2],
+        dataclasses.replace(RECORDS[3], spec_decode_drafts=5, spec_decode_draft_tokens=20, spec_decode_accepted_tokens=20),
+    ]
+    metrics = compute_metrics(records, duration_s=2.0)
+    assert metrics.spec_decode_acceptance_rate == pytest.approx(7 / 12, **EXACT)
+    assert metrics.spec_decode_mean_accepted_length == pytest.approx(1 + 7 / 3, **EXACT)
+    assert compute_metrics(RECORDS, duration_s=2.0).spec_decode_acceptance_rate is None
+
+
+def test_the_run_table_prints_acceptance_only_when_speculation_ran() -> None:
+    from pdserve.bench.report import RunResult, format_run_table
+    from pdserve.bench.runner import RunOutcome
+
+    records = (
+        dataclasses.replace(RECORDS[0], spec_decode_drafts=2, spec_decode_draft_tokens=8, spec_decode_accepted_tokens=6),
+        RECORDS[1],
+    )
+    outcome = RunOutcome(request_rate=float("inf"), duration_s=2.0, records=records)
+    table = format_run_table(RunResult(outcome, compute_metrics(records, duration_s=2.0)))
+    assert "Spec decode acceptance rate (%):" in table and table.split("Spec decode acceptance rate (%):")[1].split()[0] == "75.00"
+    assert table.split("Spec decode mean accepted length:")[1].split()[0] == "4.00"
+    plain = RunOutcome(request_rate=float("inf"), duration_s=2.0, records=RECORDS[:2])
+    assert "Spec decode" not in format_run_table(RunResult(plain, compute_metrics(RECORDS[:2], duration_s=2.0)))

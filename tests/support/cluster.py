@@ -26,6 +26,7 @@ from cluster_index import connect
 from decode_service.colocated import ColocatedServer
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.spec_decode.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from gateway.server import GatewayServer
 from prefill_service.server import PrefillServer
@@ -48,10 +49,14 @@ Worker = PrefillServer | DecodeServer | ColocatedServer
 WorkerStub = worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
 
 
-def tiny_engine(checkpoint: Path, num_kv_blocks: int = NUM_KV_BLOCKS) -> LLMEngine:
+def tiny_engine(
+    checkpoint: Path, num_kv_blocks: int = NUM_KV_BLOCKS, speculative_config: SpeculativeConfig | None = None
+) -> LLMEngine:
     """A float32 engine over ``checkpoint`` with a pool of ``num_kv_blocks`` KV blocks."""
     model = ModelConfig(model=str(checkpoint), dtype="float32")
-    return LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks)))
+    return LLMEngine(
+        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config)
+    )
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class ClusterOptions:
     http: bool = False  # the gateway serves the OpenAI-compatible HTTP API on an ephemeral port
     tokenizer: object = None  # the gateway's; None: token ids only
     ready_timeout_s: float = DEFAULT_TIMEOUT_S  # until the gateway has heard from a worker of each role
+    speculative_config: SpeculativeConfig | None = None  # decode and colocated workers' engines
 
 
 class InProcessCluster:
@@ -137,14 +143,14 @@ class InProcessCluster:
             self.prefill_addresses.append(await self._start(server))
             self.prefills.append(server)
         for index in range(options.decode_workers):
-            server = DecodeServer(self._engine(), options.worker_server, self._worker_config("decode", f"d{index}"),
+            server = DecodeServer(self._engine(decodes=True), options.worker_server, self._worker_config("decode", f"d{index}"),
                                   kv_failure_policy=options.kv_failure_policy, client_tls=options.client_tls,
                                   metrics_port=self._metrics_port())
             self.decode_addresses.append(await self._start(server))
             self.decodes.append(server)
         for index in range(options.colocated_workers):
             server = ColocatedServer(
-                self._engine(), options.worker_server, self._worker_config("colocated", f"c{index}"),
+                self._engine(decodes=True), options.worker_server, self._worker_config("colocated", f"c{index}"),
                 lease_s=options.lease_s, kv_failure_policy=options.kv_failure_policy, client_tls=options.client_tls,
                 metrics_port=self._metrics_port(),
             )
@@ -187,8 +193,9 @@ class InProcessCluster:
         """
         return await wait_until(self.loads, "every worker to be idle with every block free", timeout_s, until=_all_idle)
 
-    def _engine(self) -> LLMEngine:
-        return tiny_engine(self.checkpoint, self.options.num_kv_blocks)
+    def _engine(self, decodes: bool = False) -> LLMEngine:
+        spec = self.options.speculative_config if decodes else None
+        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec)
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         limits = {
