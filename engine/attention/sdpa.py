@@ -22,7 +22,8 @@ from engine.attention.cpu_kernel import KernelPlan, PagedAttentionKernel
 
 # Chunks of at most this many tokens over a cached context go to the C kernel
 # (which scores up to four query vectors per pass over the rows it reads); longer
-# ones to SDPA.
+# ones to SDPA. Sized to cover a speculative step's k+1 tokens; where the two
+# actually cross has not been measured.
 KERNEL_MAX_QUERY_LEN = 16
 
 
