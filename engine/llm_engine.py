@@ -23,7 +23,7 @@ from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout, KVSlot
 from engine.kv_leases import LeaseTable
-from engine.model_loader import load_eos_token_ids, load_hf_config, load_model, resolve_model_path
+from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
 from engine.sampler import Sampler
@@ -31,9 +31,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -469,7 +466,7 @@ def _resolve_device(device: str) -> torch.device:
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return auto_dtype(device)
-    return _DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:

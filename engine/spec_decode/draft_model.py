@@ -27,13 +27,10 @@ import torch
 
 from engine.attention.backend import AttentionBatch, select_backend
 from engine.kv_cache import KVCache, bytes_per_block
-from engine.model_loader import load_hf_config, load_model, resolve_model_path
+from engine.model_loader import TORCH_DTYPES, load_hf_config, load_model, resolve_model_path
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Proposer
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(frozen=True)
 class DraftTarget:
@@ -68,7 +65,7 @@ class DraftModelProposer(Proposer):
                 f"speculative_config.model {config.model!r} handles {max_positions} positions, fewer than the "
                 f"target's max_model_len ({target.max_model_len})"
             )
-        self.dtype = target.dtype if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.dtype = target.dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         self.device = target.device
         self.model = load_model(
             path, hf_config, target.max_model_len, self.dtype, self.device,

@@ -7,8 +7,9 @@ from engine.config import SchedulerConfig
 from engine.hashing import hash_prompt_blocks
 from engine.kv_handoff import KVSlot
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from tests.support.scheduling import fake_step, plan
 
 BS = 4
 MODEL = "tiny"
@@ -34,19 +35,6 @@ def _remote(request_id: str, num_prompt_tokens: int, first_token: int = 0) -> Se
     return seq
 
 
-def _fake_step(scheduler: Scheduler) -> SchedulerOutput:
-    out = scheduler.schedule()
-    scheduler.complete_step(out)
-    for item in out.scheduled:
-        if item.samples:
-            item.seq.append_token(1000)
-    return out
-
-
-def _plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    return [(item.seq.request_id, item.start, item.num_new_tokens) for item in out.scheduled]
-
-
 def test_remote_request_gets_blocks_at_once_and_is_not_scheduled_before_its_kv_lands() -> None:
     scheduler = _scheduler(num_blocks=8)
     r = _remote("r", 10)  # 2 full blocks and a partial one
@@ -56,11 +44,11 @@ def test_remote_request_gets_blocks_at_once_and_is_not_scheduled_before_its_kv_l
     assert r.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
     assert r.block_table == [0, 1, 2] and scheduler.block_manager.num_free_blocks == 5
     assert scheduler.receiving == {"r": r} and not scheduler.has_work()
-    assert _plan(_fake_step(scheduler)) == []
+    assert plan(fake_step(scheduler)) == []
     scheduler.kv_received(r)
     assert r.status is SequenceStatus.RUNNING and scheduler.receiving == {}
     # Only the first token is left to compute: one decode at position 10.
-    assert _plan(_fake_step(scheduler)) == [("r", 10, 1)]
+    assert plan(fake_step(scheduler)) == [("r", 10, 1)]
 
 
 def test_abort_while_waiting_for_kv_frees_its_blocks() -> None:
@@ -72,25 +60,25 @@ def test_abort_while_waiting_for_kv_frees_its_blocks() -> None:
     assert r.status is SequenceStatus.FINISHED and r.finish_reason == "abort"
     assert scheduler.block_manager.num_free_blocks == 8 and r.block_table == []
     assert scheduler.receiving == {} and not scheduler.has_work()
-    assert _plan(_fake_step(scheduler)) == []
+    assert plan(fake_step(scheduler)) == []
 
 
 def test_remote_requests_queue_for_blocks_first_come_first_served() -> None:
     scheduler = _scheduler(num_blocks=5)
     a = _local("a", 11)  # 3 blocks
     scheduler.add(a)
-    assert _plan(_fake_step(scheduler)) == [("a", 0, 11)]
+    assert plan(fake_step(scheduler)) == [("a", 0, 11)]
     r = _remote("r", 10, first_token=100)  # needs 3 blocks, 2 are free
     scheduler.add_remote(r)
     c = _local("c", 3, first_token=200)  # would fit, but comes after r
     scheduler.add(c)
     assert scheduler.drain_kv_slots() == [] and r.block_table == []
     assert r.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
-    assert _plan(_fake_step(scheduler)) == [("a", 11, 1)]
+    assert plan(fake_step(scheduler)) == [("a", 11, 1)]
     assert scheduler.drain_kv_slots() == []
     scheduler.finish(a, "stop")
     # a's blocks are back: r gets its three first, then c is admitted with the last two.
-    assert _plan(_fake_step(scheduler)) == [("c", 0, 3)]
+    assert plan(fake_step(scheduler)) == [("c", 0, 3)]
     assert scheduler.drain_kv_slots() == [KVSlot("r", 0)]
     assert len(r.block_table) == 3 and scheduler.block_manager.num_free_blocks == 1
 
@@ -99,12 +87,12 @@ def test_abort_while_queued_for_blocks_never_allocates() -> None:
     scheduler = _scheduler(num_blocks=4)
     a = _local("a", 11)
     scheduler.add(a)
-    _fake_step(scheduler)
+    fake_step(scheduler)
     r = _remote("r", 10, first_token=100)
     scheduler.add_remote(r)
     scheduler.finish(r, "abort")
     scheduler.finish(a, "stop")
-    assert _plan(_fake_step(scheduler)) == []
+    assert plan(fake_step(scheduler)) == []
     assert scheduler.drain_kv_slots() == [] and r.block_table == []
     assert scheduler.block_manager.num_free_blocks == 4 and scheduler.num_waiting == 0
 
@@ -113,7 +101,7 @@ def test_cached_prefix_blocks_are_shared_and_only_the_rest_is_filled() -> None:
     scheduler = _scheduler(num_blocks=8)
     a = _local("a", 9)  # computes and caches blocks of tokens 0-3 and 4-7
     scheduler.add(a)
-    _fake_step(scheduler)
+    fake_step(scheduler)
     cached = a.block_table[:2]
     scheduler.finish(a, "stop")
     r = _remote("r", 10)  # the same first 8 tokens
@@ -132,7 +120,7 @@ def test_kv_that_never_lands_is_recomputed_first_in_line() -> None:
     assert r.status is SequenceStatus.WAITING and r.block_table == [] and r.num_computed_tokens == 0
     assert scheduler.block_manager.num_free_blocks == 8
     # Prompt and first token are computed here, ahead of b (the path of a preempted sequence).
-    assert _plan(_fake_step(scheduler)) == [("r", 0, 11), ("b", 0, 3)]
+    assert plan(fake_step(scheduler)) == [("r", 0, 11), ("b", 0, 3)]
 
 
 def test_requests_waiting_for_kv_count_against_max_num_seqs() -> None:
@@ -143,5 +131,5 @@ def test_requests_waiting_for_kv_count_against_max_num_seqs() -> None:
     assert scheduler.drain_kv_slots() == [KVSlot("r", 0), KVSlot("s", 0)]
     assert t.block_table == []
     scheduler.finish(r, "abort")
-    _fake_step(scheduler)
+    fake_step(scheduler)
     assert scheduler.drain_kv_slots() == [KVSlot("t", 0)]
