@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import re
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -17,7 +16,7 @@ import pytest
 
 from pdserve.cli import build_parser
 from service_common.server import LIVENESS_SERVICE
-from tests.deploy.kubernetes import VARIANTS, Rendered, prepare_tree, render, selector_matches
+from tests.deploy.manifests import VARIANTS, Rendered, prepare_tree, render, selector_matches
 
 # The oldest Kubernetes the manifests claim (gRPC probes are GA from 1.27; 1.29 is the oldest
 # minor still maintained by the major clouds) and the newest schema the package ships.
@@ -32,11 +31,7 @@ FILE_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert
 @pytest.fixture(scope="module")
 def variants(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Rendered]:
     root = prepare_tree(tmp_path_factory.mktemp("k8s"))
-    rendered = {}
-    for name in VARIANTS:
-        objects = render(root / "variants" / name)
-        rendered[name] = Rendered(name, objects, "")
-    return rendered
+    return {name: Rendered(name, render(root / "variants" / name)) for name in VARIANTS}
 
 
 def _all(variants: dict[str, Rendered]) -> list[Rendered]:

@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.deploy.kubernetes import REPO, VARIANTS, find_tool, prepare_tree, render
+from tests.deploy.manifests import REPO, VARIANTS, find_tool, prepare_tree, render
 
 # Every skip, by check: each has its reason beside it in the manifests (README.md, Security).
 EXPECTED_SKIPS = {
@@ -36,8 +37,6 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = prepare_tree(directory)
     files = []
     for name in VARIANTS:
-        import yaml
-
         path = directory / f"{name}.yaml"
         path.write_text(yaml.safe_dump_all(render(root / "variants" / name)))
         files.append(path)

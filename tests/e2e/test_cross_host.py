@@ -28,7 +28,7 @@ from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from service_common.security import TlsConfig, bearer_metadata, open_channel
 from service_common.server import LIVENESS_SERVICE, channel_options
 from tests.conftest import Oracle, random_prompts
-from tests.deploy.kubernetes import KUBERNETES_DIR
+from tests.deploy.manifests import KUBERNETES_DIR
 from tests.support.netns import Host, Hosts, cannot_create_reason, stop
 from tests.support.waiting import wait_until
 
@@ -68,7 +68,8 @@ class CrossHostCluster:
     def endpoint(self) -> str:
         return f"{self.gateway.address}:50051"
 
-    def start(self, host: Host, role: str, extra: list[str]) -> subprocess.Popen:
+    def spawn(self, host: Host, role: str, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+        """Start ROLE on ``host`` with the manifest's command; the process and its ready file."""
         command, values = _manifest_command(role)
         values.pop("PDSERVE_CACHE_DIR")  # the machine's cache: the CPU kernel is compiled once, not per run
         values.update(PDSERVE_REDIS_URL=f"redis://{self.hosts.hosts['redis'].address}:6379/0",
@@ -86,6 +87,9 @@ class CrossHostCluster:
         env = {**self.env, **{k: v for k, v in values.items() if not k.startswith("POD_")}}
         process = self.hosts.start(host, [sys.executable, "-m", "pdserve", *argv[1:], *extra, "--ready-file", str(ready)],
                                    env, self.directory / f"{host.name}.log")
+        return process, ready
+
+    def wait_ready(self, host: Host, process: subprocess.Popen, ready: Path) -> None:
         deadline = time.monotonic() + 180
         while not ready.exists():
             if process.poll() is not None or time.monotonic() > deadline:
@@ -93,12 +97,21 @@ class CrossHostCluster:
                 stop(process)
                 raise AssertionError(f"{host.name} did not start (exit {process.poll()}):\n{log}")
             time.sleep(0.1)
+
+    def start(self, host: Host, role: str, extra: list[str]) -> subprocess.Popen:
+        process, ready = self.spawn(host, role, extra)
+        self.wait_ready(host, process, ready)
         return process
 
-    def start_worker(self, name: str) -> subprocess.Popen:
+    def spawn_worker(self, name: str) -> tuple[subprocess.Popen, Path]:
         role = name.split("-")[0]
-        return self.start(self.workers[name], role, ["--model", str(self.checkpoint), "--dtype", "float32",
+        return self.spawn(self.workers[name], role, ["--model", str(self.checkpoint), "--dtype", "float32",
                                                      "--num-kv-blocks", "256", "--torch-threads", "1"])
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        process, ready = self.spawn_worker(name)
+        self.wait_ready(self.workers[name], process, ready)
+        return process
 
     def channel(self) -> grpc.aio.Channel:
         return open_channel(self.endpoint, self.client_tls, channel_options())
@@ -133,8 +146,10 @@ def cross_host(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
         )
         hosts.start(redis_host, ["redis-server", "--bind", redis_host.address, "--port", "6379", "--save", "",
                                  "--appendonly", "no", "--protected-mode", "no"], env, directory / "redis.log")
-        for name in workers:
-            cluster.start_worker(name)
+        # Started together, as a rollout starts pods: each loads its model while the others do.
+        started = {name: cluster.spawn_worker(name) for name in workers}
+        for name, (process, ready) in started.items():
+            cluster.wait_ready(workers[name], process, ready)
         cluster.start(gateway, "gateway", ["--model", str(llama_checkpoint), "--wait-for-workers", "60"])
         yield cluster
     finally:

@@ -86,9 +86,11 @@ class Hosts:
         return process
 
     def close(self) -> None:
-        for host in self.hosts.values():
-            for process in host.processes:
-                stop(process)
+        processes = [process for host in self.hosts.values() for process in host.processes if process.poll() is None]
+        for process in processes:  # all drain at once, then each is waited for (and killed if it hangs)
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            stop(process)
         for host in self.hosts.values():
             subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
         for link in self._links:  # gone with their namespace's peer already, normally

@@ -86,7 +86,6 @@ class Rendered:
 
     name: str
     objects: list[dict[str, Any]]
-    text: str
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [o for o in self.objects if o["kind"] == kind]
