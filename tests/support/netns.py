@@ -59,8 +59,12 @@ class Hosts:
         self.hosts: dict[str, Host] = {}
         self._links: list[str] = []
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway_address}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        try:
+            _ip("addr", "add", f"{self.gateway_address}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+        except subprocess.CalledProcessError:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            raise
 
     def add(self, name: str) -> Host:
         index = len(self.hosts) + 10
