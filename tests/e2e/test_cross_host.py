@@ -89,8 +89,9 @@ class CrossHostCluster:
                                    env, self.directory / f"{host.name}.log")
         return process, ready
 
-    def wait_ready(self, host: Host, process: subprocess.Popen, ready: Path) -> None:
-        deadline = time.monotonic() + 180
+    def wait_ready(self, host: Host, process: subprocess.Popen, ready: Path, timeout_s: float = 360.0) -> None:
+        # Generous: five processes import torch at once on CI's two cores, often shared.
+        deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if process.poll() is not None or time.monotonic() > deadline:
                 log = (self.directory / f"{host.name}.log").read_text()[-3000:]
