@@ -73,6 +73,10 @@ def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host "
                         "(default: off; 0 picks an ephemeral port)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="also serve the gRPC health service alone, in plaintext, on HOST:PORT, HOST being "
+                        "--host: for probes that cannot speak TLS, e.g. Kubernetes' (default: off; health is "
+                        "always on the main port too)")
     add_server_tls_arguments(parser)
 
 

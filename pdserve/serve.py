@@ -113,7 +113,8 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     client_tls = client_tls_from_args(args) if role != "prefill" else None  # a prefill worker dials no one
     engine = LLMEngine(engine_config(args))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                                 grace_s=args.drain_seconds, tls=server_tls)
+                                 grace_s=args.drain_seconds, tls=server_tls,
+                                 health_port=args.health_port)
     worker_config = WorkerConfig(
         role=role,
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
@@ -163,7 +164,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         raise ValueError("the gateway needs workers: give --prefill/--decode addresses or --redis-url")
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                  grace_s=args.drain_seconds, tls=server_tls_from_args(args),
-                                 auth_token=auth_token_from_args(args))
+                                 auth_token=auth_token_from_args(args), health_port=args.health_port)
     client_tls = client_tls_from_args(args)
     tokenizer = load_tokenizer(args.model)
 

