@@ -11,6 +11,10 @@ since, in the same forward that proposes the first token. Draft KV only affects
 which tokens are proposed, never which are kept, so a block shared through the
 prefix cache may be rewritten by another sequence's catch-up with the same
 values without harm, and steps that do not speculate cost the draft nothing.
+A prefill engine with ``handoff_draft_kv`` runs ``fill`` over each held
+request's prompt instead, and the handoff carries that KV (its draft section):
+a decode engine whose draft ``accepts`` it imports it and starts its draft KV
+at the end of the prompt.
 
 Positions past the target's blocks (the proposal's own tokens, and the last
 token when it opens a new block) are written to scratch blocks that only the
