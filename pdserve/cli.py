@@ -108,6 +108,9 @@ def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
                        help="the window --max-restarts counts in (systemd's StartLimitIntervalSec)")
     group.add_argument("--unhealthy-after", type=float, default=default.unhealthy_after_s, metavar="S",
                        help="a child whose health is NOT_SERVING or unanswered this long is killed and restarted")
+    group.add_argument("--start-timeout", type=float, default=default.start_timeout_s, metavar="S",
+                       help="seconds a child may take to become ready, at start and after a restart (systemd's "
+                       "TimeoutStartSec); raise it on a heavily loaded machine")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,7 +42,7 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(message)s")
     policy = RestartPolicy(initial_backoff_s=args.restart_delay, max_backoff_s=args.restart_max_delay,
                            max_restarts=args.max_restarts, window_s=args.restart_window,
-                           unhealthy_after_s=args.unhealthy_after)
+                           unhealthy_after_s=args.unhealthy_after, start_timeout_s=args.start_timeout)
     engine_args = up_engine_args(args)
     config = ClusterConfig(
         model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
@@ -51,7 +51,7 @@ def run_up(args: argparse.Namespace) -> int:
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
         decode_args=up_decode_args(args), prefill_args=up_prefill_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
-        http_max_n=args.max_n,
+        http_max_n=args.max_n, start_timeout_s=args.start_timeout,
     )
     stop = False
 
