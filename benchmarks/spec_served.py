@@ -191,7 +191,12 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM too stops the clusters in main's finally
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of " + ", ".join(SETTINGS))
     parser.add_argument("--apis", default="grpc,http", help="grpc, http or both")
@@ -217,7 +222,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"runs": [], "load_average": [os.getloadavg()]}
     try:
         for name in names:  # one at a time: starting them together only slows each start down
-            cluster = clusters[name] = start_cluster(name, SETTINGS[name], redis_prefix, args.num_kv_blocks, workdir)
+            # Its own Redis namespace: clusters sharing one would discover each other's workers.
+            cluster = clusters[name] = start_cluster(name, SETTINGS[name], f"{redis_prefix}-{name}",
+                                                     args.num_kv_blocks, workdir)
             wait_serving(cluster)
             print(f"{cluster.name}: gRPC {cluster.grpc_target}, HTTP {cluster.http_target}", flush=True)
         # One warm-up request per cluster and API (first forwards allocate, caches fill).
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for cluster in clusters.values():
             cluster.stop()
-        _delete_redis_keys(redis_prefix)
+        for name in clusters:
+            _delete_redis_keys(f"{redis_prefix}-{name}")
     results["load_average"].append(os.getloadavg())
     results["table"] = table(results["runs"], names, apis, workloads)
     print(results["table"])
