@@ -6,8 +6,7 @@ this script (by PID, stopped in ``finally``), then driven by ``pdserve bench``'s
 runner over the public gRPC API and the OpenAI HTTP API (``--backend http``) in
 turn, runs of the settings alternating so that machine noise falls on all of
 them alike. Workloads: the grounded and chat prompts of
-``benchmarks/spec_decode.py`` through the model's chat template, greedy, at
-``--request-rate`` requests/s (Poisson). Settings:
+``benchmarks/spec_decode.py`` through the model's chat template, greedy. Settings:
 
 * ``plain``: no speculation;
 * ``ngram``: ``{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}``;
@@ -22,6 +21,10 @@ the KV bytes the decode worker received per request (its Prometheus counter).
 
     OMP_NUM_THREADS=1 python -m benchmarks.spec_served [--max-tokens 96] [--request-rate 0.25] [--passes 2]
         [--settings plain,ngram,draft,draft-prefill] [--apis grpc,http] [--json out.json]
+
+By default each prompt is sent alone to every cluster in turn (concurrency 1: the
+lowest request rate, and machine noise falls on every setting alike);
+``--request-rate R`` sends each workload's prompts at R requests/s instead.
 """
 
 from __future__ import annotations
@@ -167,10 +170,34 @@ def run_bench(api: str, target: str, dataset: Path, num_prompts: int, rate: floa
         result_json=result, show_progress=False,
     )
     out = io.StringIO()
-    status = asyncio.run(bench(config, out=out))
-    if status != 0:
+    result.unlink(missing_ok=True)
+    asyncio.run(bench(config, out=out))
+    if not result.exists():  # it could not even describe the model
         raise RuntimeError(f"pdserve bench --backend {api} against {target} failed:\n{out.getvalue()}")
-    return json.loads(result.read_text())
+    return json.loads(result.read_text())  # failed requests are in it, counted by status
+
+
+def measure(cluster: Cluster, api: str, workload: str, dataset: Path, index: int | None, rate: float | None,
+            number: int, workdir: Path) -> dict[str, Any]:
+    """One ``pdserve bench`` run against ``cluster``: prompt ``index`` alone, or every prompt at ``rate``."""
+    target = cluster.grpc_target if api == "grpc" else cluster.http_target
+    if index is not None:
+        lines = dataset.read_text().splitlines()
+        dataset = workdir / f"{workload}-{index}.jsonl"
+        dataset.write_text(lines[index] + "\n")
+    decode_metrics = cluster.metrics.get("decode-0")
+    before = scrape(decode_metrics) if decode_metrics else {}
+    path = workdir / f"{cluster.name}-{api}-{workload}-{index}-{number}.json"
+    document = run_bench(api, target, dataset, 1 if index is not None else len(GROUNDED), rate or 1000.0, number,
+                         path)
+    after = scrape(decode_metrics) if decode_metrics else {}
+    summary = summarize(document)
+    received = after.get("pdserve_kv_transfer_bytes_total", 0.0) - before.get("pdserve_kv_transfer_bytes_total", 0.0)
+    summary["kv_bytes_per_request"] = received / max(summary["completed"], 1)
+    summary.update(setting=cluster.name, api=api, workload=workload, prompt=index, number=number,
+                   load=os.getloadavg()[0])
+    print(json.dumps(summary), flush=True)
+    return summary
 
 
 def summarize(document: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +215,8 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
         "acceptance": metrics.get("spec_decode_acceptance_rate"),
         "mean_accepted_length": metrics.get("spec_decode_mean_accepted_length"),
         "completed": metrics["completed"],
+        "itls_ms": [(b - a) * 1000 for r in requests for a, b in zip(r["chunk_times"], r["chunk_times"][1:])],
+        "errors": metrics["first_errors"],
     }
 
 
@@ -202,8 +231,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--apis", default="grpc,http", help="grpc, http or both")
     parser.add_argument("--workloads", default="grounded,chat")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--request-rate", type=float, default=0.25, help="requests/s, Poisson (default 0.25)")
-    parser.add_argument("--passes", type=int, default=2, help="runs per (setting, API, workload), order reversed "
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="requests/s, Poisson, every prompt of a workload per run (default: one request at a "
+                        "time, each prompt to every setting in turn)")
+    parser.add_argument("--passes", type=int, default=1, help="runs per (setting, API, workload), order reversed "
                         "every other pass; medians pooled over passes")
     parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--json", type=Path, default=None)
@@ -227,32 +258,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                      args.num_kv_blocks, workdir)
             wait_serving(cluster)
             print(f"{cluster.name}: gRPC {cluster.grpc_target}, HTTP {cluster.http_target}", flush=True)
-        # One warm-up request per cluster and API (first forwards allocate, caches fill).
+        # One warm-up request per cluster and API (first forwards allocate), of token ids no prompt shares.
+        warmup = workdir / "warmup.jsonl"
+        warmup.write_text(json.dumps({"prompt_token_ids": list(range(1000, 1064)), "output_len": 16}) + "\n")
         for cluster in clusters.values():
             for api in apis:
                 target = cluster.grpc_target if api == "grpc" else cluster.http_target
-                run_bench(api, target, datasets["chat"], 1, 1000.0, 99, workdir / "warmup.json")
+                run_bench(api, target, warmup, 1, 1000.0, 99, workdir / "warmup.json")
         for number in range(args.passes):
-            order = names if number % 2 == 0 else names[::-1]
             for api in apis:
                 for workload in workloads:
-                    for name in order:
-                        cluster = clusters[name]
-                        target = cluster.grpc_target if api == "grpc" else cluster.http_target
-                        decode_metrics = cluster.metrics.get("decode-0")
-                        before = scrape(decode_metrics) if decode_metrics else {}
-                        path = workdir / f"{name}-{api}-{workload}-{number}.json"
-                        document = run_bench(api, target, datasets[workload], len(GROUNDED), args.request_rate,
-                                             number, path)
-                        after = scrape(decode_metrics) if decode_metrics else {}
-                        summary = summarize(document)
-                        received = after.get("pdserve_kv_transfer_bytes_total", 0.0) - before.get(
-                            "pdserve_kv_transfer_bytes_total", 0.0)
-                        summary["kv_bytes_per_request"] = received / summary["completed"]
-                        summary.update(setting=name, api=api, workload=workload, number=number,
-                                       load=os.getloadavg()[0])
-                        results["runs"].append(summary)
-                        print(json.dumps(summary), flush=True)
+                    if args.request_rate is None:
+                        # One request at a time, each prompt sent to every cluster in turn (order rotating):
+                        # the lowest load there is, and noise from other processes falls on every setting alike.
+                        for index in range(len(GROUNDED)):
+                            shift = (index + number) % len(names)
+                            for name in names[shift:] + names[:shift]:
+                                results["runs"].append(measure(clusters[name], api, workload, datasets[workload],
+                                                               index, None, number, workdir))
+                    else:
+                        order = names if number % 2 == 0 else names[::-1]
+                        for name in order:
+                            results["runs"].append(measure(clusters[name], api, workload, datasets[workload],
+                                                           None, args.request_rate, number, workdir))
     finally:
         for cluster in clusters.values():
             cluster.stop()
@@ -267,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def table(runs: list[dict[str, Any]], names: list[str], apis: list[str], workloads: list[str]) -> str:
-    """Medians over passes, per (API, workload, setting), with TPOT as a ratio to plain's."""
+    """Per (API, workload, setting): medians over runs (over prompts when one at a time), ITL p50 over
+    every gap pooled, and plain's TPOT over the setting's (above 1: faster)."""
     rows = ["| API | workload | setting | TTFT p50 ms | 1st→2nd token ms | ITL p50 ms | TPOT p50 ms | "
             "x plain TPOT | acceptance | KV bytes/request |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for api in apis:
@@ -282,6 +311,8 @@ def table(runs: list[dict[str, Any]], names: list[str], apis: list[str], workloa
                     values = [r[key] for r in mine if r[key] is not None]
                     return statistics.median(values) if values else None
 
+                itls = [gap for r in mine for gap in r["itls_ms"]]
+                itl = statistics.median(itls) if itls else float("nan")
                 tpot = med("tpot_median_ms")
                 if name == "plain":
                     plain_tpot = tpot
@@ -289,7 +320,7 @@ def table(runs: list[dict[str, Any]], names: list[str], apis: list[str], workloa
                 acceptance = med("acceptance")
                 rows.append(
                     f"| {api} | {workload} | {name} | {med('ttft_median_ms'):.0f} | {med('first_gap_median_ms'):.0f} | "
-                    f"{med('itl_median_ms'):.0f} | {tpot:.1f} | {ratio} | "
+                    f"{itl:.0f} | {tpot:.1f} | {ratio} | "
                     f"{'–' if acceptance is None else f'{acceptance:.2f}'} | {med('kv_bytes_per_request'):,.0f} |"
                 )
     return "\n".join(rows)
