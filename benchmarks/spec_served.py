@@ -22,6 +22,10 @@ the KV bytes the decode worker received per request (its Prometheus counter).
     OMP_NUM_THREADS=1 python -m benchmarks.spec_served [--max-tokens 96] [--request-rate 0.25] [--passes 2]
         [--settings plain,ngram,draft,draft-prefill] [--apis grpc,http] [--json out.json]
 
+Memory: every worker of the default model takes about 1.7 GB resident (2 GB with the
+draft), so all four settings at once need about 15 GB; on a smaller or shared machine
+run them in groups (``--settings draft,draft-prefill``, then ``--settings plain,ngram``).
+
 By default each prompt is sent alone to every cluster in turn (concurrency 1: the
 lowest request rate, and machine noise falls on every setting alike);
 ``--request-rate R`` sends each workload's prompts at R requests/s instead.
