@@ -39,6 +39,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cluster.stop()
         for name in clusters:
             _delete_redis_keys(f"{redis_prefix}-{name}")
+        shutil.rmtree(workdir, ignore_errors=True)
     results["load_average"].append(os.getloadavg())
     results["table"] = table(results["runs"], names, apis, workloads)
     print(results["table"])
