@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 import time
 
 import grpc
@@ -72,7 +73,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
-        receive_kv = functools.partial(self._receive_kv, handoff, stub)
+        receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
             stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv)
@@ -105,9 +106,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await stream.aclose()
 
     async def _receive_kv(
-        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int, request_id: str = ""
     ) -> torch.Tensor | None:
-        """The handoff's blocks from ``first_block`` on; None (recompute here) when they cannot be had."""
+        """The handoff's blocks from ``first_block`` on; None (recompute here) when they cannot be had.
+
+        A draft section this engine's draft can use is fetched beside them and
+        landed first (``_receive_draft_kv``); one it cannot use is ignored.
+        """
+        draft = None
+        if request_id and self.runtime.engine.accepts_draft_kv(handoff):
+            draft = asyncio.ensure_future(self._receive_draft_kv(handoff, stub, request_id))
         try:
             return await self._fetch(handoff, first_block, stub)
         except (grpc.aio.AioRpcError, KVTransferError) as error:
@@ -118,6 +126,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             log.warning("KV transfer for %s failed (%s); recomputing its prompt here", handoff.request_id, detail)
             self.kv_recomputes += 1
             return None
+        finally:
+            if draft is not None:
+                if sys.exc_info()[0] is not None:
+                    draft.cancel()  # the request fails or was cancelled: its draft KV is of no use
+                await asyncio.gather(draft, return_exceptions=True)
+
+    async def _receive_draft_kv(
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, request_id: str
+    ) -> None:
+        """Fetch the handoff's draft section (every block: the draft's KV of blocks cached here may be
+        missing) into the engine's draft pool; on failure the draft recomputes it, nothing else changes."""
+        section = handoff.draft_section()
+        assert section is not None
+        try:
+            blocks = await self._fetch(section, 0, stub)
+            await self.engine.call(lambda engine: engine.receive_draft_kv(request_id, blocks))
+        except (grpc.aio.AioRpcError, KVTransferError, ValueError) as error:
+            detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+            log.warning("draft KV transfer for %s failed (%s); the draft recomputes it", handoff.request_id, detail)
 
     @grpc_errors
     async def Load(  # noqa: N802

@@ -94,3 +94,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     # None: no speculative decoding (vLLM's name; engine/spec_decode/).
     speculative_config: SpeculativeConfig | None = None
+    # A prefill engine with a draft model: build the draft's prompt KV beside the
+    # target's for every request it holds for a handoff, and hand both over
+    # (default: the decode engine recomputes it). Needs a draft_model speculative_config.
+    handoff_draft_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.handoff_draft_kv and (
+            self.speculative_config is None or self.speculative_config.method != "draft_model"
+        ):
+            raise ValueError("handoff_draft_kv needs a speculative_config with method 'draft_model' (the draft to run)")

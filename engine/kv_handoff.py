@@ -11,7 +11,7 @@ service edge (``kv_transfer.descriptor``): the engine imports no protos.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +29,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "int8": torch.int8,
 }
+# The draft model's section of a handoff is addressed as a request of its own on
+# the prefill worker (``KVHandoff.draft_section``), so every transport moves it unchanged.
+DRAFT_SECTION_SUFFIX = "#draft"
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 
@@ -125,6 +128,12 @@ class KVHandoff:
     lease_deadline_ms: int  # Unix time after which the prefill worker frees the blocks
     worker_id: str
     epoch: int  # changes when the prefill worker restarts
+    # Speculative decoding with a draft model: the draft's KV for the same blocks, built
+    # beside the target's on the prefill worker (None: not built, the decode worker
+    # recomputes it). ``draft_model_id`` names the draft as ``DraftModelProposer.identity``
+    # does; a decode worker whose draft differs ignores the section.
+    draft_layout: KVLayout | None = None
+    draft_model_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("request_id", "model_id", "address", "worker_id"):
@@ -150,11 +159,33 @@ class KVHandoff:
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"address must be host:port, got {self.address!r}")
+        if self.draft_layout is not None:
+            if not isinstance(self.draft_layout, KVLayout):
+                raise ValueError(f"draft_layout must be a KVLayout or None, got {type(self.draft_layout).__name__}")
+            if self.draft_layout.block_size != self.layout.block_size:
+                raise ValueError(
+                    f"draft_layout.block_size {self.draft_layout.block_size} != layout.block_size "
+                    f"{self.layout.block_size}: the draft's KV lives in the same blocks"
+                )
+            if not isinstance(self.draft_model_id, str) or not self.draft_model_id:
+                raise ValueError("draft_model_id must name the draft when draft_layout is given")
+        elif self.draft_model_id:
+            raise ValueError("draft_model_id is given without draft_layout")
 
     @property
     def num_blocks(self) -> int:
         """Blocks the prefill worker holds for the request, the last possibly partial."""
         return -(-self.num_tokens // self.layout.block_size)
+
+    def draft_section(self) -> KVHandoff | None:
+        """The draft model's KV as a handoff of its own (same blocks, the draft's layout), which any
+        transport fetches like a request's; None when the prefill worker built none."""
+        if self.draft_layout is None:
+            return None
+        return replace(
+            self, request_id=self.request_id + DRAFT_SECTION_SUFFIX, layout=self.draft_layout,
+            draft_layout=None, draft_model_id="",
+        )
 
 
 @dataclass(frozen=True)

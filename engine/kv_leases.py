@@ -25,7 +25,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
-from engine.kv_handoff import KVHandoff
+from engine.kv_handoff import DRAFT_SECTION_SUFFIX, KVHandoff
 from engine.sequence import Sequence
 
 
@@ -40,10 +40,17 @@ class LeaseTable:
     """Held requests by id; ``grant`` takes a finished sequence's blocks, ``release``/``expire`` free them."""
 
     def __init__(
-        self, block_manager: BlockManager, kv_cache: KVCache, clock: Callable[[], float] = time.monotonic
+        self,
+        block_manager: BlockManager,
+        kv_cache: KVCache,
+        clock: Callable[[], float] = time.monotonic,
+        draft_kv_cache: KVCache | None = None,
     ) -> None:
         self._block_manager = block_manager
         self._kv_cache = kv_cache
+        # A draft model's pool parallel to ``kv_cache`` (same block ids), when this engine
+        # hands the draft's prompt KV over too: exported as ``<request id>#draft``.
+        self._draft_kv_cache = draft_kv_cache
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
@@ -93,21 +100,36 @@ class LeaseTable:
     def num_layers(self) -> int:
         return self._kv_cache.data.shape[0]
 
+    def num_layers_of(self, request_id: str) -> int:
+        """Layers of what ``export(request_id, ...)`` returns: the draft's for a draft section."""
+        return self._cache_of(request_id)[1].data.shape[0]
+
     def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
         """A copy of the held blocks from ``first_block`` on, of ``layers``:
         (num_layers, 2, n, block_size, num_kv_heads, head_dim).
 
-        ``KeyError`` when ``request_id`` holds nothing here (unknown, released,
-        expired); ``ValueError`` when ``first_block`` is past its blocks.
+        ``request_id`` + ``DRAFT_SECTION_SUFFIX`` exports the draft model's KV of
+        the same blocks, when this engine built it. ``KeyError`` when ``request_id``
+        holds nothing here (unknown, released, expired); ``ValueError`` when
+        ``first_block`` is past its blocks.
         """
+        held_id, kv_cache = self._cache_of(request_id)
         with self._lock:
-            lease = self._leases.get(request_id)
+            lease = self._leases.get(held_id)
             if lease is None:
                 raise KeyError(f"request {request_id!r} holds no KV here (unknown, released or lease expired)")
+            if kv_cache is not self._kv_cache and lease.handoff.draft_layout is None:
+                raise KeyError(f"request {held_id!r} holds no draft KV here (its handoff has no draft section)")
             num_blocks = lease.handoff.num_blocks
             if not 0 <= first_block <= num_blocks:
                 raise ValueError(f"first_block must be in [0, {num_blocks}], got {first_block}")
-            return self._kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers)
+            return kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers)
+
+    def _cache_of(self, request_id: str) -> tuple[str, KVCache]:
+        """The held request an exported id names, and the pool its blocks are read from."""
+        if self._draft_kv_cache is not None and request_id.endswith(DRAFT_SECTION_SUFFIX):
+            return request_id.removesuffix(DRAFT_SECTION_SUFFIX), self._draft_kv_cache
+        return request_id, self._kv_cache
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._leases
@@ -126,3 +148,5 @@ class LeaseTable:
         self._block_manager.free(lease.seq)
         if self.on_end is not None:
             self.on_end(lease.seq.request_id)
+            if lease.handoff.draft_layout is not None:
+                self.on_end(lease.seq.request_id + DRAFT_SECTION_SUFFIX)

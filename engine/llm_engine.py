@@ -104,9 +104,15 @@ class LLMEngine:
             block_size=block_size,
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
-        # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
-        self.leases = LeaseTable(self.block_manager, self.kv_cache)
         self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
+        self.draft = draft
+        # Set: held requests get the draft's prompt KV too, handed over as the handoff's draft section.
+        self._handoff_draft = draft if config.handoff_draft_kv else None
+        # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
+        self.leases = LeaseTable(
+            self.block_manager, self.kv_cache,
+            draft_kv_cache=self._handoff_draft.kv_cache if self._handoff_draft is not None else None,
+        )
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
@@ -241,6 +247,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason, free_blocks=seq.kv_hold is None)
                 if seq.kv_hold is not None:
+                    if self._handoff_draft is not None:
+                        self._handoff_draft.fill([seq])
                     handoff = self._handoff(seq, seq.kv_hold)
                     self.leases.grant(seq, handoff, seq.kv_hold.lease_s)
                 self._requests.pop(seq.request_id, None)
@@ -264,6 +272,8 @@ class LLMEngine:
             lease_deadline_ms=int((time.time() + hold.lease_s) * 1000),
             worker_id=hold.worker_id,
             epoch=hold.epoch,
+            draft_layout=self._handoff_draft.kv_layout if self._handoff_draft is not None else None,
+            draft_model_id=self._handoff_draft.identity if self._handoff_draft is not None else "",
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
@@ -342,6 +352,35 @@ class LLMEngine:
         self.block_manager.cache_computed_blocks(seq)
         self.scheduler.kv_received(seq)
         return self._output(seq, self._detokenizers.get(request_id))
+
+    def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
+        """Whether ``handoff`` carries draft KV that this engine's draft model can use (else: ignored,
+        the draft recomputes the prompt when the request first proposes)."""
+        return (
+            handoff.draft_layout is not None
+            and self.draft is not None
+            and self.draft.accepts(handoff.draft_layout, handoff.draft_model_id)
+        )
+
+    def receive_draft_kv(self, request_id: str, blocks: torch.Tensor) -> bool:
+        """Write a remote request's draft-model KV (its handoff's draft section, from block 0) into the
+        draft's pool, before ``receive_kv``; False when the request no longer waits for its KV.
+
+        Blocks the request shares through the prefix cache are rewritten with the
+        draft's KV of the same tokens: draft KV only steers proposals (see
+        ``engine.spec_decode.draft_model``), so this is harmless to other sequences.
+        """
+        seq = self._receiving(request_id)
+        if seq is None:
+            return False
+        if self.draft is None or self.draft.kv_cache is None:
+            raise ValueError("this engine has no draft model to take draft KV")
+        if blocks.shape[2] != len(seq.block_table):
+            raise ValueError(f"draft KV for {request_id!r} has {blocks.shape[2]} blocks, "
+                             f"the request holds {len(seq.block_table)}")
+        self.draft.kv_cache.import_blocks(seq.block_table, blocks)
+        seq.num_draft_computed_tokens = seq.num_prompt_tokens
+        return True
 
     def recompute_remote(self, request_id: str) -> RequestOutput | None:
         """A remote request's KV will never land: compute its prompt and first token here instead.

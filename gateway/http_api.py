@@ -159,7 +159,11 @@ class OpenAIHttpApi:
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {"id": self._model_name(), "object": "model", "created": now(), "owned_by": "pdserve"}
+        model: dict[str, Any] = {"id": self._model_name(), "object": "model", "created": now(), "owned_by": "pdserve"}
+        report = self._report()
+        if report is not None:
+            # vLLM lists max_model_len; vocab_size is pdserve's (what `pdserve bench --backend http` draws ids from).
+            model.update(max_model_len=report.max_model_len, vocab_size=report.vocab_size)
         return web.json_response({"object": "list", "data": [model]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -220,9 +224,13 @@ class OpenAIHttpApi:
     def _model_name(self) -> str:
         if self.model_name:
             return self.model_name
-        pool = self.servicer.router.pool
-        report = next((w.report for w in pool.healthy("prefill") + pool.healthy("decode") if w.report), None)
+        report = self._report()
         return report.model_id if report is not None else "pdserve"
+
+    def _report(self) -> Any:
+        """A healthy worker's latest load report (model id, vocabulary, context), or None."""
+        pool = self.servicer.router.pool
+        return next((w.report for w in pool.healthy("prefill") + pool.healthy("decode") if w.report), None)
 
     def _rpc_error_response(self, error: RpcAbort, path: str) -> web.Response:
         status, kind = _STATUS.get(error.code, (500, "server_error"))

@@ -30,7 +30,8 @@ class KVSource(Protocol):
 
     @property
     def num_layers(self) -> int:
-        """Layers of every held request's blocks (the first dimension of ``export``)."""
+        """Layers of every held request's blocks (the first dimension of ``export``); a source holding
+        sections of another depth (a draft model's KV) also has ``num_layers_of(request_id)``."""
         ...
 
     def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:

@@ -48,6 +48,8 @@ def handoff_to_proto(handoff: KVHandoff) -> worker_pb2.KVHandoff:
         lease_deadline_ms=handoff.lease_deadline_ms,
         worker_id=handoff.worker_id,
         epoch=handoff.epoch,
+        draft_layout=layout_to_proto(handoff.draft_layout) if handoff.draft_layout is not None else None,
+        draft_model_id=handoff.draft_model_id,
     )
 
 
@@ -67,4 +69,6 @@ def handoff_from_proto(message: worker_pb2.KVHandoff) -> KVHandoff:
         lease_deadline_ms=message.lease_deadline_ms,
         worker_id=message.worker_id,
         epoch=message.epoch,
+        draft_layout=layout_from_proto(message.draft_layout) if message.HasField("draft_layout") else None,
+        draft_model_id=message.draft_model_id,
     )

@@ -51,7 +51,7 @@ class KVSenderServicer:
         # Layer by layer, the next layer copied out of the KV cache (off the loop) while
         # this one streams: the copy overlaps the sending instead of preceding it. The
         # chunks are the same as from one export: every one `step` bytes but the last.
-        num_layers, step = self._source.num_layers, self.config.chunk_bytes
+        num_layers, step = _num_layers(self._source, request.request_id), self.config.chunk_bytes
         total = num_blocks = offset = 0
         carry = bytearray()  # the head of a chunk that spans two layers
 
@@ -157,6 +157,13 @@ class KVSenderServicer:
             return await asyncio.to_thread(export)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await _abort_for(exc, context)
+
+
+def _num_layers(source: KVSource, request_id: str) -> int:
+    """Layers of ``request_id``'s blocks: a source that holds sections of another depth (a draft
+    model's KV, ``engine.kv_leases.LeaseTable``) says per id with ``num_layers_of``."""
+    num_layers_of = getattr(source, "num_layers_of", None)
+    return num_layers_of(request_id) if num_layers_of is not None else source.num_layers
 
 
 def _discard(pending: asyncio.Future[torch.Tensor]) -> None:

@@ -112,6 +112,9 @@ def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
                        help="the window --max-restarts counts in (systemd's StartLimitIntervalSec)")
     group.add_argument("--unhealthy-after", type=float, default=default.unhealthy_after_s, metavar="S",
                        help="a child whose health is NOT_SERVING or unanswered this long is killed and restarted")
+    group.add_argument("--start-timeout", type=float, default=default.start_timeout_s, metavar="S",
+                       help="seconds a child may take to become ready, at start and after a restart (systemd's "
+                       "TimeoutStartSec); raise it on a heavily loaded machine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill = commands.add_parser("prefill", help="run a prefill worker")
     _add_worker_args(prefill, "prefill", 50061)
     prefill.add_argument("--lease-seconds", type=float, default=30.0, help="how long held KV waits for its decode worker")
+    prefill.add_argument("--handoff-draft-kv", action="store_true",
+                         help="with a draft_model --speculative-config: build the draft's prompt KV here beside the "
+                         "target's and hand both over (default: the decode worker recomputes it)")
     prefill.set_defaults(func=run_prefill)
 
     decode = commands.add_parser("decode", help="run a decode worker")
@@ -191,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")
     add_speculative_config_argument(up, "of every decode and colocated worker (prefill workers do not decode); ")
+    up.add_argument("--draft-prompt-kv", default="recompute", choices=["recompute", "prefill"],
+                    help="with a draft_model --speculative-config, where the draft's prompt KV is built: recomputed "
+                    "by the decode worker, or on the prefill worker beside the target's and handed over with it "
+                    "(the prefill workers load the draft too); see BENCHMARKS.md (default recompute)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
                     "ones in start order (0: a free port each); listed at start (default: off)")

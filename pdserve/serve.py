@@ -45,6 +45,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         speculative_config=args.speculative_config,
+        handoff_draft_kv=getattr(args, "handoff_draft_kv", False),
     )
 
 

@@ -24,6 +24,15 @@ def up_decode_args(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--speculative-config", args.speculative_config.to_json())
 
 
+def up_prefill_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The flags ``up`` passes on to prefill workers only: the draft, when they build its prompt KV."""
+    if args.draft_prompt_kv == "recompute":
+        return ()
+    if args.speculative_config is None or args.speculative_config.method != "draft_model":
+        raise ValueError("--draft-prompt-kv prefill needs a draft_model --speculative-config (the draft to run)")
+    return ("--speculative-config", args.speculative_config.to_json(), "--handoff-draft-kv")
+
+
 def run_up(args: argparse.Namespace) -> int:
     import signal
 
@@ -33,16 +42,16 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(message)s")
     policy = RestartPolicy(initial_backoff_s=args.restart_delay, max_backoff_s=args.restart_max_delay,
                            max_restarts=args.max_restarts, window_s=args.restart_window,
-                           unhealthy_after_s=args.unhealthy_after)
+                           unhealthy_after_s=args.unhealthy_after, start_timeout_s=args.start_timeout)
     engine_args = up_engine_args(args)
     config = ClusterConfig(
         model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
-        decode_args=up_decode_args(args),
+        decode_args=up_decode_args(args), prefill_args=up_prefill_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
-        http_max_n=args.max_n,
+        http_max_n=args.max_n, start_timeout_s=args.start_timeout,
     )
     stop = False
 

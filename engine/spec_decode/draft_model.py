@@ -11,6 +11,10 @@ since, in the same forward that proposes the first token. Draft KV only affects
 which tokens are proposed, never which are kept, so a block shared through the
 prefix cache may be rewritten by another sequence's catch-up with the same
 values without harm, and steps that do not speculate cost the draft nothing.
+A prefill engine with ``handoff_draft_kv`` runs ``fill`` over each held
+request's prompt instead, and the handoff carries that KV (its draft section):
+a decode engine whose draft ``accepts`` it imports it and starts its draft KV
+at the end of the prompt.
 
 Positions past the target's blocks (the proposal's own tokens, and the last
 token when it opens a new block) are written to scratch blocks that only the
@@ -20,6 +24,7 @@ step verifies those tokens and the draft recomputes the accepted ones.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -27,6 +32,7 @@ import torch
 
 from engine.attention.backend import AttentionBatch, select_backend
 from engine.kv_cache import KVCache, bytes_per_block
+from engine.kv_handoff import KVLayout
 from engine.model_loader import TORCH_DTYPES, load_hf_config, load_model, resolve_model_path
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
@@ -81,6 +87,15 @@ class DraftModelProposer(Proposer):
         self.backend = select_backend(target.attention_backend, self.device, self.dtype, self.dtype)
         self.num_target_blocks = 0
         self.kv_cache: KVCache | None = None
+        # Which draft this is, as a handoff's draft section names the draft that built it:
+        # KV from another checkpoint, dtype or weight format would propose differently.
+        self.identity = json.dumps(
+            [config.model, str(self.dtype).removeprefix("torch."), config.quantization, config.quantization_group_size]
+        )
+        self.kv_layout = KVLayout(
+            num_layers=self.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
+            block_size=bs, dtype=str(self.dtype).removeprefix("torch."),
+        )
 
     def allocate_kv(self, num_target_blocks: int) -> None:
         """The draft's pool: one block per target block (same ids), then the scratch blocks."""
@@ -90,6 +105,27 @@ class DraftModelProposer(Proposer):
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
         )
         self.kv_layers = self.kv_cache.layers()
+
+    @torch.inference_mode()
+    def fill(self, seqs: Seq[Sequence]) -> None:
+        """Build the draft's KV for every token each sequence has computed (a prefill engine: its prompt),
+        in the sequence's own blocks: what a handoff's draft section carries."""
+        todo = [seq for seq in seqs if seq.num_draft_computed_tokens < seq.num_computed_tokens]
+        if not todo:
+            return
+        self._forward(
+            [seq.token_ids[seq.num_draft_computed_tokens : seq.num_computed_tokens] for seq in todo],
+            [seq.num_draft_computed_tokens for seq in todo],
+            [seq.block_table for seq in todo],
+        )
+        for seq in todo:
+            seq.num_draft_computed_tokens = seq.num_computed_tokens
+
+    def accepts(self, layout: KVLayout, draft_model_id: str) -> bool:
+        """Whether a handoff's draft section was built by this draft and fits its pool (dtype converts on import)."""
+        return draft_model_id == self.identity and (
+            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size
+        ) == (self.num_layers, self.model.num_kv_heads, self.model.head_dim, self.block_size)
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> list[list[int]]:

@@ -51,8 +51,11 @@ T = TypeVar("T")
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``pdserve bench`` (those of ``vllm bench serve`` where they mean the same)."""
     server = parser.add_argument_group("server")
-    server.add_argument("--backend", default="grpc", choices=BACKENDS, help="protocol of the server (default grpc)")
-    server.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT", help="the gateway to drive")
+    server.add_argument("--backend", default="grpc", choices=BACKENDS,
+                        help="protocol of the server: grpc (pdserve.v1.Generation) or http (the OpenAI API's "
+                        "streamed /v1/completions, e.g. the gateway's --http-port) (default grpc)")
+    server.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="the gateway to drive (its gRPC port, or its HTTP port with --backend http)")
     server.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="deadline of each request")
     add_client_tls_arguments(server, "the gateway")
     add_auth_token_argument(server, "send")
@@ -181,7 +184,10 @@ async def bench(config: BenchConfig, out: TextIO | None = None, auth_token: str 
 
 
 def make_backend(config: BenchConfig, auth_token: str | None = None) -> Backend:
-    # The only backend so far; an OpenAI-HTTP one is added here and to config.BACKENDS.
+    if config.backend == "http":
+        from pdserve.bench.http_backend import HttpBackend
+
+        return HttpBackend(config.target, tls=config.tls, auth_token=auth_token)
     from pdserve.bench.grpc_backend import GrpcBackend
 
     return GrpcBackend(config.target, tls=config.tls, auth_token=auth_token)

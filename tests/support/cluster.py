@@ -50,12 +50,16 @@ WorkerStub = worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStu
 
 
 def tiny_engine(
-    checkpoint: Path, num_kv_blocks: int = NUM_KV_BLOCKS, speculative_config: SpeculativeConfig | None = None
+    checkpoint: Path,
+    num_kv_blocks: int = NUM_KV_BLOCKS,
+    speculative_config: SpeculativeConfig | None = None,
+    handoff_draft_kv: bool = False,
 ) -> LLMEngine:
     """A float32 engine over ``checkpoint`` with a pool of ``num_kv_blocks`` KV blocks."""
     model = ModelConfig(model=str(checkpoint), dtype="float32")
     return LLMEngine(
-        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config)
+        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config,
+                     handoff_draft_kv=handoff_draft_kv)
     )
 
 
@@ -86,6 +90,8 @@ class ClusterOptions:
     tokenizer: object = None  # the gateway's; None: token ids only
     ready_timeout_s: float = DEFAULT_TIMEOUT_S  # until the gateway has heard from a worker of each role
     speculative_config: SpeculativeConfig | None = None  # decode and colocated workers' engines
+    # Prefill workers' engines, which then build the draft's prompt KV for the handoff (handoff_draft_kv).
+    prefill_speculative_config: SpeculativeConfig | None = None
 
 
 class InProcessCluster:
@@ -194,8 +200,10 @@ class InProcessCluster:
         return await wait_until(self.loads, "every worker to be idle with every block free", timeout_s, until=_all_idle)
 
     def _engine(self, decodes: bool = False) -> LLMEngine:
-        spec = self.options.speculative_config if decodes else None
-        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec)
+        if decodes:
+            return tiny_engine(self.checkpoint, self.options.num_kv_blocks, self.options.speculative_config)
+        spec = self.options.prefill_speculative_config
+        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec, handoff_draft_kv=spec is not None)
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         limits = {

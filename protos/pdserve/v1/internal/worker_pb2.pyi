@@ -22,7 +22,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
-    __slots__ = ("request_id", "model_id", "layout", "block_hashes", "num_tokens", "first_token_id", "transport", "address", "lease_deadline_ms", "worker_id", "epoch")
+    __slots__ = ("request_id", "model_id", "layout", "block_hashes", "num_tokens", "first_token_id", "transport", "address", "lease_deadline_ms", "worker_id", "epoch", "draft_layout", "draft_model_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class KVHandoff(_message.Message):
     LEASE_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     layout: KVLayout
@@ -45,7 +47,9 @@ class KVHandoff(_message.Message):
     lease_deadline_ms: int
     worker_id: str
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    draft_layout: KVLayout
+    draft_model_id: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., draft_model_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport")
