@@ -31,8 +31,8 @@ REASONS = (
     "forced",  # --disaggregation always / never
     "no_prefill_worker",  # auto and never: no healthy prefill worker, so the decode worker prefills
     "prompt_logprobs",  # only a prefill worker returns prompt logprobs
-    "decode_idle",  # auto: nothing runs on the decode worker to stall, and it answers first
-    "prefix_hit",  # auto: local, because the decode worker caches more of the prompt than the prefill worker
+    "prefix_hit",  # auto: local, and the decode worker caches more of the prompt than the prefill worker
+    "decode_idle",  # auto: local: nothing runs on the decode worker to stall, and it answers first
     "cheaper",  # auto: the chosen side answers first and (local) stays within the stall budget
     "decode_stall",  # auto: local would answer first but stall the running streams past the budget
 )
@@ -127,11 +127,12 @@ class DisaggregationPolicy:
         decision = {"remote_s": remote_s, "local_s": local_s, "tpot_increase": increase}
         if local_s > remote_s:
             return RouteDecision(REMOTE, "cheaper", **decision)
-        if not inputs.decode_running:
-            return RouteDecision(LOCAL, "decode_idle", **decision)
         if increase > self.max_tpot_increase:
             return RouteDecision(REMOTE, "decode_stall", **decision)
-        reason = "prefix_hit" if inputs.local_cached_tokens > inputs.remote_cached_tokens else "cheaper"
+        if inputs.local_cached_tokens > inputs.remote_cached_tokens:
+            reason = "prefix_hit"
+        else:
+            reason = "cheaper" if inputs.decode_running else "decode_idle"
         return RouteDecision(LOCAL, reason, **decision)
 
 
