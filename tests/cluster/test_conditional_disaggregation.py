@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from pathlib import Path
 
 import pytest
 
 from gateway.disaggregation import DisaggregationPolicy
 from gateway.router import RecentPrefills
+from gateway.server import GatewayServer
 from pdserve.cli import build_parser
 from protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
@@ -79,7 +81,7 @@ async def test_always_and_never_prefill_every_prompt_where_they_say(
     mode: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     cluster = await start_inprocess_cluster(
-        llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway_args={"disaggregation": mode})
+        llama_checkpoint, ClusterOptions(num_kv_blocks=256, disaggregation=mode)
     )
     prompts = random_prompts(LENGTHS, seed=131)
     await _generate_all(cluster, prompts, Oracle(llama_checkpoint))
@@ -97,8 +99,10 @@ async def test_always_and_never_prefill_every_prompt_where_they_say(
 async def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
-    assert cluster.gateway is not None and cluster.gateway.servicer.disaggregation.mode == "auto"  # the default
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, disaggregation="auto"))
+    assert cluster.gateway is not None
+    # auto is the default of the gateway (and of `pdserve up`, test_a_bad_disaggregation_value_is_a_clear_cli_error).
+    assert inspect.signature(GatewayServer).parameters["disaggregation"].default == "auto"
     cluster.gateway.servicer.disaggregation = DisaggregationPolicy("auto", FakeCosts())
     prompts = random_prompts(LENGTHS, seed=132)
     # One at a time: with nothing running on the decode worker every decision is decode_idle or cheaper.
@@ -115,7 +119,7 @@ async def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(
 async def test_auto_with_measured_costs_is_exact_under_concurrency_and_learns(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, disaggregation="auto"))
     assert cluster.gateway is not None
     prompts = random_prompts(LENGTHS * 2, seed=133)
     await _generate_all(cluster, prompts, Oracle(llama_checkpoint))
@@ -132,7 +136,8 @@ async def test_auto_with_measured_costs_is_exact_under_concurrency_and_learns(
 async def test_a_prefix_the_decode_worker_holds_per_redis_makes_a_longer_prompt_local(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, redis=True))
+    options = ClusterOptions(num_kv_blocks=256, redis=True, disaggregation="auto")
+    cluster = await start_inprocess_cluster(llama_checkpoint, options)
     assert cluster.gateway is not None
     cluster.gateway.servicer.disaggregation = DisaggregationPolicy("auto", FakeCosts())
     first, more = random_prompts([60, 50], seed=134)
@@ -155,7 +160,7 @@ async def test_never_still_sends_prompt_logprobs_to_a_prefill_worker_and_a_decod
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     cluster = await start_inprocess_cluster(
-        llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway_args={"disaggregation": "never"})
+        llama_checkpoint, ClusterOptions(num_kv_blocks=256, disaggregation="never")
     )
     [prompt] = random_prompts([30], seed=135)
     responses = await cluster.generate(_request(prompt, prompt_logprobs=0))
@@ -163,7 +168,8 @@ async def test_never_still_sends_prompt_logprobs_to_a_prefill_worker_and_a_decod
     assert _routes(cluster) == {("remote", "prompt_logprobs"): 1}
     await cluster.wait_idle()
 
-    decode_only = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, prefill_workers=0))
+    options = ClusterOptions(num_kv_blocks=256, prefill_workers=0, disaggregation="auto")
+    decode_only = await start_inprocess_cluster(llama_checkpoint, options)
     assert decode_only.gateway is not None
     await wait_until(lambda: _healthy_decode(decode_only), "the gateway to see the decode worker")
     await _generate_all(decode_only, [prompt], Oracle(llama_checkpoint))
@@ -180,7 +186,7 @@ async def test_cancelling_a_local_prefill_stream_frees_its_blocks(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     cluster = await start_inprocess_cluster(
-        llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway_args={"disaggregation": "never"})
+        llama_checkpoint, ClusterOptions(num_kv_blocks=256, disaggregation="never")
     )
     assert cluster.stub is not None
     [prompt] = random_prompts([100], seed=136)

@@ -86,6 +86,9 @@ class ClusterOptions:
     tokenizer: object = None  # the gateway's; None: token ids only
     ready_timeout_s: float = DEFAULT_TIMEOUT_S  # until the gateway has heard from a worker of each role
     speculative_config: SpeculativeConfig | None = None  # decode and colocated workers' engines
+    # The gateway's --disaggregation. "always" here (the gateway's default is auto): the tests of handoffs,
+    # leases and failures are about the remote path; tests of conditional disaggregation set it.
+    disaggregation: str = "always"
 
 
 class InProcessCluster:
@@ -226,7 +229,8 @@ class InProcessCluster:
             self.decode_addresses + self.colocated_addresses,
             redis_url=REDIS_URL if self.redis_prefix is not None else None, redis_prefix=self.redis_prefix or "pdserve",
             transport=options.kv_transport, client_tls=options.client_tls,
-            http_port=0 if options.http else None, metrics_port=self._metrics_port(), **extra,
+            http_port=0 if options.http else None, metrics_port=self._metrics_port(),
+            disaggregation=options.disaggregation, **extra,
         )
         self.gateway_address = await self._start(self.gateway)
         # Once the gateway has polled a worker of each role it knows the model's limits.
