@@ -33,7 +33,8 @@ from typing import Any
 
 from pdserve.launcher import ClusterConfig, LocalCluster
 
-SLOS = ("ttft:5000", "tpot:150")  # milliseconds: a long document's prefill fits the first, a stalled stream misses the second
+# Milliseconds: a long document's prefill fits the first, a stream stalled by one misses the second.
+SLOS = ("ttft:5000", "tpot:150")
 LAYOUTS = {
     "colocated": {"colocated_workers": 1, "disaggregation": "never"},
     "disaggregated": {"disaggregation": "always"},
@@ -46,7 +47,8 @@ ROUTE_LINE = re.compile(r'^pdserve_gateway_prefill_route_total\{route="(\w+)",re
 
 def _cluster(name: str, threads: int) -> LocalCluster:
     return LocalCluster(ClusterConfig(
-        dtype="float32", port=0, metrics_port=0, redis_prefix=f"pdserve-sweep-{name}-{time.time_ns()}", start_timeout_s=900.0,
+        dtype="float32", port=0, metrics_port=0, redis_prefix=f"pdserve-sweep-{name}-{time.time_ns()}",
+        start_timeout_s=900.0,
         engine_args=("--num-kv-blocks", "2048", "--torch-threads", str(threads)), **LAYOUTS[name],
     ))
 

@@ -117,7 +117,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         (gateway/disaggregation.py). Prompt logprobs come from prefill workers only.
         """
         if params.prompt_logprobs is not None:
-            raise ValueError("sampling_params.prompt_logprobs needs a prefill worker: send a handoff, or leave it unset")
+            raise ValueError("sampling_params.prompt_logprobs needs a prefill worker: send a handoff or leave it unset")
         # Its own engine id, as for a handoff: a colocated worker may still hold the client's id under a lease.
         stream = self.engine.generate(prompt, params, f"{request_id}/local")
         try:

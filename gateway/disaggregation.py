@@ -69,7 +69,7 @@ class CostModel(Protocol):
     """The costs the policy weighs, in seconds; ``MeasuredCosts`` learns them, tests pass fixed ones."""
 
     def remote_first_token_s(self, tokens: int) -> float:
-        """First token from a prefill worker that has ``tokens`` to compute (its queue and this prompt's uncached part)."""
+        """First token from a prefill worker with ``tokens`` to compute (its queue and this prompt's uncached part)."""
 
     def handoff_s(self, tokens: int) -> float:
         """What a remote prefill adds before the second token: moving ``tokens`` tokens' KV to the decode worker."""

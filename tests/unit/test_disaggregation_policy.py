@@ -161,3 +161,19 @@ def test_measured_costs_learn_local_and_remote_prefill_and_the_handoff() -> None
     assert costs.decode_stall_s(100) == pytest.approx(0.3, rel=1e-3)
     assert costs.time_per_output_token_s() == pytest.approx(0.05)
     assert costs.output_tokens() == pytest.approx(33.0)
+
+
+def test_request_timing_measures_first_token_second_token_gap_and_time_per_token_from_the_second() -> None:
+    from gateway.prefill_route import RequestTiming
+    from protos.pdserve.v1 import generation_pb2
+
+    now = [10.0]
+    timing = RequestTiming(clock=lambda: now[0])
+    for at, tokens in ((10.5, [1]), (11.3, [2]), (11.4, []), (11.5, [3, 4]), (11.7, [5])):
+        now[0] = at
+        timing.responded(generation_pb2.GenerateResponse(token_ids=tokens))
+    assert timing.first_token_s == pytest.approx(0.5)
+    assert timing.second_token_gap_s == pytest.approx(0.8)
+    # Tokens 3..5 came 0.4 s after the second: 0.4 / 3.
+    assert timing.time_per_output_token_s == pytest.approx(0.4 / 3)
+    assert timing.num_tokens == 5
