@@ -63,7 +63,11 @@ def _bench(endpoint: str, out: Path, rate: float, num_prompts: int, seed: int, w
     command = [sys.executable, "-m", "pdserve", "bench", "--target", endpoint, "--result-json", str(out),
                "--ignore-eos", "--disable-tqdm", "--goodput", *SLOS, *WORKLOAD, "--num-prompts", str(num_prompts),
                "--request-rate", str(rate), "--seed", str(seed), "--warmup", str(warmup)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    with open(out.with_suffix(".log"), "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if not out.exists():
+        raise RuntimeError(f"pdserve bench exited with status {done.returncode}; see {out.with_suffix('.log')}")
+    # A failed request makes bench exit 1; the run is still reported (its failures are in the metrics).
     return json.loads(out.read_text())["runs"][0]["metrics"]
 
 
