@@ -59,10 +59,30 @@ def _routes(cluster: LocalCluster) -> dict[str, float]:
     return {f"{route}/{reason}": float(value) for route, reason, value in ROUTE_LINE.findall(body)}
 
 
+def _wait_serving(endpoint: str, timeout_s: float = 120.0) -> None:
+    """Until the gateway describes the model: on a loaded machine its workers' load polls can time out for a while."""
+    import grpc
+
+    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while True:
+            try:
+                stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=5)
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+
+
 def _bench(endpoint: str, out: Path, rate: float, num_prompts: int, seed: int, warmup: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "pdserve", "bench", "--target", endpoint, "--result-json", str(out),
                "--ignore-eos", "--disable-tqdm", "--goodput", *SLOS, *WORKLOAD, "--num-prompts", str(num_prompts),
                "--request-rate", str(rate), "--seed", str(seed), "--warmup", str(warmup)]
+    _wait_serving(endpoint)
     with open(out.with_suffix(".log"), "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
     if not out.exists():
