@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class RequestTiming:
     """When a request's tokens arrived, counted from when it was routed: what the cost model learns from."""
 
-    def __init__(self, clock=time.perf_counter) -> None:  # noqa: ANN001 - a () -> float
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
         self.started = clock()
         self.num_tokens = 0
