@@ -3,8 +3,8 @@
     python -m benchmarks.disaggregation_sweep [--rates 0.25,0.5,1] [--num-prompts 16] [--out-dir DIR]
 
 Three local clusters of the default model (float32, one torch thread per worker),
-all started at once and driven in turn at each rate, so that every rate's three
-runs sit side by side in time on this shared machine:
+one after the other (or, with ``--all-at-once``, started together and driven in
+turn at each rate, so that every rate's three runs sit side by side in time):
 
 - colocated: one worker prefilling and decoding on one engine (``--disaggregation never``);
 - disaggregated: 1 prefill + 1 decode worker, every prompt prefilled remotely (``always``);
@@ -45,11 +45,11 @@ WORKLOAD = ("--workload", "mixed", "--input-len", "64", "--range-ratio", "0.25",
 ROUTE_LINE = re.compile(r'^pdserve_gateway_prefill_route_total\{route="(\w+)",reason="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
-def _cluster(name: str, threads: int) -> LocalCluster:
+def _cluster(name: str, threads: int, num_kv_blocks: int) -> LocalCluster:
     return LocalCluster(ClusterConfig(
         dtype="float32", port=0, metrics_port=0, redis_prefix=f"pdserve-sweep-{name}-{time.time_ns()}",
         start_timeout_s=900.0,
-        engine_args=("--num-kv-blocks", "2048", "--torch-threads", str(threads)), **LAYOUTS[name],
+        engine_args=("--num-kv-blocks", str(num_kv_blocks), "--torch-threads", str(threads)), **LAYOUTS[name],
     ))
 
 
@@ -124,35 +124,44 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="0.25,0.5,1", help="request rates (req/s), comma-separated")
-    parser.add_argument("--num-prompts", type=int, default=16, help="requests per run")
-    parser.add_argument("--warmup", type=int, default=4, help="warm-up requests per run (fresh prompts)")
+    parser.add_argument("--num-prompts", type=int, default=12, help="requests per run")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up requests per run (fresh prompts)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--num-kv-blocks", type=int, default=512, help="KV pool of every worker (16 tokens a block)")
+    parser.add_argument("--all-at-once", action="store_true",
+                        help="start the three clusters together and interleave their runs per rate "
+                        "(needs memory for five workers; default: one cluster after the other)")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/disaggregation_sweep"))
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    verdicts = {}
-    with ExitStack() as stack:
-        clusters = {}
+    runs: dict[float, dict[str, dict[str, Any]]] = {rate: {} for rate in rates}
+
+    def drive(name: str, cluster: LocalCluster, index: int, rate: float) -> None:
+        before = _routes(cluster) if name == "auto" else None
+        metrics = _bench(cluster.endpoint, args.out_dir / f"{name}_{rate:g}.json", rate, args.num_prompts,
+                         seed=300 + index, warmup=args.warmup)
+        routes = None
+        if before is not None:
+            after = _routes(cluster)
+            routes = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+        runs[rate][name] = _row(rate, name, metrics, routes)
+        print(json.dumps(runs[rate][name]), flush=True)
+
+    if args.all_at_once:
+        # Every rate's three runs back to back: the fairest comparison on a machine whose load drifts.
+        with ExitStack() as stack:
+            clusters = {name: stack.enter_context(_cluster(name, args.threads, args.num_kv_blocks)) for name in LAYOUTS}
+            for index, rate in enumerate(rates):
+                for name, cluster in clusters.items():
+                    drive(name, cluster, index, rate)
+    else:
         for name in LAYOUTS:
-            clusters[name] = stack.enter_context(_cluster(name, args.threads))
-            print(f"{name}: {clusters[name].endpoint}", flush=True)
-        for index, rate in enumerate(rates):
-            at_rate = {}
-            for name, cluster in clusters.items():
-                before = _routes(cluster) if name == "auto" else None
-                metrics = _bench(cluster.endpoint, args.out_dir / f"{name}_{rate:g}.json", rate, args.num_prompts,
-                                 seed=300 + index, warmup=args.warmup)
-                routes = None
-                if before is not None:
-                    after = _routes(cluster)
-                    routes = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-                at_rate[name] = _row(rate, name, metrics, routes)
-                rows.append(at_rate[name])
-                print(json.dumps(at_rate[name]), flush=True)
-            verdicts[rate] = verdict(at_rate)
-            print(f"rate {rate:g}: {verdicts[rate]}", flush=True)
+            with _cluster(name, args.threads, args.num_kv_blocks) as cluster:
+                for index, rate in enumerate(rates):
+                    drive(name, cluster, index, rate)
+    rows = [runs[rate][name] for rate in rates for name in LAYOUTS]
+    verdicts = {rate: verdict(runs[rate]) for rate in rates}
     summary = {"slos": SLOS, "workload": WORKLOAD, "threads": args.threads, "rows": rows,
                "verdicts": {str(k): v for k, v in verdicts.items()}}
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
