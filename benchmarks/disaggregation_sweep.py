@@ -42,7 +42,8 @@ LAYOUTS = {
 }
 WORKLOAD = ("--workload", "mixed", "--input-len", "64", "--range-ratio", "0.25", "--long-len", "1024",
             "--num-prefixes", "2", "--prefix-len", "512", "--mix", "0.6,0.2,0.2", "--output-len", "32")
-ROUTE_LINE = re.compile(r'^pdserve_gateway_prefill_route_total\{route="(\w+)",reason="(\w+)"\} (\S+)$', re.MULTILINE)
+ROUTE_LINE = re.compile(r'^pdserve_gateway_prefill_route_total\{(.*)\} (\S+)$', re.MULTILINE)
+LABEL = re.compile(r'(\w+)="(\w*)"')
 
 
 def _cluster(name: str, threads: int, num_kv_blocks: int) -> LocalCluster:
@@ -56,7 +57,11 @@ def _cluster(name: str, threads: int, num_kv_blocks: int) -> LocalCluster:
 def _routes(cluster: LocalCluster) -> dict[str, float]:
     port = cluster.metrics_ports["gateway"]
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {f"{route}/{reason}": float(value) for route, reason, value in ROUTE_LINE.findall(body)}
+    routes = {}
+    for labels, value in ROUTE_LINE.findall(body):
+        named = dict(LABEL.findall(labels))  # prometheus_client writes labels in sorted order
+        routes[f"{named['route']}/{named['reason']}"] = float(value)
+    return routes
 
 
 def _wait_serving(endpoint: str, timeout_s: float = 120.0) -> None:
