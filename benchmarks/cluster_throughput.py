@@ -83,6 +83,7 @@ def main() -> None:
     config = ClusterConfig(
         dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
         redis_prefix=f"pdserve-bench-{time.time_ns()}",
+        disaggregation="always",  # every prompt through a prefill worker and a KV handoff: the path measured here
     )
     with LocalCluster(config) as cluster:
         asyncio.run(_drive(cluster.endpoint, warmup.prompt_lists(), warmup.output_len))

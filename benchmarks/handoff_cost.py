@@ -97,6 +97,7 @@ def main() -> None:
     config = ClusterConfig(
         dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
         redis_prefix=f"pdserve-handoff-bench-{time.time_ns()}",
+        disaggregation="always",  # every prompt handed off: the cost measured here
     )
     summary: dict[str, object] = {"transport": args.transport, "output_len": args.output_len, "by_prompt_len": {}}
     with LocalCluster(config) as cluster:

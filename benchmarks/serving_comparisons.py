@@ -44,7 +44,9 @@ def _metrics(result: dict[str, Any]) -> dict[str, Any]:
 
 def _cluster(**overrides: Any) -> LocalCluster:
     values: dict[str, Any] = {"dtype": "float32", "port": 0, "engine_args": ("--num-kv-blocks", "2048"),
-                              "redis_prefix": f"pdserve-bench-{time.time_ns()}"}
+                              "redis_prefix": f"pdserve-bench-{time.time_ns()}",
+                              # The layouts as BENCHMARKS.md measured them (before conditional disaggregation).
+                              "disaggregation": "always"}
     values.update(overrides)
     return LocalCluster(ClusterConfig(**values))
 

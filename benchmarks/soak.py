@@ -379,6 +379,7 @@ def main() -> int:
         model=args.model, dtype=args.dtype, port=0, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, kv_transport=args.kv_transport,
         engine_args=("--num-kv-blocks", str(args.num_kv_blocks)), redis_prefix=f"pdserve-soak-{time.time_ns()}",
+        disaggregation="always",  # the faults injected here hit the handoff path
     )
     with LocalCluster(config) as cluster:
         result = asyncio.run(soak(cluster, args))

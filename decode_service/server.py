@@ -13,6 +13,8 @@ import torch
 
 from engine.kv_handoff import KVHandoff
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
@@ -67,8 +69,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ):
         params = sampling_params_from_proto(request.sampling_params)
-        handoff = handoff_from_proto(request.handoff)
         prompt = list(request.prompt_token_ids)
+        if not request.HasField("handoff"):
+            async for response in self._prefill_here(request.request_id, prompt, params):
+                yield response
+            return
+        handoff = handoff_from_proto(request.handoff)
         stub = self._stub(handoff.address)
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
@@ -103,6 +109,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             # Closing the stream now (not at garbage collection) aborts an unfinished
             # request at once when the RPC is cancelled.
+            await stream.aclose()
+
+    async def _prefill_here(self, request_id: str, prompt: list[int], params: SamplingParams):
+        """Local prefill (a DecodeRequest without handoff): compute the prompt here and stream every token.
+
+        The gateway chooses this when the prompt is short or mostly cached here
+        (gateway/disaggregation.py). Prompt logprobs come from prefill workers only.
+        """
+        if params.prompt_logprobs is not None:
+            raise ValueError("sampling_params.prompt_logprobs needs a prefill worker: send a handoff or leave it unset")
+        # Its own engine id, as for a handoff: a colocated worker may still hold the client's id under a lease.
+        stream = self.engine.generate(prompt, params, f"{request_id}/local")
+        try:
+            # Counted as queued work until the prompt is computed.
+            with self.runtime.admit(len(prompt)):
+                first = await anext(stream)
+            self.runtime.metrics.prefilled(len(prompt), first.num_cached_tokens)
+            previous: RequestOutput | None = None
+            output: RequestOutput | None = first
+            while output is not None:
+                response = _new_tokens(output, previous)
+                if previous is None:
+                    response.cached_prompt_tokens = output.num_cached_tokens
+                yield response
+                previous, output = output, await anext(stream, None)
+        finally:
+            # Closing the stream now aborts an unfinished request at once when the RPC is cancelled.
             await stream.aclose()
 
     async def _receive_kv(
@@ -200,6 +233,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.gather(task, return_exceptions=True)
         for channel, _ in self._channels.values():
             await channel.close()
+
+
+def _new_tokens(output: RequestOutput, previous: RequestOutput | None) -> worker_pb2.DecodeResponse:
+    """What ``output`` adds to ``previous`` (None: everything), as one response."""
+    num_sent = len(previous.token_ids) if previous is not None else 0
+    text_sent = len(previous.text) if previous is not None else 0
+    logprobs_sent = len(previous.logprobs or []) if previous is not None else 0
+    response = worker_pb2.DecodeResponse(
+        token_ids=output.token_ids[num_sent:],
+        text=output.text[text_sent:],
+        finish_reason=finish_reason_to_proto(output.finish_reason),
+    )
+    if output.logprobs:
+        response.logprobs.extend(logprobs_to_proto(output.logprobs[logprobs_sent:]))
+    if output.spec_decode_stats is not None:
+        stats = output.spec_decode_stats
+        response.spec_decode_drafts = stats.num_drafts
+        response.spec_decode_draft_tokens = stats.num_draft_tokens
+        response.spec_decode_accepted_tokens = stats.num_accepted_tokens
+    return response
 
 
 class DecodeServer(WorkerServer):

@@ -35,6 +35,7 @@ class PrefillChoice:
     worker: WorkerHandle
     expected_cached_tokens: int  # what the index says this worker holds of the prompt
     block_hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks (prefix routing only)
+    queued_tokens: int = 0  # uncomputed prompt tokens queued there before this one (prefix routing only)
 
 
 class RecentPrefills:
@@ -103,7 +104,7 @@ class Router:
             # The baseline prefix-aware routing is measured against: ignores caches and load.
             return PrefillChoice(workers[turn % len(workers)], 0)
         hashes, cached_blocks = await self._cached_blocks(workers, token_ids)
-        best: tuple[tuple[int, int, int], WorkerHandle, int] | None = None
+        best: tuple[tuple[int, int, int], WorkerHandle, int, int] | None = None
         for index, worker in enumerate(workers):
             block_size = worker.report.block_size if worker.report else 16
             # One token is always computed, so a full-prompt hit still leaves the last block.
@@ -112,14 +113,34 @@ class Router:
             cost = queued + len(token_ids) - cached
             key = (cost, worker.inflight_requests, (index - turn) % len(workers))
             if best is None or key < best[0]:
-                best = (key, worker, cached)
+                best = (key, worker, cached, queued)
         assert best is not None
-        return PrefillChoice(best[1], best[2], tuple(hashes))
+        return PrefillChoice(best[1], best[2], tuple(hashes), best[3])
 
     def prefilled(self, choice: PrefillChoice) -> None:
         """``choice.worker`` has computed the prompt: its blocks are there now, whatever Redis says yet."""
         if choice.block_hashes:
             self.recent.add(choice.worker.worker_id, choice.worker.epoch, choice.block_hashes)
+
+    async def decode_cached_tokens(self, worker: WorkerHandle, token_ids: list[int],
+                                   block_hashes: Sequence[BlockHash] = ()) -> int:
+        """What the index says decode ``worker`` caches of the prompt, in tokens (for a local prefill there).
+
+        ``block_hashes``: the prompt's, when the prefill choice computed them already.
+        """
+        if self.policy != "prefix":
+            return 0
+        hashes, cached_blocks = await self._cached_blocks([worker], token_ids, block_hashes)
+        if not hashes:
+            return 0
+        block_size = worker.report.block_size if worker.report else 16
+        # As for a prefill worker: one token is always computed.
+        return min(cached_blocks.get(worker.worker_id, 0) * block_size, (len(token_ids) - 1) // block_size * block_size)
+
+    def prefilled_locally(self, worker: WorkerHandle, block_hashes: Sequence[BlockHash]) -> None:
+        """Decode ``worker`` has computed the prompt itself: its blocks are there now."""
+        if block_hashes:
+            self.recent.add(worker.worker_id, worker.epoch, block_hashes)
 
     def choose_decode(self) -> WorkerHandle:
         workers = self.pool.healthy("decode")
@@ -136,13 +157,13 @@ class Router:
         return min(enumerate(workers), key=key)[1]
 
     async def _cached_blocks(
-        self, workers: list[WorkerHandle], token_ids: list[int]
+        self, workers: list[WorkerHandle], token_ids: list[int], block_hashes: Sequence[BlockHash] = ()
     ) -> tuple[list[BlockHash], dict[str, int]]:
         """The prompt's block hashes, and the leading ones each worker holds (per the index and ``recent``)."""
         if self.lookup is None or not workers or workers[0].report is None:
             return [], {}
         report = workers[0].report
-        hashes = hash_prompt_blocks(token_ids, report.block_size, report.model_id)
+        hashes = list(block_hashes) or hash_prompt_blocks(token_ids, report.block_size, report.model_id)
         if not hashes:
             return [], {}
         live = {w.worker_id: w.epoch for w in workers}

@@ -14,7 +14,9 @@ import grpc
 from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from gateway.openai_protocol import DEFAULT_MAX_N
-from gateway.router import NoWorkerAvailable, Router
+from gateway.disaggregation import DisaggregationPolicy
+from gateway.prefill_route import choose_route, learn, stream_local_prefill
+from gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from gateway.workers import WorkerHandle, WorkerPool
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -42,6 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         admission: Admission | None = None,
         max_prefill_attempts: int = 3,
         metrics: GatewayMetrics | None = None,
+        disaggregation: DisaggregationPolicy | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -50,6 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.admission = admission or Admission()
         self.max_prefill_attempts = max_prefill_attempts
         self.metrics = metrics or GatewayMetrics()
+        self.disaggregation = disaggregation or DisaggregationPolicy()
         self._background: set[asyncio.Task[Any]] = set()
 
     @grpc_errors
@@ -63,10 +67,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             assert token_ids is not None  # validation rejects a prompt it could not tokenize
             log.debug("generate: %d prompt tokens, max_tokens %d", len(token_ids), request.sampling_params.max_tokens)
             with self.admission.admit(len(token_ids)):
-                prefill, prefill_response = await self._prefill(request, request_id, token_ids, context)
-                async for response in self._relay(request, request_id, token_ids, prefill, prefill_response, context):
-                    tracker.responded(response)
-                    yield response
+                route = await choose_route(self.disaggregation, self.router, self.metrics, request, token_ids)
+                if route.decision.local:
+                    responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
+                                                     token_ids, context.time_remaining())
+                else:
+                    prefill, prefill_response = await self._prefill(request, request_id, token_ids, context,
+                                                                    route.prefill)
+                    responses = self._relay(request, request_id, token_ids, prefill, prefill_response, context)
+                async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
+                    async for response in responses:
+                        tracker.responded(response)
+                        route.timing.responded(response)
+                        yield response
+                learn(self.disaggregation, route)
 
     async def _prefill(
         self,
@@ -74,8 +88,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id: str,
         token_ids: list[int],
         context: grpc.aio.ServicerContext,
+        choice: PrefillChoice | None = None,
     ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
-        """Prefill on the best worker; when one is unreachable (crashed, partitioned), on the next best."""
+        """Prefill on the best worker (``choice``, when routing chose it already); when one is unreachable
+        (crashed, partitioned), on the next best."""
         prefill_request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -85,7 +101,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         failed: set[str] = set()
         while True:
             try:
-                choice = await self.router.choose_prefill(token_ids, exclude=failed)
+                if choice is None or failed:
+                    choice = await self.router.choose_prefill(token_ids, exclude=failed)
             except NoWorkerAvailable as error:
                 raise Unavailable(str(error)) from error
             prefill = choice.worker
@@ -305,6 +322,7 @@ class GatewayServer:
         metrics_port: int | None = None,  # Prometheus /metrics on the gRPC host; None: off, 0: ephemeral
         http_max_n: int = DEFAULT_MAX_N,  # the most choices (n) one HTTP request may ask for
         http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        disaggregation: str = "auto",  # always | never | auto: where prompts are prefilled (gateway/disaggregation.py)
     ) -> None:
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         self.http_api: OpenAIHttpApi | None = None
@@ -319,6 +337,7 @@ class GatewayServer:
             transport,
             RequestLimits(max_logprobs=max_logprobs),
             Admission(max_inflight_requests, max_inflight_tokens),
+            disaggregation=DisaggregationPolicy(disaggregation),
         )
         self.metrics_endpoint = (
             MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gateway.disaggregation import MODES as DISAGGREGATION_MODES
 from pdserve.security_flags import (
     add_auth_token_argument,
     add_client_tls_arguments,
@@ -161,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
     gateway.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"],
                          help="prefill choice: longest cached prefix weighed against load, or round-robin")
+    gateway.add_argument("--disaggregation", default="auto", choices=DISAGGREGATION_MODES,
+                         help="where prompts are prefilled: always on a prefill worker (then KV handoff), never (on the decode worker), "
+                         "or auto: per request, from the uncached prompt length, the decode worker's prefix-cache hit, "
+                         "both sides' queues and measured prefill, handoff and decode costs (default auto)")
     gateway.add_argument("--wait-for-workers", type=float, default=60.0, help="seconds to wait for workers at start")
     gateway.add_argument("--max-inflight-requests", type=int, default=1024,
                          help="admission limit: requests in flight before new ones get RESOURCE_EXHAUSTED")
@@ -186,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--colocated-workers", type=int, default=0,
                     help="run N workers doing both prefill and decode instead of separate ones")
     up.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"])
+    up.add_argument("--disaggregation", default="auto", choices=DISAGGREGATION_MODES,
+                    help="the gateway's --disaggregation: always | never | auto (default auto)")
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")

@@ -45,6 +45,7 @@ class ClusterConfig:
     kv_transport: str = "grpc"
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
+    disaggregation: str = "auto"  # the gateway's --disaggregation: always | never | auto
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
     decode_args: tuple[str, ...] = ()  # passed to decode and colocated workers only (e.g. --speculative-config)
     prefill_args: tuple[str, ...] = ()  # passed to prefill workers only (e.g. --handoff-draft-kv)
@@ -120,6 +121,7 @@ class LocalCluster:
                 self.decode_addresses.append(address)
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
                         "--kv-transport", config.kv_transport, "--routing", config.routing,
+                        "--disaggregation", config.disaggregation,
                         "--ready-file", str(self._ready_file("gateway")), *self._metrics_args("gateway")]
         if config.model:
             gateway_args += ["--model", config.model]

@@ -88,9 +88,17 @@ class GatewayMetrics:
         )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=self.registry)
+        self.prefill_routes = Counter(
+            "pdserve_gateway_prefill_route",
+            "Where requests were prefilled (remote: a prefill worker; local: their decode worker), and why",
+            ["route", "reason"], registry=self.registry,
+        )
 
     def routed(self, role: str, worker_id: str) -> None:
         self.routing_decisions.labels(role, worker_id).inc()
+
+    def prefill_routed(self, route: str, reason: str) -> None:
+        self.prefill_routes.labels(route, reason).inc()
 
     @contextlib.contextmanager
     def track(self, deadline_passed: Callable[[], bool]) -> Iterator[RequestTracker]:

@@ -16,6 +16,7 @@ from pdserve.bench.backend import Backend, BackendError
 from pdserve.bench.config import (
     BACKENDS,
     BenchConfig,
+    parse_mix,
     parse_rate,
     parse_rates,
     parse_slos,
@@ -77,6 +78,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument("--dataset", type=Path, default=None, metavar="PATH.jsonl",
                           help='file workload: lines {"prompt": "..."} or {"prompt_token_ids": [...]}, '
                           'optionally with "output_len": N')
+    workload.add_argument("--long-len", type=int, default=1024, metavar="L",
+                          help="mixed workload: mean tokens of a long document (default 1024)")
+    workload.add_argument("--mix", type=_argparse(parse_mix), default=(0.6, 0.2, 0.2), metavar="CHAT,LONG,PREFIX",
+                          help="mixed workload: weights of chat turns (--input-len), long documents (--long-len) and "
+                          "questions on shared prefixes (--num-prefixes of --prefix-len, then --input-len); "
+                          "default 0.6,0.2,0.2")
     workload.add_argument("--seed", type=int, default=0)
 
     sending = parser.add_argument_group("sending")
@@ -116,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prefix_order=args.prefix_order,
         dataset=args.dataset,
         seed=args.seed,
+        long_len=args.long_len,
+        mix=args.mix,
     )
     return BenchConfig(
         workload=workload,

@@ -84,6 +84,18 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(parse_rate(part) for part in parts)
 
 
+def parse_mix(text: str) -> tuple[float, float, float]:
+    """``--mix 0.6,0.2,0.2``: the mixed workload's weights of chat turns, long documents and shared prefixes."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        weights = tuple(float(part) for part in parts)
+    except ValueError:
+        weights = ()
+    if len(weights) != 3 or any(not math.isfinite(w) or w < 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"--mix takes three non-negative weights CHAT,LONG,PREFIX such as 0.6,0.2,0.2, got {text!r}")
+    return weights  # type: ignore[return-value]
+
+
 def parse_slos(items: Sequence[str]) -> SLOs:
     """``--goodput ttft:500 tpot:50 e2el:2000`` (any subset, milliseconds)."""
     values: dict[str, float] = {}

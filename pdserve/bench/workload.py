@@ -15,7 +15,7 @@ import numpy as np
 # Ids 0..16 are special tokens in the models pdserve serves (SmolLM2: <|endoftext|>,
 # <|im_start|>, ...); random prompts stay clear of them (benchmarks/ use this constant too).
 LOWEST_ORDINARY_TOKEN_ID = 17
-WORKLOAD_KINDS = ("random", "prefix", "file")
+WORKLOAD_KINDS = ("random", "prefix", "mixed", "file")
 PREFIX_ORDERS = ("round-robin", "random")
 # Warm-up requests for text prompts, whose token count the client does not know.
 WARMUP_TEXT_PROMPT_LEN = 16
@@ -60,6 +60,8 @@ class WorkloadConfig:
     prefix_order: str = "round-robin"
     dataset: Path | None = None
     seed: int = 0
+    long_len: int = 1024  # mixed: tokens of a long document
+    mix: tuple[float, float, float] = (0.6, 0.2, 0.2)  # mixed: shares of chat turns, long documents, shared prefixes
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -76,6 +78,12 @@ class WorkloadConfig:
             )
         if self.prefix_order not in PREFIX_ORDERS:
             raise ValueError(f"unknown prefix order {self.prefix_order!r}; choose one of {', '.join(PREFIX_ORDERS)}")
+        if self.kind == "mixed" and (self.long_len < 1 or self.num_prefixes < 1 or self.prefix_len < 1):
+            raise ValueError(f"--long-len, --num-prefixes and --prefix-len must be >= 1, got {self.long_len}, "
+                             f"{self.num_prefixes} and {self.prefix_len}")
+        if len(self.mix) != 3 or any(not math.isfinite(w) or w < 0 for w in self.mix) or not sum(self.mix) > 0:
+            raise ValueError(f"--mix must be three non-negative weights (chat, long, prefix) with a positive sum, "
+                             f"got {','.join(str(w) for w in self.mix)}")
         if self.kind == "file" and self.dataset is None:
             raise ValueError("the file workload needs --dataset PATH.jsonl")
 
@@ -91,6 +99,8 @@ def build_workload(config: WorkloadConfig, vocab_size: int) -> tuple[BenchReques
         return random_workload(config, vocab_size)
     if config.kind == "prefix":
         return prefix_workload(config, vocab_size)
+    if config.kind == "mixed":
+        return mixed_workload(config, vocab_size)
     from pdserve.bench.dataset import load_dataset
 
     assert config.dataset is not None  # checked by WorkloadConfig
@@ -134,6 +144,36 @@ def prefix_workload(config: WorkloadConfig, vocab_size: int) -> tuple[BenchReque
             suffix = _random_ids(rng, suffix_len, vocab_size)
         seen.add(suffix)
         requests.append(BenchRequest(prompt_token_ids=prefixes[choice] + suffix, prompt=None, output_len=output_len))
+    return tuple(requests)
+
+
+MIXED_KINDS = ("chat", "long", "prefix")
+
+
+def mixed_workload(config: WorkloadConfig, vocab_size: int) -> tuple[BenchRequest, ...]:
+    """A serving mix: short chat turns, long documents and questions on shared prefixes, in a random order.
+
+    Each request is a chat turn (``input_len`` tokens), a long document
+    (``long_len``) or one of ``num_prefixes`` prefixes of ``prefix_len`` tokens
+    plus an ``input_len`` suffix, drawn with the weights of ``mix``; lengths
+    vary within ``range_ratio`` and every prompt but the shared prefixes is fresh.
+    """
+    _check_vocab(vocab_size)
+    rng = np.random.default_rng(config.seed)
+    weights = np.array(config.mix, dtype=float) / sum(config.mix)
+    kinds = [MIXED_KINDS[int(k)] for k in rng.choice(len(MIXED_KINDS), size=config.num_prompts, p=weights)]
+    prefixes = [_random_ids(rng, config.prefix_len, vocab_size) for _ in range(config.num_prefixes)]
+    output_lens = _draw_lengths(rng, config.output_len, config.range_ratio, config.num_prompts)
+    requests = []
+    for kind, output_len in zip(kinds, output_lens):
+        if kind == "long":
+            [length] = _draw_lengths(rng, config.long_len, config.range_ratio, 1)
+            prompt = _random_ids(rng, length, vocab_size)
+        else:
+            [length] = _draw_lengths(rng, config.input_len, config.range_ratio, 1)
+            prefix = prefixes[int(rng.integers(0, config.num_prefixes))] if kind == "prefix" else ()
+            prompt = prefix + _random_ids(rng, length, vocab_size)
+        requests.append(BenchRequest(prompt_token_ids=prompt, prompt=None, output_len=output_len))
     return tuple(requests)
 
 

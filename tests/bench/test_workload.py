@@ -12,6 +12,7 @@ from pdserve.bench.workload import (
     WorkloadConfig,
     build_workload,
     length_bounds,
+    mixed_workload,
     prefix_workload,
     random_workload,
     warmup_requests,
@@ -44,7 +45,7 @@ def test_a_zero_range_ratio_gives_exact_lengths() -> None:
     assert [(r.prompt_len, r.output_len) for r in requests] == [(7, 3)] * 5
 
 
-@pytest.mark.parametrize("kind", ["random", "prefix"])
+@pytest.mark.parametrize("kind", ["random", "prefix", "mixed"])
 def test_the_seed_reproduces_the_workload(kind: str) -> None:
     config = WorkloadConfig(kind=kind, num_prompts=10, input_len=12, output_len=4, range_ratio=0.3,
                             num_prefixes=3, prefix_len=16, seed=5)
@@ -111,7 +112,35 @@ def test_warmup_requests_mirror_the_workload_shapes_with_fresh_ids() -> None:
     ({"range_ratio": 1.0}, r"--range-ratio must be in \[0, 1\)"),
     ({"kind": "prefix", "num_prefixes": 0}, "--num-prefixes and --prefix-len must be >= 1"),
     ({"kind": "file"}, "the file workload needs --dataset"),
+    ({"kind": "mixed", "long_len": 0}, "--long-len, --num-prefixes and --prefix-len must be >= 1"),
+    ({"kind": "mixed", "mix": (0.0, 0.0, 0.0)}, "--mix must be three non-negative weights"),
+    ({"kind": "mixed", "mix": (1.0, -1.0, 1.0)}, "--mix must be three non-negative weights"),
 ])
 def test_bad_workload_options_are_refused(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         WorkloadConfig(**overrides)
+
+
+def test_mixed_requests_are_chat_turns_long_documents_and_shared_prefixes_in_their_shares() -> None:
+    config = WorkloadConfig(kind="mixed", num_prompts=400, input_len=20, output_len=8, num_prefixes=2, prefix_len=64,
+                            long_len=300, mix=(0.5, 0.25, 0.25), seed=3)
+    requests = mixed_workload(config, VOCAB)
+    prompts = [r.prompt_token_ids or () for r in requests]
+    prefixes = Counter(p[:64] for p in prompts if len(p) == 84)
+    kinds = Counter("long" if len(p) == 300 else "prefix" if p[:64] in prefixes and prefixes[p[:64]] > 1 else "chat"
+                    for p in prompts)
+    assert set(len(p) for p in prompts) == {20, 84, 300}
+    assert len(prefixes.most_common(2)) == 2 and sum(prefixes.values()) == kinds["prefix"]
+    # 400 draws: each share within 5 points of its weight.
+    assert abs(kinds["chat"] / 400 - 0.5) < 0.05 and abs(kinds["long"] / 400 - 0.25) < 0.05
+    assert abs(kinds["prefix"] / 400 - 0.25) < 0.05
+    assert len(set(prompts)) == 400 and {r.output_len for r in requests} == {8}
+
+
+def test_a_mix_flag_is_parsed_or_refused_naming_it() -> None:
+    from pdserve.bench.config import parse_mix
+
+    assert parse_mix("0.6, 0.2,0.2") == (0.6, 0.2, 0.2)
+    for bad in ("1,2", "a,b,c", "0,0,0", "1,inf,1"):
+        with pytest.raises(ValueError, match="--mix takes three non-negative weights CHAT,LONG,PREFIX"):
+            parse_mix(bad)

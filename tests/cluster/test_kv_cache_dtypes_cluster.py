@@ -64,7 +64,8 @@ async def test_int8_decode_worker_through_the_cluster_equals_an_int8_engine_in_p
         d_port = await decode.start()
         servers.append(decode)
         gateway = GatewayServer(
-            ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], redis_url=REDIS_URL, redis_prefix=prefix
+            ServerConfig(), None, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], redis_url=REDIS_URL, redis_prefix=prefix,
+            disaggregation="always",  # every prompt's KV travels: that is what this test measures
         )
         g_port = await gateway.start()
         servers.append(gateway)

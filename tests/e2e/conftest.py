@@ -26,6 +26,8 @@ def cluster_config(checkpoint: Path, **overrides: object) -> ClusterConfig:
         "redis_prefix": f"pdserve-test-{uuid.uuid4().hex}",
         "engine_args": ("--num-kv-blocks", "256"),
         "start_timeout_s": 180.0,
+        # The handoff path these tests are about (`pdserve up` defaults to auto, which may prefill locally).
+        "disaggregation": "always",
     }
     values.update(overrides)
     return ClusterConfig(**values)  # type: ignore[arg-type]

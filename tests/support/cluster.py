@@ -92,6 +92,9 @@ class ClusterOptions:
     speculative_config: SpeculativeConfig | None = None  # decode and colocated workers' engines
     # Prefill workers' engines, which then build the draft's prompt KV for the handoff (handoff_draft_kv).
     prefill_speculative_config: SpeculativeConfig | None = None
+    # The gateway's --disaggregation. "always" here (the gateway's default is auto): the tests of handoffs,
+    # leases and failures are about the remote path; tests of conditional disaggregation set it.
+    disaggregation: str = "always"
 
 
 class InProcessCluster:
@@ -234,7 +237,8 @@ class InProcessCluster:
             self.decode_addresses + self.colocated_addresses,
             redis_url=REDIS_URL if self.redis_prefix is not None else None, redis_prefix=self.redis_prefix or "pdserve",
             transport=options.kv_transport, client_tls=options.client_tls,
-            http_port=0 if options.http else None, metrics_port=self._metrics_port(), **extra,
+            http_port=0 if options.http else None, metrics_port=self._metrics_port(),
+            disaggregation=options.disaggregation, **extra,
         )
         self.gateway_address = await self._start(self.gateway)
         # Once the gateway has polled a worker of each role it knows the model's limits.
