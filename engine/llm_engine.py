@@ -26,6 +26,8 @@ from engine.kv_leases import LeaseTable
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
+from engine.parallel.sharding import TensorParallelShard, check_tensor_parallel
+from engine.parallel.workers import TensorParallelWorkers
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -69,9 +71,29 @@ class LLMEngine:
             )
         self.vocab_size = int(hf_config.vocab_size)
 
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        self.tensor_parallel_size = tp = config.parallel.tensor_parallel_size
+        self.parallel: TensorParallelWorkers | None = None
+        if tp > 1:
+            check_tensor_parallel(hf_config, tp)
+            _check_parallel_features(config)
+            # Started first: the other ranks load their shards while this one loads its own.
+            self.parallel = TensorParallelWorkers(
+                config, str(self.model_path), self.dtype, self.device, self.kv_cache_dtype, self.max_model_len
+            )
+        try:
+            self._build(config, hf_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, hf_config: object) -> None:
+        model_cfg, cache_cfg = config.model, config.cache
+        tp = self.tensor_parallel_size
         self.model = load_model(
             self.model_path, hf_config, self.max_model_len, self.dtype, self.device,
             model_cfg.quantization, model_cfg.quantization_group_size,
+            shard=TensorParallelShard(0, tp) if tp > 1 else None,
         )
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
@@ -81,7 +103,7 @@ class LLMEngine:
 
         block_size = cache_cfg.block_size
         num_layers = int(hf_config.num_hidden_layers)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        # This rank's KV heads (all of them without tensor parallelism): every rank's pool has num_blocks blocks.
         block_bytes = bytes_per_block(
             num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
         ) + (draft.block_bytes if draft else 0)
@@ -96,10 +118,14 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
+        if self.parallel is not None:
+            self.parallel.connect(num_blocks)
+            self.parallel.install(self.model)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device, self.parallel)
+        # The model's KV heads (all ranks together): what a handoff carries.
         self.kv_layout = KVLayout(
             num_layers=num_layers,
-            num_kv_heads=self.model.num_kv_heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads),
             head_dim=self.model.head_dim,
             block_size=block_size,
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
@@ -110,6 +136,12 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        parallel, self.parallel = self.parallel, None
+        if parallel is not None:
+            parallel.shutdown()
 
     # ---- requests ------------------------------------------------------------------
 
@@ -448,6 +480,21 @@ class LLMEngine:
             spec_decode_stats=None
             if self.spec_decoder is None
             else SpecDecodeStats(seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens),
+        )
+
+
+def _check_parallel_features(config: EngineConfig) -> None:
+    """ValueError naming the option that tensor_parallel_size > 1 does not serve yet."""
+    tp = config.parallel.tensor_parallel_size
+    if config.model.quantization is not None:
+        raise ValueError(
+            f"quantization={config.model.quantization!r} is not supported with tensor_parallel_size={tp}; "
+            "use quantization=None or tensor_parallel_size=1"
+        )
+    if config.speculative_config is not None:
+        raise ValueError(
+            f"speculative_config is not supported with tensor_parallel_size={tp}; "
+            "drop speculative_config or use tensor_parallel_size=1"
         )
 
 
