@@ -20,7 +20,7 @@ import torch
 
 from engine.block_manager import BlockEvent
 from engine.errors import EngineDeadError
-from engine.kv_handoff import KVHandoff, KVHoldParams, KVSlot
+from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVSlot
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -145,7 +145,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         handoff: KVHandoff,
-        receive_kv: Callable[[int], Awaitable[torch.Tensor | None]],
+        receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]],
     ) -> AsyncIterator[RequestOutput]:
         """Join a request prefilled elsewhere and yield its outputs.
 
@@ -211,7 +211,7 @@ class AsyncEngine:
         self,
         request_id: str,
         stream: asyncio.Queue[_StreamItem],
-        receive_kv: Callable[[int], Awaitable[torch.Tensor | None]] | None = None,
+        receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
@@ -240,7 +240,7 @@ class AsyncEngine:
     def _abort_on_thread(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
 
-    def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | None) -> None:
+    def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | KVFetch | None) -> None:
         try:
             if blocks is None:
                 output = self.engine.recompute_remote(slot.request_id)

@@ -91,11 +91,14 @@ class LeaseTable:
 
     @property
     def num_layers(self) -> int:
-        return self._kv_cache.data.shape[0]
+        return self._kv_cache.num_layers
 
-    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+    def export(
+        self, request_id: str, first_block: int, layers: slice = slice(None), heads: range | None = None
+    ) -> torch.Tensor:
         """A copy of the held blocks from ``first_block`` on, of ``layers``:
-        (num_layers, 2, n, block_size, num_kv_heads, head_dim).
+        (num_layers, 2, n, block_size, num_kv_heads, head_dim); ``heads``: only these KV heads
+        (global indices; under tensor parallelism gathered from the ranks that hold them).
 
         ``KeyError`` when ``request_id`` holds nothing here (unknown, released,
         expired); ``ValueError`` when ``first_block`` is past its blocks.
@@ -107,7 +110,9 @@ class LeaseTable:
             num_blocks = lease.handoff.num_blocks
             if not 0 <= first_block <= num_blocks:
                 raise ValueError(f"first_block must be in [0, {num_blocks}], got {first_block}")
-            return self._kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers)
+            if heads is not None:
+                lease.handoff.layout.check_heads(heads)
+            return self._kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers, heads)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._leases

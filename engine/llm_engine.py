@@ -21,12 +21,13 @@ from engine.default_model import DEFAULT_MODEL_ID
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
-from engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout, KVSlot
+from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVSlot
 from engine.kv_leases import LeaseTable
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
-from engine.parallel.sharding import TensorParallelShard, check_tensor_parallel
+from engine.parallel.kv_shards import ShardedKV, import_on_ranks
+from engine.parallel.sharding import TensorParallelShard, check_tensor_parallel, kv_heads_of_rank
 from engine.parallel.workers import TensorParallelWorkers
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -131,11 +132,18 @@ class LLMEngine:
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
         # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
-        self.leases = LeaseTable(self.block_manager, self.kv_cache)
+        exported = self.kv_cache if self.parallel is None else ShardedKV(self.kv_cache, self.parallel,
+                                                                          self.kv_layout.num_kv_heads)
+        self.leases = LeaseTable(self.block_manager, exported)
         self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
+
+    @property
+    def local_kv_heads(self) -> range:
+        """The KV heads (global indices) this process's pool holds: rank 0's, or all of them."""
+        return kv_heads_of_rank(self.kv_layout.num_kv_heads, self.tensor_parallel_size, 0)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
@@ -296,6 +304,7 @@ class LLMEngine:
             lease_deadline_ms=int((time.time() + hold.lease_s) * 1000),
             worker_id=hold.worker_id,
             epoch=hold.epoch,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
@@ -354,23 +363,29 @@ class LLMEngine:
         """Remote requests that got their blocks since the last call: fetch their KV from ``first_block`` on."""
         return self.scheduler.drain_kv_slots()
 
-    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor) -> RequestOutput | None:
+    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor | KVFetch) -> RequestOutput | None:
         """Write a remote request's KV into its blocks and join it to the running batch.
 
         ``blocks``: the handoff's blocks from ``first_block`` (its ``KVSlot``) on,
-        (num_layers, 2, n, block_size, num_kv_heads, row_size). Returns the state
-        at landing (the first token and its text), or None when the request is
-        no longer waiting for its KV (aborted): the KV is dropped.
+        (num_layers, 2, n, block_size, num_kv_heads, row_size); under tensor
+        parallelism a ``KVFetch`` instead (rank 0's heads, and how the other ranks
+        fetch theirs; if one cannot, the prompt is recomputed here). Returns the
+        state at landing (the first token and its text), or None when the request
+        is no longer waiting for its KV (aborted): the KV is dropped.
         """
         seq = self._receiving(request_id)
         if seq is None:
             return None
         to_fill = seq.block_table[first_block:]
-        if blocks.shape[2] != len(to_fill):
-            raise ValueError(f"KV for {request_id!r} has {blocks.shape[2]} blocks from block {first_block}, "
+        local = blocks.local_blocks if isinstance(blocks, KVFetch) else blocks
+        if local.shape[2] != len(to_fill):
+            raise ValueError(f"KV for {request_id!r} has {local.shape[2]} blocks from block {first_block}, "
                              f"its slot has {len(to_fill)}")
-        if to_fill:
-            self.kv_cache.import_blocks(to_fill, blocks)
+        if isinstance(blocks, KVFetch) and self.parallel is not None and to_fill:
+            if not import_on_ranks(self.parallel, self.kv_cache, blocks, first_block, to_fill):
+                return self.recompute_remote(request_id)
+        elif to_fill:
+            self.kv_cache.import_blocks(to_fill, local)
         self.block_manager.cache_computed_blocks(seq)
         self.scheduler.kv_received(seq)
         return self._output(seq, self._detokenizers.get(request_id))

@@ -48,6 +48,7 @@ def handoff_to_proto(handoff: KVHandoff) -> worker_pb2.KVHandoff:
         lease_deadline_ms=handoff.lease_deadline_ms,
         worker_id=handoff.worker_id,
         epoch=handoff.epoch,
+        tensor_parallel_size=handoff.tensor_parallel_size,
     )
 
 
@@ -67,4 +68,5 @@ def handoff_from_proto(message: worker_pb2.KVHandoff) -> KVHandoff:
         lease_deadline_ms=message.lease_deadline_ms,
         worker_id=message.worker_id,
         epoch=message.epoch,
+        tensor_parallel_size=message.tensor_parallel_size or 1,
     )

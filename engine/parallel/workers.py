@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.parallel.group import TensorParallelError, TensorParallelGroup
+from engine.parallel.kv_shards import follower_export, follower_import
 from engine.parallel.sharding import TensorParallelShard, install_all_reduce, kv_heads_of_rank
 from engine.parallel.step_codec import HEADER_LEN, Command, StepInputs, decode_step, encode_step
 
@@ -145,22 +146,24 @@ class TensorParallelWorkers:
         install_all_reduce(model, self.group.all_reduce)
 
     def check_alive(self) -> None:
+        if self.group is None:
+            raise TensorParallelError("the tensor-parallel ranks were shut down (or never joined)")
         for rank, process in enumerate(self._processes, start=1):
             if not process.is_alive():
                 raise TensorParallelError(f"tensor-parallel rank {rank} died (exit code {process.exitcode})")
 
     def command(self, header: list[int]) -> None:
         """Broadcast a command header; call with ``lock`` held."""
-        assert self.group is not None
         self.check_alive()
+        assert self.group is not None
         self.group.broadcast(torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.long,
                                           device=self._comm_device))
 
     def broadcast_step(self, inputs: StepInputs) -> None:
         """Tell every rank to run ``inputs`` (call with ``lock`` held, then run the step here too)."""
+        self.check_alive()
         assert self.group is not None
         header, payload = encode_step(inputs)
-        self.check_alive()
         self.group.broadcast(header.to(self._comm_device))
         self.group.broadcast(payload.to(self._comm_device))
 
@@ -302,7 +305,9 @@ class _Follower:
                 if command == Command.STEP:
                     self._step(header.cpu())
                 elif command == Command.EXPORT:
-                    self._export(header.cpu())
+                    follower_export(self, header.cpu())
+                elif command == Command.IMPORT:
+                    follower_import(self, header.cpu())
                 else:
                     raise TensorParallelError(f"rank {self.rank} got unknown command {command}")
 
@@ -315,9 +320,3 @@ class _Follower:
             self.model.num_kv_heads, self.device,
         )
         self.runner.forward(inputs)
-
-    def _export(self, header: torch.Tensor) -> None:
-        from engine.parallel.kv_shards import follower_export
-
-        assert self.group is not None
-        follower_export(self, header)
