@@ -73,6 +73,8 @@ class AsyncEngine:
         self._commands.put(lambda: None)  # wake the loop
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        # The engine's other tensor-parallel ranks, if any, go with it.
+        await asyncio.to_thread(self.engine.shutdown)
 
     @property
     def is_alive(self) -> bool:

@@ -47,6 +47,9 @@ class ClusterConfig:
     routing: str = "prefix"  # or "round_robin"
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
     decode_args: tuple[str, ...] = ()  # passed to decode and colocated workers only (e.g. --speculative-config)
+    # Passed to prefill workers only (e.g. --tensor-parallel-size: a worker starts and stops its own ranks,
+    # so a killed worker takes them down and a restart brings the whole worker back).
+    prefill_args: tuple[str, ...] = ()
     # Prometheus /metrics of every process started: the gateway on this port, the workers on the
     # next ones in start order (prefill-0.., decode-0..); 0: a free port each. None: off.
     metrics_port: int | None = None
@@ -108,7 +111,7 @@ class LocalCluster:
             common += ["--model", config.model]
         for role, name in workers:
             ready = self._ready_file(name)
-            role_args = config.decode_args if role in ("decode", "colocated") else ()
+            role_args = config.decode_args if role in ("decode", "colocated") else config.prefill_args
             self._spawn(name, [role, *common, "--worker-id", name, "--ready-file", str(ready), *self._metrics_args(name),
                                *config.engine_args, *role_args])
         for role, name in workers:

@@ -19,9 +19,17 @@ def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def up_decode_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The flags ``up`` passes on to the workers that decode (decode and colocated) only."""
+    decode_args: tuple[str, ...] = ()
+    if args.decode_tp != 1:
+        decode_args += ("--tensor-parallel-size", str(args.decode_tp))
     if args.speculative_config is None:
-        return ()
-    return ("--speculative-config", args.speculative_config.to_json())
+        return decode_args
+    return decode_args + ("--speculative-config", args.speculative_config.to_json())
+
+
+def up_prefill_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The flags ``up`` passes on to the prefill workers only."""
+    return ("--tensor-parallel-size", str(args.prefill_tp)) if args.prefill_tp != 1 else ()
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -40,7 +48,7 @@ def run_up(args: argparse.Namespace) -> int:
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
-        decode_args=up_decode_args(args),
+        decode_args=up_decode_args(args), prefill_args=up_prefill_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, http_port=args.http_port,
         http_max_n=args.max_n,
     )
@@ -68,11 +76,17 @@ def run_up(args: argparse.Namespace) -> int:
         print("pdserve stopped", flush=True)
 
 
+def _tp_note(args: argparse.Namespace) -> str:
+    if args.prefill_tp == 1 and args.decode_tp == 1:
+        return ""
+    return f", tensor parallel: prefill {args.prefill_tp}, decode {args.decode_tp}"
+
+
 def startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - LocalCluster, imported lazily
     layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
               else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
     line = (f"pdserve is serving {args.model or 'the default model'} on {cluster.endpoint} "
-            f"({layout}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
+            f"({layout}{_tp_note(args)}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
     if cluster.metrics_ports:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())

@@ -17,6 +17,7 @@ supervisor restarts the whole worker).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing.connection
@@ -25,6 +26,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +145,29 @@ class TensorParallelWorkers:
     def install(self, model: torch.nn.Module) -> None:
         """Rank 0's row-parallel projections all-reduce over the group."""
         assert self.group is not None
-        install_all_reduce(model, self.group.all_reduce)
+        group = self.group
+
+        def all_reduce(tensor: torch.Tensor) -> None:
+            with self._diagnosed():
+                group.all_reduce(tensor)
+
+        install_all_reduce(model, all_reduce)
+
+    @contextlib.contextmanager
+    def _diagnosed(self) -> Iterator[None]:
+        """A failed collective names the rank that died, when one did (gloo reports a reset socket first)."""
+        try:
+            yield
+        except TensorParallelError as exc:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                for rank, process in enumerate(self._processes, start=1):
+                    if not process.is_alive():
+                        raise TensorParallelError(
+                            f"tensor-parallel rank {rank} died (exit code {process.exitcode}): {exc}"
+                        ) from exc
+                time.sleep(0.05)
+            raise
 
     def check_alive(self) -> None:
         if self.group is None:
@@ -156,16 +180,18 @@ class TensorParallelWorkers:
         """Broadcast a command header; call with ``lock`` held."""
         self.check_alive()
         assert self.group is not None
-        self.group.broadcast(torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.long,
-                                          device=self._comm_device))
+        with self._diagnosed():
+            self.group.broadcast(torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.long,
+                                              device=self._comm_device))
 
     def broadcast_step(self, inputs: StepInputs) -> None:
         """Tell every rank to run ``inputs`` (call with ``lock`` held, then run the step here too)."""
         self.check_alive()
         assert self.group is not None
         header, payload = encode_step(inputs)
-        self.group.broadcast(header.to(self._comm_device))
-        self.group.broadcast(payload.to(self._comm_device))
+        with self._diagnosed():
+            self.group.broadcast(header.to(self._comm_device))
+            self.group.broadcast(payload.to(self._comm_device))
 
     def shutdown(self) -> None:
         """Stop every rank (a command when the group is up, then join; terminate what does not exit)."""

@@ -25,7 +25,7 @@ import grpc
 from cluster_index import connect
 from decode_service.colocated import ColocatedServer
 from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from gateway.server import GatewayServer
@@ -50,12 +50,14 @@ WorkerStub = worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStu
 
 
 def tiny_engine(
-    checkpoint: Path, num_kv_blocks: int = NUM_KV_BLOCKS, speculative_config: SpeculativeConfig | None = None
+    checkpoint: Path, num_kv_blocks: int = NUM_KV_BLOCKS, speculative_config: SpeculativeConfig | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LLMEngine:
     """A float32 engine over ``checkpoint`` with a pool of ``num_kv_blocks`` KV blocks."""
     model = ModelConfig(model=str(checkpoint), dtype="float32")
     return LLMEngine(
-        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config)
+        EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config,
+                     parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
     )
 
 
@@ -86,6 +88,8 @@ class ClusterOptions:
     tokenizer: object = None  # the gateway's; None: token ids only
     ready_timeout_s: float = DEFAULT_TIMEOUT_S  # until the gateway has heard from a worker of each role
     speculative_config: SpeculativeConfig | None = None  # decode and colocated workers' engines
+    prefill_tp: int = 1  # tensor_parallel_size of the prefill workers' engines
+    decode_tp: int = 1  # of the decode and colocated workers' engines
 
 
 class InProcessCluster:
@@ -195,7 +199,8 @@ class InProcessCluster:
 
     def _engine(self, decodes: bool = False) -> LLMEngine:
         spec = self.options.speculative_config if decodes else None
-        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec)
+        tp = self.options.decode_tp if decodes else self.options.prefill_tp
+        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec, tp)
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         limits = {
