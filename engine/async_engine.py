@@ -284,6 +284,8 @@ class AsyncEngine:
                 for command in self._next_commands(0.0 if busy else self._idle_wait_s):
                     command()
                 engine.leases.expire()
+                # A tensor-parallel rank that died ends the engine now, not at the next request's step.
+                engine.check_ranks()
                 # Blocks allocated by a command: the transfer starts now, not after the next step.
                 self._deliver_kv_slots()
                 if engine.has_work():

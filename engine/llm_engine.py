@@ -145,6 +145,11 @@ class LLMEngine:
         """The KV heads (global indices) this process's pool holds: rank 0's, or all of them."""
         return kv_heads_of_rank(self.kv_layout.num_kv_heads, self.tensor_parallel_size, 0)
 
+    def check_ranks(self) -> None:
+        """``TensorParallelError`` when one of the engine's other ranks has died (nothing to check with one)."""
+        if self.parallel is not None:
+            self.parallel.check_alive()
+
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
         parallel, self.parallel = self.parallel, None
