@@ -59,13 +59,13 @@ def _step_times(path: Path, tp_sizes: list[int], repeats: int) -> dict[str, dict
     engines = {
         tp: LLMEngine(EngineConfig(
             model=ModelConfig(model=str(path), dtype="float32", device="cpu"),
-            cache=CacheConfig(num_kv_blocks=256),
+            cache=CacheConfig(num_kv_blocks=256, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=256),
             parallel=ParallelConfig(tensor_parallel_size=tp),
         ))
         for tp in tp_sizes
     }
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     samples: dict[str, list[float]] = {}
     try:
         for _ in range(repeats):

@@ -73,7 +73,7 @@ class ShardedKV:
             self.workers.command([Command.EXPORT, len(ids), layer_range.start, layer_range.stop, heads.start, heads.stop])
             group = self.workers.group
             assert group is not None
-            group.broadcast(ids.to(self.workers._comm_device))
+            group.broadcast(ids)
             for rank, part in head_sources(self.num_kv_heads, tp, heads):
                 own = kv_heads_of_rank(self.num_kv_heads, tp, rank)
                 local_heads = range(part.start - own.start, part.stop - own.start)
@@ -96,7 +96,7 @@ def follower_export(follower: _Follower, header: torch.Tensor) -> None:
     _, num_ids, layer_start, layer_stop, head_start, head_stop, _, _ = header.tolist()
     group = follower.group
     assert group is not None
-    ids = torch.empty(num_ids, dtype=torch.long, device=follower.comm_device)
+    ids = torch.empty(num_ids, dtype=torch.long)
     group.broadcast(ids)
     tp, total = follower.spec.world_size, follower.total_kv_heads
     for rank, part in head_sources(total, tp, range(head_start, head_stop)):
@@ -127,7 +127,7 @@ def import_on_ranks(
         workers.command([Command.IMPORT, payload.numel()])
         group = workers.group
         assert group is not None
-        group.broadcast(payload.to(workers._comm_device))
+        group.broadcast(payload)
         ok = 1
         try:
             if block_ids:
@@ -144,10 +144,10 @@ def follower_import(follower: _Follower, header: torch.Tensor) -> None:
     """A follower's part of an import: fetch its own heads from the sender, write them, report."""
     group = follower.group
     assert group is not None
-    payload = torch.empty(int(header[1]), dtype=torch.uint8, device=follower.comm_device)
+    payload = torch.empty(int(header[1]), dtype=torch.uint8)
     group.broadcast(payload)
     handoff: KVHandoff
-    handoff, fetcher, options, first_block, block_ids = pickle.loads(payload.cpu().numpy().tobytes())
+    handoff, fetcher, options, first_block, block_ids = pickle.loads(payload.numpy().tobytes())
     failed = 0
     try:
         if block_ids:

@@ -135,7 +135,7 @@ class TensorParallelWorkers:
             if status != "ready":
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {message}")
         self.group = TensorParallelGroup(self._store, 0, self.world_size, self.backend, self.timeout_s, self.device)
-        self.group.broadcast(torch.tensor([num_blocks], dtype=torch.long, device=self._comm_device))
+        self.group.broadcast(torch.tensor([num_blocks], dtype=torch.long))
         return self.group
 
     @property
@@ -181,8 +181,7 @@ class TensorParallelWorkers:
         self.check_alive()
         assert self.group is not None
         with self._diagnosed():
-            self.group.broadcast(torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.long,
-                                              device=self._comm_device))
+            self.group.broadcast(torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.long))
 
     def broadcast_step(self, inputs: StepInputs) -> None:
         """Tell every rank to run ``inputs`` (call with ``lock`` held, then run the step here too)."""
@@ -190,8 +189,8 @@ class TensorParallelWorkers:
         assert self.group is not None
         header, payload = encode_step(inputs)
         with self._diagnosed():
-            self.group.broadcast(header.to(self._comm_device))
-            self.group.broadcast(payload.to(self._comm_device))
+            self.group.broadcast(header)
+            self.group.broadcast(payload)
 
     def shutdown(self) -> None:
         """Stop every rank (a command when the group is up, then join; terminate what does not exit)."""
@@ -313,7 +312,7 @@ class _Follower:
         self.group = TensorParallelGroup(
             self._store, self.rank, spec.world_size, spec.backend, config.parallel.collective_timeout_s, self.device
         )
-        num_blocks = torch.zeros(1, dtype=torch.long, device=self.comm_device)
+        num_blocks = torch.zeros(1, dtype=torch.long)
         self.group.broadcast(num_blocks)
         kv_cache = self._kv_cache_type(
             self.num_layers, int(num_blocks.item()), config.cache.block_size, self.model.num_kv_heads,
@@ -321,7 +320,7 @@ class _Follower:
         )
         install_all_reduce(self.model, self.group.all_reduce)
         self.runner = self._make_runner(kv_cache)
-        header = torch.zeros(HEADER_LEN, dtype=torch.long, device=self.comm_device)
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
         with torch.inference_mode():
             while True:
                 self.group.broadcast(header, idle=True)
@@ -329,20 +328,20 @@ class _Follower:
                 if command == Command.SHUTDOWN:
                     return
                 if command == Command.STEP:
-                    self._step(header.cpu())
+                    self._step(header)
                 elif command == Command.EXPORT:
-                    follower_export(self, header.cpu())
+                    follower_export(self, header)
                 elif command == Command.IMPORT:
-                    follower_import(self, header.cpu())
+                    follower_import(self, header)
                 else:
                     raise TensorParallelError(f"rank {self.rank} got unknown command {command}")
 
     def _step(self, header: torch.Tensor) -> None:
         assert self.group is not None
-        payload = torch.empty(int(header[5]), dtype=torch.long, device=self.comm_device)
+        payload = torch.empty(int(header[5]), dtype=torch.long)
         self.group.broadcast(payload)
         inputs = decode_step(
-            header, payload.cpu(), self.spec.config.cache.block_size, self.model.num_heads,
+            header, payload, self.spec.config.cache.block_size, self.model.num_heads,
             self.model.num_kv_heads, self.device,
         )
         self.runner.forward(inputs)

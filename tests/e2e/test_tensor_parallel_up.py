@@ -55,7 +55,7 @@ async def test_up_runs_tensor_parallel_workers_and_restarts_one_whose_rank_died(
     args = ["--model", str(llama_checkpoint), "--dtype", "float32", "--port", "0", "--prefill-tp", "2",
             "--decode-tp", "2", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0",
             "--redis-prefix", f"pdserve-test-{uuid.uuid4().hex}", "--num-kv-blocks", "256", "--restart-delay", "1",
-            "--unhealthy-after", "3", "--max-restarts", "2", "--restart-window", "600"]
+            "--unhealthy-after", "60", "--max-restarts", "2", "--restart-window", "600"]
     up = Up(args, tmp_path / "output.txt", _env())
     try:
         up.wait_serving()
