@@ -196,7 +196,10 @@ def main() -> None:
         path = _build_checkpoint(Path(tmp), args.layers)
         report["steps"] = _step_times(path, [1, 2], args.repeats)
     report["collectives_ms"] = _collectives([1, 8, 256], args.iterations)
+    # 30 layers, head_dim 64, float32, a 512-token prompt in 16-token blocks; 6 KV heads, then 2
+    # (where decode ranks outnumber KV heads, each replica receives its head).
     report["handoff_bytes"] = handoff_bytes(30, 6, 64, 4, 512, 16, [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2), (1, 3)])
+    report["handoff_bytes_2kv"] = handoff_bytes(30, 2, 64, 4, 512, 16, [(1, 4), (4, 1), (2, 4)])
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -253,15 +253,16 @@ def _watch_parent(pipe: multiprocessing.connection.Connection) -> None:
 
 
 def _follower_main(rank: int, spec: RankSpec, pipe: multiprocessing.connection.Connection) -> None:
+    # Watching from the start: a rank 0 that dies while this rank loads or joins the group
+    # (whose rendezvous has no bound) must not leave it waiting forever.
+    threading.Thread(target=_watch_parent, args=(pipe,), name="tp-parent-watchdog", daemon=True).start()
     torch.set_num_threads(spec.num_threads)
     try:
         follower = _Follower(rank, spec)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         pipe.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        pipe.close()
         return
     pipe.send(("ready", ""))
-    threading.Thread(target=_watch_parent, args=(pipe,), name="tp-parent-watchdog", daemon=True).start()
     try:
         follower.run()
     except TensorParallelError as exc:
