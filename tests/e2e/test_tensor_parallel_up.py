@@ -3,16 +3,18 @@ whose rank dies goes down whole (NOT_SERVING, exit 3) and is restarted with fres
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
-from tests.e2e.test_supervision import Up, _all_exact, _env, _free_port
+from tests.e2e.test_supervision import Up, _all_exact, _env, _free_port, _generate
 from tests.support.waiting import wait_until_sync
 
 
@@ -65,6 +67,11 @@ async def test_up_runs_tensor_parallel_workers_and_restarts_one_whose_rank_died(
         os.kill(rank, signal.SIGKILL)
         up.wait_for(r"^decode-0 exited with status 3 \(its engine thread died\); restarting it in ", 30)
         up.wait_for(r"^decode-0 is back on ", 120)
+        # The gateway takes a moment to trust the restarted (only) decode worker again.
+        for _ in range(60):
+            if (await _generate(up.endpoint, [5, 6, 7], 2))[0] == grpc.StatusCode.OK:
+                break
+            await asyncio.sleep(1)
         await _all_exact(up, model, seed=301)
         assert _ranks_of(up.pid("decode-0")) not in ([], [rank])
     finally:
