@@ -81,7 +81,7 @@ class ShardedKV:
                     parts.append(self.local.export_blocks(block_ids, layers, local_heads))
                     continue
                 shape = (len(layer_range), 2, len(ids), self.local.block_size, len(part), self.local.block_shape[-1])
-                buffer = torch.empty(shape, dtype=_wire_dtype(self.local), device=self.workers._comm_device)
+                buffer = torch.empty(shape, dtype=_wire_dtype(self.local), device=self.workers.comm_device)
                 group.recv(buffer, rank, _EXPORT_TAG)
                 parts.append(buffer)
         return parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts], dim=4)
@@ -135,7 +135,7 @@ def import_on_ranks(
         except Exception:  # noqa: BLE001 - this rank's part failed: the request is recomputed
             logger.warning("rank 0 could not land its KV heads of %s", fetch.handoff.request_id, exc_info=True)
             ok = 0
-        flags = torch.tensor([1 - ok], dtype=torch.long, device=workers._comm_device)
+        flags = torch.tensor([1 - ok], dtype=torch.long, device=workers.comm_device)
         group.all_reduce(flags)  # how many ranks failed
     return int(flags.item()) == 0
 

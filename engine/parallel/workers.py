@@ -139,7 +139,7 @@ class TensorParallelWorkers:
         return self.group
 
     @property
-    def _comm_device(self) -> torch.device:
+    def comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def install(self, model: torch.nn.Module) -> None:
