@@ -34,7 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.attention.backend import select_backend
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model_loader import load_hf_config, load_model
+from engine.model_runner import ModelRunner
 from engine.parallel.group import TensorParallelError, TensorParallelGroup
 from engine.parallel.kv_shards import follower_export, follower_import
 from engine.parallel.sharding import TensorParallelShard, install_all_reduce, kv_heads_of_rank
@@ -274,11 +278,6 @@ class _Follower:
     """One rank other than 0: its shard, its part of the KV pool, and the command loop."""
 
     def __init__(self, rank: int, spec: RankSpec) -> None:
-        from engine.attention.backend import select_backend
-        from engine.kv_cache import KVCache
-        from engine.model_loader import load_hf_config, load_model
-        from engine.model_runner import ModelRunner
-
         self.rank, self.spec = rank, spec
         self.device = rank_device(torch.device(spec.device), rank)
         if self.device.type == "cuda":
@@ -290,23 +289,18 @@ class _Follower:
             config.model.quantization, config.model.quantization_group_size,
             shard=TensorParallelShard(rank, spec.world_size),
         )
+        self.backend = select_backend(config.model.attention_backend, self.device, spec.dtype, spec.kv_cache_dtype)
         self.num_layers = int(hf_config.num_hidden_layers)
         self.total_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
         self.kv_heads = kv_heads_of_rank(self.total_kv_heads, spec.world_size, rank)
         self.comm_device = self.device if spec.backend == "nccl" else torch.device("cpu")
-        store = dist.TCPStore(
+        # Connected after loading; the group is joined in run(), once rank 0 heard every rank is ready.
+        self._store = dist.TCPStore(
             "127.0.0.1", spec.store_port, is_master=False,
             timeout=datetime.timedelta(seconds=max(config.parallel.collective_timeout_s, STARTUP_TIMEOUT_S)),
         )
-        # Built after loading (rank 0 joins once every rank reported ready), so the join never waits on a load.
-        self._store = store
-        self._make_runner = lambda kv_cache: ModelRunner(
-            self.model, kv_cache, select_backend(config.model.attention_backend, self.device, spec.dtype,
-                                                 spec.kv_cache_dtype), None, self.device,
-        )
-        self._kv_cache_type = KVCache
         self.group: TensorParallelGroup | None = None
-        self.runner: Any = None
+        self.runner: ModelRunner | None = None
 
     def run(self) -> None:
         spec, config = self.spec, self.spec.config
@@ -315,12 +309,12 @@ class _Follower:
         )
         num_blocks = torch.zeros(1, dtype=torch.long)
         self.group.broadcast(num_blocks)
-        kv_cache = self._kv_cache_type(
+        kv_cache = KVCache(
             self.num_layers, int(num_blocks.item()), config.cache.block_size, self.model.num_kv_heads,
             self.model.head_dim, spec.kv_cache_dtype, self.device,
         )
         install_all_reduce(self.model, self.group.all_reduce)
-        self.runner = self._make_runner(kv_cache)
+        self.runner = ModelRunner(self.model, kv_cache, self.backend, None, self.device)
         header = torch.zeros(HEADER_LEN, dtype=torch.long)
         with torch.inference_mode():
             while True:
@@ -338,7 +332,7 @@ class _Follower:
                     raise TensorParallelError(f"rank {self.rank} got unknown command {command}")
 
     def _step(self, header: torch.Tensor) -> None:
-        assert self.group is not None
+        assert self.group is not None and self.runner is not None
         payload = torch.empty(int(header[5]), dtype=torch.long)
         self.group.broadcast(payload)
         inputs = decode_step(
