@@ -27,11 +27,14 @@ class _HeldBlocks:
     def num_layers(self) -> int:
         return self.blocks.shape[0]
 
-    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+    def export(
+        self, request_id: str, first_block: int, layers: slice = slice(None), heads: range | None = None
+    ) -> torch.Tensor:
         if request_id != REQUEST_ID:
             raise KeyError(request_id)
+        heads = heads or range(self.blocks.shape[4])
         # A copy, as the engine's export makes one: part of the real cost.
-        return self.blocks[layers, :, first_block:].clone()
+        return self.blocks[layers, :, first_block:, :, heads.start : heads.stop].clone()
 
 
 class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):

@@ -11,13 +11,14 @@ import time
 import grpc
 import torch
 
-from engine.kv_handoff import KVHandoff
+from engine.kv_handoff import KVFetch, KVHandoff
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
+from kv_transfer.sharded import FETCHER
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
@@ -140,9 +141,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _receive_kv(
         self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int, request_id: str = ""
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | KVFetch | None:
         """The handoff's blocks from ``first_block`` on; None (recompute here) when they cannot be had.
 
+        A tensor-parallel engine gets a ``KVFetch``: rank 0's heads, fetched here, and how
+        its other ranks fetch theirs (each straight from the prefill worker, when it lands).
         A draft section this engine's draft can use is fetched beside them and
         landed first (``_receive_draft_kv``); one it cannot use is ignored.
         """
@@ -192,17 +195,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _fetch(
         self, handoff: KVHandoff, first_block: int, stub: worker_pb2_grpc.PrefillWorkerStub
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | KVFetch:
+        engine = self.engine.engine
+        heads = engine.local_kv_heads if engine.tensor_parallel_size > 1 else None
         if first_block == handoff.num_blocks:
             # Every block is cached here already: nothing to ask the prefill worker for.
-            return torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
+            num_heads = None if heads is None else len(heads)
+            return torch.empty(handoff.layout.tensor_shape(0, num_heads), dtype=handoff.layout.torch_dtype)
         started = time.perf_counter()
-        blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub)
+        blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub, heads)
         seconds, num_bytes = time.perf_counter() - started, blocks.numel() * blocks.element_size()
         self.kv_receive_seconds += seconds
         self.kv_bytes_received += num_bytes
         self.kv_transfers += 1
         self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
+        if heads is not None:
+            # Counted above: rank 0's part only; the other ranks' parts move when the KV lands.
+            return KVFetch(handoff, blocks, FETCHER, self.transfer)
         return blocks
 
     def _receiver(self, transport: str) -> KVReceiver:

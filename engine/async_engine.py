@@ -20,7 +20,7 @@ import torch
 
 from engine.block_manager import BlockEvent
 from engine.errors import EngineDeadError
-from engine.kv_handoff import KVHandoff, KVHoldParams, KVSlot
+from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVSlot
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -73,6 +73,8 @@ class AsyncEngine:
         self._commands.put(lambda: None)  # wake the loop
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        # The engine's other tensor-parallel ranks, if any, go with it.
+        await asyncio.to_thread(self.engine.shutdown)
 
     @property
     def is_alive(self) -> bool:
@@ -145,7 +147,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         handoff: KVHandoff,
-        receive_kv: Callable[[int], Awaitable[torch.Tensor | None]],
+        receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]],
     ) -> AsyncIterator[RequestOutput]:
         """Join a request prefilled elsewhere and yield its outputs.
 
@@ -211,7 +213,7 @@ class AsyncEngine:
         self,
         request_id: str,
         stream: asyncio.Queue[_StreamItem],
-        receive_kv: Callable[[int], Awaitable[torch.Tensor | None]] | None = None,
+        receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
@@ -240,7 +242,7 @@ class AsyncEngine:
     def _abort_on_thread(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
 
-    def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | None) -> None:
+    def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | KVFetch | None) -> None:
         try:
             if blocks is None:
                 output = self.engine.recompute_remote(slot.request_id)
@@ -282,6 +284,8 @@ class AsyncEngine:
                 for command in self._next_commands(0.0 if busy else self._idle_wait_s):
                     command()
                 engine.leases.expire()
+                # A tensor-parallel rank that died ends the engine now, not at the next request's step.
+                engine.check_ranks()
                 # Blocks allocated by a command: the transfer starts now, not after the next step.
                 self._deliver_kv_slots()
                 if engine.has_work():

@@ -86,12 +86,30 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks (processes) one engine runs over (vLLM's ``ParallelConfig``); engine/parallel/."""
+
+    # vLLM's name: ranks the attention heads and the MLP are split over (Megatron-style).
+    tensor_parallel_size: int = 1
+    # Seconds any collective inside a step may wait for the other ranks before the engine fails.
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from."""
 
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     # None: no speculative decoding (vLLM's name; engine/spec_decode/).
     speculative_config: SpeculativeConfig | None = None
     # A prefill engine with a draft model: build the draft's prompt KV beside the

@@ -125,14 +125,30 @@ class KVCache:
         num_layers, two, _, block_size, heads, head_dim = self.data.shape
         return (num_layers, two, block_size, heads, head_dim + (SCALE_BYTES if self.is_quantized else 0))
 
-    def export_blocks(self, block_ids: Seq[int], layers: slice = slice(None)) -> torch.Tensor:
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this pool holds (this rank's, under tensor parallelism)."""
+        return self.data.shape[4]
+
+    def export_blocks(
+        self, block_ids: Seq[int], layers: slice = slice(None), heads: range | None = None
+    ) -> torch.Tensor:
         """A copy of the given blocks of ``layers``: (num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim)
-        in the cache's dtype; int8 blocks carry their scales packed (``pack_int8``): head_dim + 4 int8."""
+        in the cache's dtype; int8 blocks carry their scales packed (``pack_int8``): head_dim + 4 int8.
+        ``heads``: only these KV heads (indices into this pool's), contiguous."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
         blocks = self.data[layers].index_select(2, index)
-        if self.scales is None:
+        scales = None if self.scales is None else self.scales[layers].index_select(2, index)
+        if heads is not None and len(heads) != self.num_kv_heads:
+            blocks = blocks[:, :, :, :, heads.start : heads.stop].contiguous()
+            scales = None if scales is None else scales[..., heads.start : heads.stop].contiguous()
+        if scales is None:
             return blocks
-        return pack_int8(blocks, self.scales[layers].index_select(2, index))
+        return pack_int8(blocks, scales)
 
     def import_blocks(self, block_ids: Seq[int], blocks: torch.Tensor) -> None:
         """Write ``blocks`` (as returned by ``export_blocks`` of a cache of any KV dtype) into the given block ids.

@@ -84,10 +84,19 @@ class KVLayout:
         """Elements of one (token, KV head) row on the wire: head_dim, plus the scale's 4 bytes for int8."""
         return self.head_dim + (SCALE_BYTES if self.dtype == "int8" else 0)
 
-    def tensor_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
-        """(num_layers, 2, num_blocks, block_size, num_kv_heads, row_size)."""
+    def tensor_shape(self, num_blocks: int, num_heads: int | None = None) -> tuple[int, int, int, int, int, int]:
+        """(num_layers, 2, num_blocks, block_size, num_kv_heads, row_size); ``num_heads``: a transfer of some heads only."""
         _check_range("num_blocks", num_blocks, 0, _UINT32_MAX)
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.row_size)
+        heads = self.num_kv_heads if num_heads is None else num_heads
+        return (self.num_layers, 2, num_blocks, self.block_size, heads, self.row_size)
+
+    def check_heads(self, heads: range | None) -> range:
+        """``heads`` (None: all) if it is a non-empty range of this layout's KV heads, else ValueError."""
+        if heads is None:
+            return range(self.num_kv_heads)
+        if heads.step != 1 or not 0 <= heads.start < heads.stop <= self.num_kv_heads:
+            raise ValueError(f"kv heads must be a non-empty range within [0, {self.num_kv_heads}), got {heads}")
+        return heads
 
     @classmethod
     def from_tensor(cls, blocks: torch.Tensor) -> KVLayout:
@@ -134,8 +143,12 @@ class KVHandoff:
     # does; a decode worker whose draft differs ignores the section.
     draft_layout: KVLayout | None = None
     draft_model_id: str = ""
+    # How the sender is sharded (engine/parallel/sharding.py places its KV heads); receivers ask
+    # for heads by global index, so any sender size serves any receiver size.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check_range("tensor_parallel_size", self.tensor_parallel_size, 1, _UINT32_MAX)
         for name in ("request_id", "model_id", "address", "worker_id"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -214,6 +227,23 @@ class KVHoldParams:
         _check_range("epoch", self.epoch, 0, _UINT64_MAX)
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+
+
+@dataclass(frozen=True)
+class KVFetch:
+    """What lands a handoff on a tensor-parallel decode engine instead of one tensor of every head.
+
+    Each rank receives exactly the KV heads it owns, straight from the sender:
+    ``local_blocks`` are rank 0's heads (fetched by the service like any
+    handoff), and every other rank calls ``fetcher`` ("module:function", the
+    transport layer's, so the engine imports none) as
+    ``fetcher(handoff, first_block, heads, options)`` for its own heads.
+    """
+
+    handoff: KVHandoff
+    local_blocks: torch.Tensor  # (num_layers, 2, n, block_size, rank 0's KV heads, row_size)
+    fetcher: str
+    options: object = None  # handed to the fetcher (the transfer configuration)
 
 
 @dataclass(frozen=True)

@@ -98,15 +98,18 @@ class LeaseTable:
 
     @property
     def num_layers(self) -> int:
-        return self._kv_cache.data.shape[0]
+        return self._kv_cache.num_layers
 
     def num_layers_of(self, request_id: str) -> int:
         """Layers of what ``export(request_id, ...)`` returns: the draft's for a draft section."""
-        return self._cache_of(request_id)[1].data.shape[0]
+        return self._cache_of(request_id)[1].num_layers
 
-    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+    def export(
+        self, request_id: str, first_block: int, layers: slice = slice(None), heads: range | None = None
+    ) -> torch.Tensor:
         """A copy of the held blocks from ``first_block`` on, of ``layers``:
-        (num_layers, 2, n, block_size, num_kv_heads, head_dim).
+        (num_layers, 2, n, block_size, num_kv_heads, head_dim); ``heads``: only these KV heads
+        (global indices; under tensor parallelism gathered from the ranks that hold them).
 
         ``request_id`` + ``DRAFT_SECTION_SUFFIX`` exports the draft model's KV of
         the same blocks, when this engine built it. ``KeyError`` when ``request_id``
@@ -123,7 +126,10 @@ class LeaseTable:
             num_blocks = lease.handoff.num_blocks
             if not 0 <= first_block <= num_blocks:
                 raise ValueError(f"first_block must be in [0, {num_blocks}], got {first_block}")
-            return kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers)
+            if heads is not None:
+                layout = lease.handoff.layout if kv_cache is self._kv_cache else lease.handoff.draft_layout
+                layout.check_heads(heads)
+            return kv_cache.export_blocks(lease.seq.block_table[first_block:num_blocks], layers, heads)
 
     def _cache_of(self, request_id: str) -> tuple[str, KVCache]:
         """The held request an exported id names, and the pool its blocks are read from."""

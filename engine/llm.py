@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -20,7 +20,10 @@ class LLM:
     (SmolLM2-135M-Instruct). ``num_kv_blocks=None`` sizes the KV pool from
     available memory. ``speculative_config`` (vLLM's shape, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4}``; see ``engine.spec_decode.SpeculativeConfig``)
-    turns on speculative decoding. Invalid arguments raise ``ValueError`` naming the argument.
+    turns on speculative decoding. ``tensor_parallel_size=N`` runs the model over N ranks
+    (this process and N-1 it starts; engine/parallel/): call ``shutdown()`` or use the
+    ``LLM`` as a context manager to stop them. Invalid arguments raise ``ValueError``
+    naming the argument.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class LLM:
         quantization_group_size: int = 32,
         kv_cache_dtype: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -62,6 +66,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             speculative_config=(
                 speculative_config
                 if speculative_config is None or isinstance(speculative_config, SpeculativeConfig)
@@ -69,6 +74,16 @@ class LLM:
             ),
         )
         self.engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

@@ -21,11 +21,14 @@ from engine.default_model import DEFAULT_MODEL_ID
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
-from engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout, KVSlot
+from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVSlot
 from engine.kv_leases import LeaseTable
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
+from engine.parallel.kv_shards import ShardedKV, import_on_ranks
+from engine.parallel.sharding import TensorParallelShard, check_tensor_parallel, kv_heads_of_rank
+from engine.parallel.workers import TensorParallelWorkers
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -69,9 +72,29 @@ class LLMEngine:
             )
         self.vocab_size = int(hf_config.vocab_size)
 
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        self.tensor_parallel_size = tp = config.parallel.tensor_parallel_size
+        self.parallel: TensorParallelWorkers | None = None
+        if tp > 1:
+            check_tensor_parallel(hf_config, tp)
+            _check_parallel_features(config)
+            # Started first: the other ranks load their shards while this one loads its own.
+            self.parallel = TensorParallelWorkers(
+                config, str(self.model_path), self.dtype, self.device, self.kv_cache_dtype, self.max_model_len
+            )
+        try:
+            self._build(config, hf_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, hf_config: object) -> None:
+        model_cfg, cache_cfg = config.model, config.cache
+        tp = self.tensor_parallel_size
         self.model = load_model(
             self.model_path, hf_config, self.max_model_len, self.dtype, self.device,
             model_cfg.quantization, model_cfg.quantization_group_size,
+            shard=TensorParallelShard(0, tp) if tp > 1 else None,
         )
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
@@ -81,7 +104,7 @@ class LLMEngine:
 
         block_size = cache_cfg.block_size
         num_layers = int(hf_config.num_hidden_layers)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        # This rank's KV heads (all of them without tensor parallelism): every rank's pool has num_blocks blocks.
         block_bytes = bytes_per_block(
             num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
         ) + (draft.block_bytes if draft else 0)
@@ -96,10 +119,14 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device)
+        if self.parallel is not None:
+            self.parallel.connect(num_blocks)
+            self.parallel.install(self.model)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device, self.parallel)
+        # The model's KV heads (all ranks together): what a handoff carries.
         self.kv_layout = KVLayout(
             num_layers=num_layers,
-            num_kv_heads=self.model.num_kv_heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads),
             head_dim=self.model.head_dim,
             block_size=block_size,
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
@@ -109,13 +136,31 @@ class LLMEngine:
         # Set: held requests get the draft's prompt KV too, handed over as the handoff's draft section.
         self._handoff_draft = draft if config.handoff_draft_kv else None
         # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
+        exported = self.kv_cache if self.parallel is None else ShardedKV(self.kv_cache, self.parallel,
+                                                                          self.kv_layout.num_kv_heads)
         self.leases = LeaseTable(
-            self.block_manager, self.kv_cache,
+            self.block_manager, exported,
             draft_kv_cache=self._handoff_draft.kv_cache if self._handoff_draft is not None else None,
         )
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
+
+    @property
+    def local_kv_heads(self) -> range:
+        """The KV heads (global indices) this process's pool holds: rank 0's, or all of them."""
+        return kv_heads_of_rank(self.kv_layout.num_kv_heads, self.tensor_parallel_size, 0)
+
+    def check_ranks(self) -> None:
+        """``TensorParallelError`` when one of the engine's other ranks has died (nothing to check with one)."""
+        if self.parallel is not None:
+            self.parallel.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        parallel, self.parallel = self.parallel, None
+        if parallel is not None:
+            parallel.shutdown()
 
     # ---- requests ------------------------------------------------------------------
 
@@ -274,6 +319,7 @@ class LLMEngine:
             epoch=hold.epoch,
             draft_layout=self._handoff_draft.kv_layout if self._handoff_draft is not None else None,
             draft_model_id=self._handoff_draft.identity if self._handoff_draft is not None else "",
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
@@ -332,23 +378,29 @@ class LLMEngine:
         """Remote requests that got their blocks since the last call: fetch their KV from ``first_block`` on."""
         return self.scheduler.drain_kv_slots()
 
-    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor) -> RequestOutput | None:
+    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor | KVFetch) -> RequestOutput | None:
         """Write a remote request's KV into its blocks and join it to the running batch.
 
         ``blocks``: the handoff's blocks from ``first_block`` (its ``KVSlot``) on,
-        (num_layers, 2, n, block_size, num_kv_heads, row_size). Returns the state
-        at landing (the first token and its text), or None when the request is
-        no longer waiting for its KV (aborted): the KV is dropped.
+        (num_layers, 2, n, block_size, num_kv_heads, row_size); under tensor
+        parallelism a ``KVFetch`` instead (rank 0's heads, and how the other ranks
+        fetch theirs; if one cannot, the prompt is recomputed here). Returns the
+        state at landing (the first token and its text), or None when the request
+        is no longer waiting for its KV (aborted): the KV is dropped.
         """
         seq = self._receiving(request_id)
         if seq is None:
             return None
         to_fill = seq.block_table[first_block:]
-        if blocks.shape[2] != len(to_fill):
-            raise ValueError(f"KV for {request_id!r} has {blocks.shape[2]} blocks from block {first_block}, "
+        local = blocks.local_blocks if isinstance(blocks, KVFetch) else blocks
+        if local.shape[2] != len(to_fill):
+            raise ValueError(f"KV for {request_id!r} has {local.shape[2]} blocks from block {first_block}, "
                              f"its slot has {len(to_fill)}")
-        if to_fill:
-            self.kv_cache.import_blocks(to_fill, blocks)
+        if isinstance(blocks, KVFetch) and self.parallel is not None and to_fill:
+            if not import_on_ranks(self.parallel, self.kv_cache, blocks, first_block, to_fill):
+                return self.recompute_remote(request_id)
+        elif to_fill:
+            self.kv_cache.import_blocks(to_fill, local)
         self.block_manager.cache_computed_blocks(seq)
         self.scheduler.kv_received(seq)
         return self._output(seq, self._detokenizers.get(request_id))
@@ -487,6 +539,21 @@ class LLMEngine:
             spec_decode_stats=None
             if self.spec_decoder is None
             else SpecDecodeStats(seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens),
+        )
+
+
+def _check_parallel_features(config: EngineConfig) -> None:
+    """ValueError naming the option that tensor_parallel_size > 1 does not serve yet."""
+    tp = config.parallel.tensor_parallel_size
+    if config.model.quantization is not None:
+        raise ValueError(
+            f"quantization={config.model.quantization!r} is not supported with tensor_parallel_size={tp}; "
+            "use quantization=None or tensor_parallel_size=1"
+        )
+    if config.speculative_config is not None:
+        raise ValueError(
+            f"speculative_config is not supported with tensor_parallel_size={tp}; "
+            "drop speculative_config or use tensor_parallel_size=1"
         )
 
 

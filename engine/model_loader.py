@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from engine.models.llama import LlamaForCausalLM
+    from engine.parallel.sharding import TensorParallelShard
 
 # What a hub download needs: configs, weights, tokenizer files (tokenizer.json,
 # vocab.json, merges.txt, tokenizer.model, chat_template.jinja); never .bin/.pt/.gguf.
@@ -115,9 +116,11 @@ def load_model(
     device: torch.device,
     quantization: str | None = None,
     quantization_group_size: int = 32,
+    shard: TensorParallelShard | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint at ``path`` as a ready pdserve model: built in ``dtype`` on ``device``, weights
-    loaded, projections packed with ``quantization``'s linear method, in eval mode."""
+    loaded, sliced to ``shard``'s part (tensor parallelism), projections packed with
+    ``quantization``'s linear method, in eval mode."""
     from engine.layers.linear import linear_method
     from engine.models import model_class
 
@@ -131,6 +134,9 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    if shard is not None:
+        # Before packing: PackedLinear fuses (and the linear method processes) only this rank's slices.
+        shard.shard(model)
     model.pack_weights(linear_method(quantization, quantization_group_size))
     return model.eval()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,9 +12,13 @@ from engine.kv_cache import KVCache
 from engine.logits_processors import TokenHistory
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprobs
+from engine.parallel.step_codec import StepInputs
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.parallel.workers import TensorParallelWorkers
 
 # Prompt logprobs need the logits of every prompt position: computed this many
 # positions at a time, so a 2048-token chunk never holds (2048, vocab) at once.
@@ -40,8 +45,16 @@ class ModelRunner:
     """Owns the model, the KV pool and the attention backend of one engine."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, sampler: Sampler, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        sampler: Sampler | None,
+        device: torch.device,
+        parallel: TensorParallelWorkers | None = None,
     ) -> None:
+        """``parallel``: with tensor parallelism, rank 0's handle on the other ranks, which get each
+        step's inputs and run ``forward`` on their shards with this rank; ``sampler``: rank 0's only."""
         self.model = model
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
@@ -49,14 +62,22 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
+        self.parallel = parallel
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
         # Decodes first: the attention backend batches them in one call.
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
         input_ids, positions, batch, sample_rows = self._prepare(items)
-        metadata = self.backend.build_metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv_layers, self.backend, metadata)
+        inputs = StepInputs(input_ids, positions, batch)
+        if self.parallel is None:
+            hidden = self.forward(inputs)
+        else:
+            # The whole step under the group's lock: its all-reduces must not interleave with
+            # a KV export's collectives (issued from a transfer thread).
+            with self.parallel.lock:
+                self.parallel.broadcast_step(inputs)
+                hidden = self.forward(inputs)
         prompt_logprobs = self._prompt_logprobs(items, hidden)
         sampling = [item for item in items if item.samples]
         if not sampling:
@@ -74,10 +95,16 @@ class ModelRunner:
                 for item in sampling
                 for j in range(item.num_sampled_rows)
             ]
+        assert self.sampler is not None
         sampled = self.sampler(logits, params, [item.seq.generator for item in row_items], histories)
         return StepResult(
             tuple(item.seq for item in sampling), sampled, prompt_logprobs, tuple(i.spec_token_ids for i in sampling)
         )
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:  # (num_tokens, hidden)
+        """The model over one step's tokens on this rank's shard (every rank runs this)."""
+        metadata = self.backend.build_metadata(inputs.batch)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_layers, self.backend, metadata)
 
     def _prompt_logprobs(
         self, items: list[ScheduledSequence], hidden: torch.Tensor
@@ -163,7 +190,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             block_size=bs,
             device=device,
-            num_heads=self.model.config.num_attention_heads,
+            num_heads=self.model.num_heads,
             num_kv_heads=self.model.num_kv_heads,
         )
         return (

@@ -34,8 +34,11 @@ class KVSource(Protocol):
         sections of another depth (a draft model's KV) also has ``num_layers_of(request_id)``."""
         ...
 
-    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
-        """The request's blocks from ``first_block`` on, of ``layers``: (layers, 2, n, block_size, num_kv_heads, head_dim).
+    def export(
+        self, request_id: str, first_block: int, layers: slice = slice(None), heads: range | None = None
+    ) -> torch.Tensor:
+        """The request's blocks from ``first_block`` on, of ``layers``: (layers, 2, n, block_size, num_kv_heads, head_dim);
+        ``heads``: only those KV heads (global indices), for a tensor-parallel receiver rank.
 
         Must return a tensor the caller owns (a copy, as ``KVCache.export_blocks``
         makes): transports read it after the call returns. Called from a worker
@@ -79,7 +82,9 @@ class KVReceiver(ABC):
     first_block``, on the CPU or, for GPU transports, on ``config.device``.
     RPC failures propagate as ``grpc.aio.AioRpcError`` (NOT_FOUND: the prefill
     worker no longer holds the request); a transfer that breaks or disagrees
-    with the handoff raises ``KVTransferError``.
+    with the handoff raises ``KVTransferError``. ``heads`` (a range of global
+    KV head indices): a tensor-parallel decode rank fetches only the heads it
+    owns, whatever the sender's sharding (the sender gathers them if it must).
     """
 
     name: ClassVar[str]
@@ -88,16 +93,21 @@ class KVReceiver(ABC):
         self.config = config
 
     async def fetch(
-        self, handoff: KVHandoff, first_block: int, stub: worker_pb2_grpc.PrefillWorkerStub
+        self,
+        handoff: KVHandoff,
+        first_block: int,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        heads: range | None = None,
     ) -> torch.Tensor:
         if not 0 <= first_block <= handoff.num_blocks:
             raise ValueError(f"first_block must be in [0, {handoff.num_blocks}], got {first_block}")
+        heads = handoff.layout.check_heads(heads)
         num_blocks = handoff.num_blocks - first_block
         if num_blocks == 0:
             # Everything is cached here already: nothing to ask the prefill worker for.
-            return torch.empty(handoff.layout.tensor_shape(0), dtype=handoff.layout.torch_dtype)
-        blocks = await self._fetch(handoff, first_block, num_blocks, stub)
-        expected = handoff.layout.tensor_shape(num_blocks)
+            return torch.empty(handoff.layout.tensor_shape(0, len(heads)), dtype=handoff.layout.torch_dtype)
+        blocks = await self._fetch(handoff, first_block, num_blocks, stub, heads)
+        expected = handoff.layout.tensor_shape(num_blocks, len(heads))
         if tuple(blocks.shape) != expected or blocks.dtype != handoff.layout.torch_dtype:
             raise KVTransferError(
                 f"{self.name} transfer of {handoff.request_id!r} gave {tuple(blocks.shape)} {blocks.dtype}, "
@@ -107,19 +117,42 @@ class KVReceiver(ABC):
 
     @abstractmethod
     async def _fetch(
-        self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
+        self,
+        handoff: KVHandoff,
+        first_block: int,
+        num_blocks: int,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        heads: range,
     ) -> torch.Tensor:
-        """Move ``num_blocks`` (> 0) blocks; ``fetch`` has validated the range and checks the result."""
+        """Move ``num_blocks`` (> 0) blocks of ``heads``; ``fetch`` has validated the range and checks the result."""
 
     async def close(self) -> None:
         """Free the receiver's own resources (rendezvous stores, process groups)."""
 
 
+def head_fields(handoff: KVHandoff, heads: range) -> dict[str, int]:
+    """The kv_head_start/kv_head_end fields of a FetchKV/StageKV request (both 0: every head)."""
+    if len(heads) == handoff.layout.num_kv_heads:
+        return {}
+    return {"kv_head_start": heads.start, "kv_head_end": heads.stop}
+
+
+def requested_heads(start: int, end: int) -> range | None:
+    """The heads a FetchKV/StageKV request asks for (None: all); ValueError for an empty range."""
+    if start == end == 0:
+        return None
+    if not start < end:
+        raise ValueError(f"kv_head_start must be below kv_head_end, got [{start}, {end})")
+    return range(start, end)
+
+
 def check_staged(
-    response: worker_pb2.StageKVResponse, handoff: KVHandoff, num_blocks: int, transport: str
+    response: worker_pb2.StageKVResponse, handoff: KVHandoff, num_blocks: int, transport: str,
+    heads: range | None = None,
 ) -> None:
     """Raise ``KVTransferError`` unless the sender staged exactly the blocks asked for."""
-    expected_bytes = num_blocks * handoff.layout.bytes_per_block
+    num_heads = handoff.layout.num_kv_heads if heads is None else len(heads)
+    expected_bytes = num_blocks * handoff.layout.bytes_per_block * num_heads // handoff.layout.num_kv_heads
     if response.num_blocks != num_blocks or response.total_bytes != expected_bytes:
         raise KVTransferError(
             f"{transport} staging of {handoff.request_id!r} holds {response.num_blocks} blocks "

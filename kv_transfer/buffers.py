@@ -22,6 +22,6 @@ def byte_view(blocks: torch.Tensor) -> memoryview:
     return memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
 
 
-def empty_blocks(layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """An uninitialised CPU tensor of ``layout.tensor_shape(num_blocks)`` to receive into."""
-    return torch.empty(layout.tensor_shape(num_blocks), dtype=layout.torch_dtype)
+def empty_blocks(layout: KVLayout, num_blocks: int, num_heads: int | None = None) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``layout.tensor_shape(num_blocks, num_heads)`` to receive into."""
+    return torch.empty(layout.tensor_shape(num_blocks, num_heads), dtype=layout.torch_dtype)

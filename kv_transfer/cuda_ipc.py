@@ -22,7 +22,7 @@ import threading
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged
+from kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged, head_fields
 from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import KVHandoff
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
@@ -77,15 +77,23 @@ class CudaIpcReceiver(KVReceiver):
     name = "cuda_ipc"
 
     async def _fetch(
-        self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
+        self,
+        handoff: KVHandoff,
+        first_block: int,
+        num_blocks: int,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        heads: range,
     ) -> torch.Tensor:
         if not torch.cuda.is_available():
             raise KVTransferError("cuda_ipc needs CUDA on the decode worker; use shm or grpc")
         response = await stub.StageKV(
-            worker_pb2.StageKVRequest(request_id=handoff.request_id, first_block=first_block, transport=self.name),
+            worker_pb2.StageKVRequest(
+                request_id=handoff.request_id, first_block=first_block, transport=self.name,
+                **head_fields(handoff, heads),
+            ),
             timeout=self.config.rpc_timeout_s,
         )
-        check_staged(response, handoff, num_blocks, self.name)
+        check_staged(response, handoff, num_blocks, self.name, heads)
         return await asyncio.to_thread(self._copy_out, response.handle)
 
     def _copy_out(self, handle: bytes) -> torch.Tensor:

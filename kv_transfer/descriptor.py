@@ -50,6 +50,7 @@ def handoff_to_proto(handoff: KVHandoff) -> worker_pb2.KVHandoff:
         epoch=handoff.epoch,
         draft_layout=layout_to_proto(handoff.draft_layout) if handoff.draft_layout is not None else None,
         draft_model_id=handoff.draft_model_id,
+        tensor_parallel_size=handoff.tensor_parallel_size,
     )
 
 
@@ -71,4 +72,5 @@ def handoff_from_proto(message: worker_pb2.KVHandoff) -> KVHandoff:
         epoch=message.epoch,
         draft_layout=layout_from_proto(message.draft_layout) if message.HasField("draft_layout") else None,
         draft_model_id=message.draft_model_id,
+        tensor_parallel_size=message.tensor_parallel_size or 1,
     )

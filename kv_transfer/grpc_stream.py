@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer.base import KVReceiver, KVTransferError
+from kv_transfer.base import KVReceiver, KVTransferError, head_fields
 from kv_transfer.buffers import byte_view, empty_blocks
 from kv_transfer.descriptor import KVHandoff
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
@@ -18,14 +18,21 @@ class GrpcReceiver(KVReceiver):
     name = "grpc"
 
     async def _fetch(
-        self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
+        self,
+        handoff: KVHandoff,
+        first_block: int,
+        num_blocks: int,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        heads: range,
     ) -> torch.Tensor:
-        blocks = empty_blocks(handoff.layout, num_blocks)
+        blocks = empty_blocks(handoff.layout, num_blocks, len(heads))
         target = byte_view(blocks)
         total = target.nbytes
         received = 0
         call = stub.FetchKV(
-            worker_pb2.FetchKVRequest(request_id=handoff.request_id, first_block=first_block),
+            worker_pb2.FetchKVRequest(
+                request_id=handoff.request_id, first_block=first_block, **head_fields(handoff, heads)
+            ),
             timeout=self.config.rpc_timeout_s,
         )
         try:

@@ -21,7 +21,7 @@ from typing import NoReturn
 import grpc
 import torch
 
-from kv_transfer.base import KVSource, KVStager, KVTransferError, make_stager
+from kv_transfer.base import KVSource, KVStager, KVTransferError, make_stager, requested_heads
 from kv_transfer.buffers import byte_view, host_contiguous
 from kv_transfer.config import STAGED_TRANSPORTS, TransferConfig, check_transport
 from protos.pdserve.v1.internal import worker_pb2
@@ -58,12 +58,16 @@ class KVSenderServicer:
         def chunk(data: bytes) -> worker_pb2.KVChunk:
             return worker_pb2.KVChunk(data=data, offset=offset, total_bytes=total, num_blocks=num_blocks)
 
-        pending = self._start_export(request.request_id, request.first_block, 0)
+        try:
+            heads = requested_heads(request.kv_head_start, request.kv_head_end)
+        except ValueError as exc:
+            await _abort_for(exc, context)
+        pending = self._start_export(request.request_id, request.first_block, 0, heads)
         try:
             for layer in range(num_layers):
                 blocks = await self._finish_export(pending, context)
                 if layer + 1 < num_layers:
-                    pending = self._start_export(request.request_id, request.first_block, layer + 1)
+                    pending = self._start_export(request.request_id, request.first_block, layer + 1, heads)
                 data = byte_view(blocks)
                 if layer == 0:
                     total, num_blocks = data.nbytes * num_layers, blocks.shape[2]
@@ -91,9 +95,10 @@ class KVSenderServicer:
     ) -> worker_pb2.StageKVResponse:
         try:
             stager = self._stager(request.transport)
+            heads = requested_heads(request.kv_head_start, request.kv_head_end)
         except ValueError as exc:
             await _abort_for(exc, context)
-        blocks = await self._export(request.request_id, request.first_block, context, to_host=False)
+        blocks = await self._export(request.request_id, request.first_block, context, to_host=False, heads=heads)
         if blocks.shape[2] == 0:
             # Nothing to move (receivers never ask): no segment, no send, nothing to release.
             return worker_pb2.StageKVResponse(handle=b"", total_bytes=0, num_blocks=0)
@@ -127,11 +132,13 @@ class KVSenderServicer:
                 self._stagers[transport] = make_stager(transport, self.config)
             return self._stagers[transport]
 
-    def _start_export(self, request_id: str, first_block: int, layer: int) -> asyncio.Future[torch.Tensor]:
-        """One layer's held blocks, on the CPU and contiguous, copied on a worker thread."""
+    def _start_export(
+        self, request_id: str, first_block: int, layer: int, heads: range | None
+    ) -> asyncio.Future[torch.Tensor]:
+        """One layer's held blocks (of ``heads``), on the CPU and contiguous, copied on a worker thread."""
 
         def export() -> torch.Tensor:
-            return host_contiguous(self._source.export(request_id, first_block, slice(layer, layer + 1)))
+            return host_contiguous(self._source.export(request_id, first_block, slice(layer, layer + 1), heads))
 
         return asyncio.ensure_future(asyncio.to_thread(export))
 
@@ -144,12 +151,13 @@ class KVSenderServicer:
             await _abort_for(exc, context)
 
     async def _export(
-        self, request_id: str, first_block: int, context: grpc.aio.ServicerContext, *, to_host: bool
+        self, request_id: str, first_block: int, context: grpc.aio.ServicerContext, *, to_host: bool,
+        heads: range | None = None,
     ) -> torch.Tensor:
-        """The held blocks, contiguous (and on the CPU when ``to_host``); aborts the RPC when not held."""
+        """The held blocks (of ``heads``), contiguous (and on the CPU when ``to_host``); aborts the RPC when not held."""
 
         def export() -> torch.Tensor:
-            blocks = self._source.export(request_id, first_block)
+            blocks = self._source.export(request_id, first_block, slice(None), heads)
             return host_contiguous(blocks) if to_host else blocks.detach().contiguous()
 
         try:

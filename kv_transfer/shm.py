@@ -24,7 +24,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged
+from kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged, head_fields
 from kv_transfer.buffers import byte_view, empty_blocks, host_contiguous
 from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import KVHandoff, KVLayout
@@ -104,27 +104,35 @@ class ShmReceiver(KVReceiver):
     name = "shm"
 
     async def _fetch(
-        self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
+        self,
+        handoff: KVHandoff,
+        first_block: int,
+        num_blocks: int,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        heads: range,
     ) -> torch.Tensor:
         response = await stub.StageKV(
-            worker_pb2.StageKVRequest(request_id=handoff.request_id, first_block=first_block, transport=self.name),
+            worker_pb2.StageKVRequest(
+                request_id=handoff.request_id, first_block=first_block, transport=self.name,
+                **head_fields(handoff, heads),
+            ),
             timeout=self.config.rpc_timeout_s,
         )
-        check_staged(response, handoff, num_blocks, self.name)
+        check_staged(response, handoff, num_blocks, self.name, heads)
         name = response.handle.decode("ascii", errors="replace")
         if not name or "/" in name:
             raise KVTransferError(f"shm staging of {handoff.request_id!r} returned a bad segment name {name!r}")
-        return await asyncio.to_thread(_consume, name, handoff.layout, num_blocks)
+        return await asyncio.to_thread(_consume, name, handoff.layout, num_blocks, len(heads))
 
 
-def _consume(name: str, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+def _consume(name: str, layout: KVLayout, num_blocks: int, num_heads: int | None = None) -> torch.Tensor:
     """Copy the blocks out of segment ``name``, then unmap and unlink it."""
     try:
         segment = SharedMemory(name=name)
     except FileNotFoundError:
         raise KVTransferError(f"shm segment {name!r} is gone (the lease ended before the copy)") from None
     try:
-        blocks = empty_blocks(layout, num_blocks)
+        blocks = empty_blocks(layout, num_blocks, num_heads)
         target = byte_view(blocks)
         if segment.size < target.nbytes:
             raise KVTransferError(f"shm segment {name!r} holds {segment.size} bytes, expected {target.nbytes}")

@@ -38,7 +38,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged
+from kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged, head_fields
 from kv_transfer.buffers import host_contiguous
 from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import KVHandoff
@@ -256,7 +256,12 @@ class TorchDistReceiver(KVReceiver):
         self._pairs: dict[tuple[str, str, int], _ReceiverPair] = {}
 
     async def _fetch(
-        self, handoff: KVHandoff, first_block: int, num_blocks: int, stub: worker_pb2_grpc.PrefillWorkerStub
+        self,
+        handoff: KVHandoff,
+        first_block: int,
+        num_blocks: int,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        heads: range,
     ) -> torch.Tensor:
         pair = self._use_pair((handoff.address, handoff.worker_id, handoff.epoch))
         async with pair.lock:
@@ -267,6 +272,7 @@ class TorchDistReceiver(KVReceiver):
                 first_block=first_block,
                 transport=self.name,
                 peer_address=pair.peer_address,
+                **head_fields(handoff, heads),
             )
             try:
                 response = await stub.StageKV(request, timeout=self.config.rpc_timeout_s)
@@ -278,11 +284,11 @@ class TorchDistReceiver(KVReceiver):
                 pair.reset()
                 raise
             try:
-                check_staged(response, handoff, num_blocks, self.name)
+                check_staged(response, handoff, num_blocks, self.name, heads)
                 tag = int(response.handle.decode("ascii"))
                 device = torch.device("cpu" if self.config.torch_dist_backend == "gloo" else self.config.device)
                 blocks = torch.empty(
-                    handoff.layout.tensor_shape(num_blocks), dtype=handoff.layout.torch_dtype, device=device
+                    handoff.layout.tensor_shape(num_blocks, len(heads)), dtype=handoff.layout.torch_dtype, device=device
                 )
                 if pair.group is None:
                     assert pair.store is not None

@@ -48,6 +48,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="run the model over N ranks (this process and N-1 it starts; gloo on CPU, NCCL on "
+                        "N GPUs from --device): attention heads and MLP split Megatron-style (default: 1)")
     _add_quantization_args(parser)
     add_speculative_config_argument(parser)
 
@@ -186,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model dtype of every worker (see `pdserve offline --help`)")
     up.add_argument("--device", default="auto")
     _add_quantization_args(up)
+    up.add_argument("--prefill-tp", type=int, default=1,
+                    help="--tensor-parallel-size of every prefill worker (its ranks start and stop with it)")
+    up.add_argument("--decode-tp", type=int, default=1,
+                    help="--tensor-parallel-size of every decode and colocated worker; may differ from "
+                    "--prefill-tp (handoffs re-shard the KV heads)")
     up.add_argument("--prefill-workers", type=int, default=1)
     up.add_argument("--decode-workers", type=int, default=1)
     up.add_argument("--colocated-workers", type=int, default=0,

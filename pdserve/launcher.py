@@ -48,7 +48,9 @@ class ClusterConfig:
     disaggregation: str = "auto"  # the gateway's --disaggregation: always | never | auto
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
     decode_args: tuple[str, ...] = ()  # passed to decode and colocated workers only (e.g. --speculative-config)
-    prefill_args: tuple[str, ...] = ()  # passed to prefill workers only (e.g. --handoff-draft-kv)
+    # Passed to prefill workers only (e.g. --tensor-parallel-size, --handoff-draft-kv: a worker starts and stops
+    # its own ranks, so a killed worker takes them down and a restart brings the whole worker back).
+    prefill_args: tuple[str, ...] = ()
     # Prometheus /metrics of every process started: the gateway on this port, the workers on the
     # next ones in start order (prefill-0.., decode-0..); 0: a free port each. None: off.
     metrics_port: int | None = None

@@ -34,7 +34,7 @@ def add_speculative_config_argument(parser: argparse.ArgumentParser, whose: str 
 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -44,6 +44,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
             kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         speculative_config=args.speculative_config,
         handoff_draft_kv=getattr(args, "handoff_draft_kv", False),
     )

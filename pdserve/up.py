@@ -19,18 +19,25 @@ def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def up_decode_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The flags ``up`` passes on to the workers that decode (decode and colocated) only."""
+    decode_args: tuple[str, ...] = ()
+    if args.decode_tp != 1:
+        decode_args += ("--tensor-parallel-size", str(args.decode_tp))
     if args.speculative_config is None:
-        return ()
-    return ("--speculative-config", args.speculative_config.to_json())
+        return decode_args
+    return decode_args + ("--speculative-config", args.speculative_config.to_json())
 
 
 def up_prefill_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The flags ``up`` passes on to prefill workers only: the draft, when they build its prompt KV."""
+    """The flags ``up`` passes on to prefill workers only: their tensor parallelism, and the draft when
+    they build its prompt KV."""
+    prefill_args: tuple[str, ...] = ()
+    if args.prefill_tp != 1:
+        prefill_args += ("--tensor-parallel-size", str(args.prefill_tp))
     if args.draft_prompt_kv == "recompute":
-        return ()
+        return prefill_args
     if args.speculative_config is None or args.speculative_config.method != "draft_model":
         raise ValueError("--draft-prompt-kv prefill needs a draft_model --speculative-config (the draft to run)")
-    return ("--speculative-config", args.speculative_config.to_json(), "--handoff-draft-kv")
+    return prefill_args + ("--speculative-config", args.speculative_config.to_json(), "--handoff-draft-kv")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -77,11 +84,17 @@ def run_up(args: argparse.Namespace) -> int:
         print("pdserve stopped", flush=True)
 
 
+def _tp_note(args: argparse.Namespace) -> str:
+    if args.prefill_tp == 1 and args.decode_tp == 1:
+        return ""
+    return f", tensor parallel: prefill {args.prefill_tp}, decode {args.decode_tp}"
+
+
 def startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - LocalCluster, imported lazily
     layout = (f"{args.colocated_workers} colocated" if args.colocated_workers
               else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
     line = (f"pdserve is serving {args.model or 'the default model'} on {cluster.endpoint} "
-            f"({layout}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
+            f"({layout}{_tp_note(args)}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
     if cluster.metrics_ports:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())

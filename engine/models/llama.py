@@ -195,6 +195,11 @@ class LlamaForCausalLM(nn.Module):
             self.model.norm.fused = fused
 
     @property
+    def num_heads(self) -> int:
+        """Query heads of this model's attention (this rank's, under tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_heads
+
+    @property
     def num_kv_heads(self) -> int:
         return self.model.layers[0].self_attn.num_kv_heads
 

@@ -43,9 +43,12 @@ class SeededSource:
 
     num_layers = LAYOUT.num_layers
 
-    def export(self, request_id: str, first_block: int, layers: slice = slice(None)) -> torch.Tensor:
+    def export(
+        self, request_id: str, first_block: int, layers: slice = slice(None), heads: range | None = None
+    ) -> torch.Tensor:
         if request_id not in NUM_BLOCKS:
             raise KeyError(f"request {request_id!r} is not held")
         if not 0 <= first_block <= NUM_BLOCKS[request_id]:
             raise ValueError(f"first_block {first_block} is past the {NUM_BLOCKS[request_id]} blocks held")
-        return full_blocks(request_id)[layers, :, first_block:].clone()
+        heads = LAYOUT.check_heads(heads)
+        return full_blocks(request_id)[layers, :, first_block:, :, heads.start : heads.stop].clone()

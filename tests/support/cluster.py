@@ -25,7 +25,7 @@ import grpc
 from cluster_index import connect
 from decode_service.colocated import ColocatedServer
 from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from gateway.server import GatewayServer
@@ -54,12 +54,14 @@ def tiny_engine(
     num_kv_blocks: int = NUM_KV_BLOCKS,
     speculative_config: SpeculativeConfig | None = None,
     handoff_draft_kv: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> LLMEngine:
     """A float32 engine over ``checkpoint`` with a pool of ``num_kv_blocks`` KV blocks."""
     model = ModelConfig(model=str(checkpoint), dtype="float32")
     return LLMEngine(
         EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config,
-                     handoff_draft_kv=handoff_draft_kv)
+                     handoff_draft_kv=handoff_draft_kv,
+                     parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
     )
 
 
@@ -95,6 +97,8 @@ class ClusterOptions:
     # The gateway's --disaggregation. "always" here (the gateway's default is auto): the tests of handoffs,
     # leases and failures are about the remote path; tests of conditional disaggregation set it.
     disaggregation: str = "always"
+    prefill_tp: int = 1  # tensor_parallel_size of the prefill workers' engines
+    decode_tp: int = 1  # of the decode and colocated workers' engines
 
 
 class InProcessCluster:
@@ -204,9 +208,11 @@ class InProcessCluster:
 
     def _engine(self, decodes: bool = False) -> LLMEngine:
         if decodes:
-            return tiny_engine(self.checkpoint, self.options.num_kv_blocks, self.options.speculative_config)
+            return tiny_engine(self.checkpoint, self.options.num_kv_blocks, self.options.speculative_config,
+                               tensor_parallel_size=self.options.decode_tp)
         spec = self.options.prefill_speculative_config
-        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec, handoff_draft_kv=spec is not None)
+        return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec, handoff_draft_kv=spec is not None,
+                           tensor_parallel_size=self.options.prefill_tp)
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         limits = {

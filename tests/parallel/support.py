@@ -1,0 +1,98 @@
+"""Tiny checkpoints whose heads split over 2 and 3 ranks, and the tie rule of the exactness tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE, build_checkpoint
+
+# A greedy step whose top-2 logits (in the reference run) are closer than this may flip when
+# the ranks sum partial products in another order; the comparison stops before such a step.
+TIE_MARGIN = 1e-4
+
+
+def llama_config(num_heads: int, num_kv_heads: int, bias: bool) -> object:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,  # splits over 2 and 3 ranks
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        attention_bias=bias,
+        mlp_bias=bias,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def qwen2_config() -> object:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+CONFIGS = {
+    # MHA, every projection with a bias (the row-parallel ones added once)
+    "mha_bias": lambda: llama_config(6, 6, bias=True),
+    # one KV head: fewer KV heads than ranks, replicated on every rank
+    "gqa_1kv": lambda: llama_config(6, 1, bias=False),
+    # two KV heads: split at TP 2
+    "gqa_2kv": lambda: llama_config(6, 2, bias=False),
+    # q/k/v biases, tied embeddings
+    "qwen2": qwen2_config,
+}
+
+
+def build(directory: Path, name: str) -> Path:
+    return build_checkpoint(directory, CONFIGS[name](), seed=3)
+
+
+class Reference:
+    """transformers' greedy tokens for a prompt, and each step's top-2 logit margin."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        input_ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, do_sample=False,
+                pad_token_id=0,
+            )
+            tokens = out[0, len(prompt) :].tolist()
+            logits = self.model(out[:, :-1]).logits[0, len(prompt) - 1 :]  # the logits each token was chosen from
+        top2 = logits.topk(2, dim=-1).values
+        return tokens, (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def comparable(tokens: list[int], margins: list[float]) -> int:
+    """How many leading tokens must match exactly: all, or up to the first near-tie (``TIE_MARGIN``)."""
+    for i, margin in enumerate(margins[: len(tokens)]):
+        if margin < TIE_MARGIN:
+            return i
+    return len(tokens)

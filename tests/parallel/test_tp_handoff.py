@@ -1,0 +1,172 @@
+"""KV handoffs between engines of different tensor-parallel sizes, over every CPU transport.
+
+A prefill engine at TP=P holds each prompt's KV and serves it through the real
+``KVSenderServicer`` (gRPC server on a loopback port); a decode engine at TP=D
+lands it with each rank fetching exactly the KV heads it owns
+(``kv_transfer.sharded``): rank 0's part here, the other ranks' in their own
+processes when the KV lands. Greedy float32 decoding afterwards must give
+transformers' tokens (tie rule: tests/parallel/support.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from engine.kv_handoff import KVFetch, KVHoldParams
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kv_transfer.base import make_receiver
+from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
+from kv_transfer.sender import KVSenderServicer
+from kv_transfer.sharded import FETCHER
+from protos.pdserve.v1.internal import worker_pb2_grpc
+from tests.conftest import random_prompts
+from tests.parallel.support import Reference, build, comparable
+
+TRANSPORTS = ("grpc", "shm", "torch_dist")
+MAX_TOKENS = 6
+
+
+def _engine(path: Path, tp: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(path), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, num_kv_blocks=64),
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+    ))
+
+
+class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, kv: KVSenderServicer) -> None:
+        self.FetchKV = kv.FetchKV  # noqa: N815 - the gRPC method names
+        self.StageKV = kv.StageKV  # noqa: N815
+
+
+class SenderServer:
+    """The prefill engine's held KV behind a real gRPC server, on an event loop thread of its own."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.kv = KVSenderServicer(engine.leases, TransferConfig(shm_prefix="pdserve_tp_test_"))
+        self.server, port = self.run(self._start())
+        self.address = f"127.0.0.1:{port}"
+        self.stub = worker_pb2_grpc.PrefillWorkerStub(self.run(self._channel()))
+        self.receivers = {name: make_receiver(name) for name in TRANSPORTS}
+
+    def run(self, coroutine):  # noqa: ANN001, ANN201
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
+
+    async def _start(self) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(options=list(INTERNAL_GRPC_OPTIONS))
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(self.kv), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    async def _channel(self) -> grpc.aio.Channel:
+        self.channel = grpc.aio.insecure_channel(self.address, options=list(INTERNAL_GRPC_OPTIONS))
+        return self.channel
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            for receiver in self.receivers.values():
+                await receiver.close()
+            await self.channel.close()
+            await self.server.stop(None)
+
+        try:
+            self.run(stop())
+            self.kv.close()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # MHA, 6 KV heads: 3 per rank at TP 2, 2 per rank at TP 3 (decode rank 1's heads 2-3 come from both prefill ranks).
+    return build(tmp_path_factory.mktemp("mha_bias"), "mha_bias")
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[LLMEngine, LLMEngine, SenderServer]]:
+    prefill_tp, decode_tp = request.param
+    prefill = decode = sender = None
+    try:
+        prefill = _engine(checkpoint, prefill_tp)
+        decode = _engine(checkpoint, decode_tp)
+        sender = SenderServer(prefill)
+        yield prefill, decode, sender
+    finally:
+        if sender is not None:
+            sender.stop()
+        for engine in (decode, prefill):
+            if engine is not None:
+                engine.shutdown()
+
+
+def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prompt: list[int],
+               params: SamplingParams, transport: str) -> str:
+    hold = KVHoldParams(transport=transport, address=sender.address, worker_id="prefill-tp", epoch=1, lease_s=60.0)
+    request_id = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), hold_kv=hold)
+    held = None
+    while held is None:
+        held = next((o for o in prefill.step() if o.request_id == request_id and o.finished), None)
+    handoff = held.kv_handoff
+    assert handoff is not None and handoff.tensor_parallel_size == prefill.tensor_parallel_size
+    assert handoff.layout.num_kv_heads == 6
+    decode_id = decode.add_remote_request(request_id, prompt, params, handoff)
+    (slot,) = decode.drain_kv_slots()
+    heads = decode.local_kv_heads if decode.tensor_parallel_size > 1 else None
+    # Rank 0's heads only (all of them at D=1); the other ranks fetch theirs as the KV lands.
+    blocks = sender.run(sender.receivers[transport].fetch(handoff, slot.first_block, sender.stub, heads))
+    assert blocks.shape[4] == (6 if heads is None else len(heads))
+    landed = decode.receive_kv(
+        decode_id, slot.first_block,
+        blocks if heads is None else KVFetch(handoff, blocks, FETCHER, TransferConfig()),
+    )
+    assert landed is not None and landed.token_ids == [handoff.first_token_id]
+    assert prefill.leases.release(request_id)
+    return decode_id
+
+
+@pytest.mark.parametrize("engines", [(2, 1), (1, 2), (2, 3)], indirect=True, ids=["P2-D1", "P1-D2", "P2-D3"])
+def test_handoff_reshards_kv_between_tensor_parallel_sizes_over_every_cpu_transport(
+    engines: tuple[LLMEngine, LLMEngine, SenderServer], checkpoint: Path
+) -> None:
+    prefill, decode, sender = engines
+
+    def recompute(request_id: str) -> None:
+        pytest.fail(f"a rank could not fetch its KV heads of {request_id}: recomputed instead")
+
+    decode.recompute_remote = recompute  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    prompts = random_prompts([7, 13, 18], seed=prefill.tensor_parallel_size * 10 + decode.tensor_parallel_size)
+    jobs = {}
+    for i, transport in enumerate(TRANSPORTS):
+        prompt = prompts[i]
+        jobs[_hand_over(prefill, decode, sender, prompt, params, transport)] = prompt
+    outputs: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    assert decode.block_manager.num_used_blocks == 0 and prefill.block_manager.num_used_blocks == 0
+    reference = Reference(checkpoint)
+    cut = 0
+    for request_id, prompt in jobs.items():
+        expected, margins = reference.generate(prompt, MAX_TOKENS)
+        n = comparable(expected, margins)
+        cut += n < len(expected)
+        assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
+    assert cut <= 1
