@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
+from kv_transfer.push_inbox import PushedKV, PushInbox
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
@@ -33,7 +34,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     The request waits in the engine's scheduler for blocks (WAITING_FOR_REMOTE_KVS);
     once it has them, only the blocks it does not already cache are fetched,
-    written in between two steps, and decoding goes on.
+    written in between two steps, and decoding goes on. When the prefill worker
+    pushed the KV here while it prefilled (PushKV, ``DecodeRequest.kv_pushed``),
+    the blocks come from the push inbox instead, and are pulled only when the
+    pushed copy is not there.
     """
 
     FAILURE_POLICIES = ("recompute", "fail")
@@ -59,6 +63,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_bytes_received = 0
         self.kv_receive_seconds = 0.0
         self.kv_transfers = 0
+        self.kv_pushes = 0
+        self.inbox = PushInbox(transfer, transfer.push_inbox_bytes, transfer.push_ttl_s)
 
     @grpc_errors
     @with_request_id(lambda request: request.request_id or request.handoff.request_id)
@@ -72,7 +78,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
-        receive_kv = functools.partial(self._receive_kv, handoff, stub)
+        pushed: list[PushedKV] = []  # what the push inbox handed this request, freed once landed
+        if request.kv_pushed:
+            receive_kv = functools.partial(self._receive_pushed, handoff, stub, pushed)
+        else:
+            receive_kv = functools.partial(self._receive_kv, handoff, stub)
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
             stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv)
@@ -81,6 +91,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 first = await anext(stream)
             finally:
                 self._release_lease(handoff, stub)
+                for entry in pushed:
+                    self.inbox.release(entry)
+                if request.kv_pushed:
+                    self.inbox.discard(handoff.request_id)  # an unclaimed push (the request failed first)
         num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
         try:
             async for output in stream:
@@ -119,11 +133,39 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.kv_recomputes += 1
             return None
 
+    async def _receive_pushed(
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, pushed: list[PushedKV], first_block: int
+    ) -> torch.Tensor | None:
+        """The handoff's blocks from ``first_block`` on, out of what was pushed here; pulled when that is gone."""
+        started = time.perf_counter()
+        entry = self.inbox.take(handoff)
+        if entry is None:
+            log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
+                        handoff.request_id)
+            return await self._receive_kv(handoff, stub, first_block)
+        pushed.append(entry)
+        blocks = entry.blocks[:, :, first_block:]
+        seconds = time.perf_counter() - started
+        num_bytes = blocks.numel() * blocks.element_size()
+        self.kv_pushes += 1
+        self.kv_transfers += 1
+        self.kv_receive_seconds += seconds
+        self.kv_bytes_received += num_bytes
+        self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
+        return blocks
+
+    @grpc_errors
+    async def PushKV(  # noqa: N802 - the gRPC method name
+        self, request_iterator, context: grpc.aio.ServicerContext  # noqa: ANN001
+    ) -> worker_pb2.PushKVResponse:
+        return await self.inbox.receive(request_iterator, context)
+
     @grpc_errors
     async def Load(  # noqa: N802
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadReport:
         report = self.runtime.load_report()
+        report.kv_pushes = self.kv_pushes
         report.kv_bytes_received = self.kv_bytes_received
         report.kv_receive_seconds = self.kv_receive_seconds
         report.kv_transfers = self.kv_transfers
@@ -173,6 +215,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.gather(task, return_exceptions=True)
         for channel, _ in self._channels.values():
             await channel.close()
+        self.inbox.close()
 
 
 class DecodeServer(WorkerServer):

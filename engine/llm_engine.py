@@ -23,6 +23,7 @@ from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout, KVSlot
 from engine.kv_leases import LeaseTable
+from engine.kv_push import LayerPusher
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
@@ -106,6 +107,8 @@ class LLMEngine:
         )
         # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
         self.leases = LeaseTable(self.block_manager, self.kv_cache)
+        # Requests held with push=True hand each layer's KV to its sink as it is written.
+        self.kv_pusher = LayerPusher(self.model.model.layers, self.kv_cache, block_size)
         self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
         self._requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -151,6 +154,7 @@ class LLMEngine:
             # Finished already, its KV held for a decode worker that will not come.
             self.leases.release(request_id)
             return None
+        self.kv_pusher.end(request_id, complete=False)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
 
@@ -190,9 +194,13 @@ class LLMEngine:
             return []
         spec = self.spec_decoder
         generator_states = spec.save_generators(scheduler_output) if spec else {}
-        result = self.runner.execute(scheduler_output)
-        self.scheduler.complete_step(scheduler_output)
-        outputs = self._update(result, generator_states, spec)
+        self.kv_pusher.begin_step(scheduler_output)
+        try:
+            result = self.runner.execute(scheduler_output)
+            self.scheduler.complete_step(scheduler_output)
+            outputs = self._update(result, generator_states, spec)
+        finally:
+            self.kv_pusher.end_step()
         if spec is not None:
             spec.propose(self.scheduler)
         return outputs
@@ -243,6 +251,7 @@ class LLMEngine:
                 if seq.kv_hold is not None:
                     handoff = self._handoff(seq, seq.kv_hold)
                     self.leases.grant(seq, handoff, seq.kv_hold.lease_s)
+                    self.kv_pusher.end(seq.request_id, complete=True)
                 self._requests.pop(seq.request_id, None)
                 self._detokenizers.pop(seq.request_id, None)
             outputs.append(self._output(seq, detokenizer, handoff))

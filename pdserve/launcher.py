@@ -43,6 +43,7 @@ class ClusterConfig:
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
+    kv_push: bool = True  # the gateway's --kv-push
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
@@ -119,6 +120,7 @@ class LocalCluster:
                 self.decode_addresses.append(address)
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
                         "--kv-transport", config.kv_transport, "--routing", config.routing,
+                        "--kv-push" if config.kv_push else "--no-kv-push",
                         "--ready-file", str(self._ready_file("gateway")), *self._metrics_args("gateway")]
         if config.model:
             gateway_args += ["--model", config.model]
