@@ -58,6 +58,7 @@ class _Push:
     tensor: torch.Tensor | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False  # no more writes: the segment is (being) unmapped
+    opened: bool = False  # the stream is opened with the first piece, not while the request queues
     queued_bytes: int = 0
 
 
@@ -108,7 +109,6 @@ class KVPusher:
             self._pushes[request_id] = push
         if previous is not None:
             self._close(previous)
-        push.task = push.loop.create_task(self._run(push))
 
     async def finish(self, request_id: str, timeout_s: float) -> bool:
         """Whether the decode worker confirmed every block, waiting at most ``timeout_s``; ends the push either way."""
@@ -165,6 +165,9 @@ class KVPusher:
                         request_id, self.max_queued_bytes)
             push.loop.call_soon_threadsafe(self._forget, push)
             return
+        if not push.opened:
+            push.opened = True
+            push.loop.call_soon_threadsafe(self._open, push)
         push.loop.call_soon_threadsafe(push.queue.put_nowait, piece)
 
     def push_end(self, request_id: str, complete: bool) -> None:
@@ -177,6 +180,10 @@ class KVPusher:
             push.loop.call_soon_threadsafe(self._forget, push)
 
     # ---- internals ----------------------------------------------------------------
+
+    def _open(self, push: _Push) -> None:
+        if not push.closed and push.task is None:
+            push.task = push.loop.create_task(self._run(push))
 
     async def _run(self, push: _Push) -> bool:
         stub = self._stub_for(push.address)
