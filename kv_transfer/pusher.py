@@ -114,15 +114,18 @@ class KVPusher:
         """Whether the decode worker confirmed every block, waiting at most ``timeout_s``; ends the push either way."""
         with self._lock:
             push = self._pushes.get(request_id)
-        if push is None or push.task is None:
+        if push is None:
+            return False
+        if push.task is None:  # never opened (no piece came): nothing was pushed
+            self._forget(push)
             return False
         try:
-            pushed = await asyncio.wait_for(asyncio.shield(push.task), timeout=max(timeout_s, 0.0))
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - any failure: the decode worker pulls
-            pushed = False
+            # asyncio.wait: neither cancels the push at the timeout nor raises what ended it.
+            done, _ = await asyncio.wait({push.task}, timeout=max(timeout_s, 0.0))
         finally:
             self._forget(push)
-        return pushed
+        task = push.task
+        return task in done and not task.cancelled() and task.exception() is None and task.result()
 
     def cancel(self, request_id: str) -> None:
         """Stop pushing ``request_id`` (aborted, or nothing to hand off); the decode worker drops what it got."""
@@ -194,6 +197,7 @@ class KVPusher:
             log.warning("KV push of %s to %s failed (%s: %s); it will be pulled",
                         push.request_id, push.address, error.code().name, error.details())
             self.num_failed += 1
+            self._stop_sending(push)  # the engine's later pieces are dropped, not queued
             return False
         except asyncio.CancelledError:
             call.cancel()
@@ -260,6 +264,10 @@ class KVPusher:
     def _close(self, push: _Push) -> None:
         if push.task is not None and not push.task.done():
             push.task.cancel()
+        self._stop_sending(push)
+
+    def _stop_sending(self, push: _Push) -> None:
+        """No more pieces: drop the queued ones, unmap the segment (the engine thread writes it under the lock)."""
         with self._lock:
             self._queued_bytes -= push.queued_bytes
             push.queued_bytes = 0
