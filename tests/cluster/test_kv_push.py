@@ -177,3 +177,38 @@ async def test_decode_worker_dying_while_kv_is_pushed_to_it_falls_back_to_anothe
                    for w in workers)
 
     await wait_until(all_free, "every block free on the prefill worker and the surviving decode worker")
+
+
+@pytest.mark.asyncio
+async def test_prefill_worker_dying_mid_push_leaves_nothing_on_the_decode_worker_and_the_request_is_retried(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(prefill_workers=2))
+    holds = []
+    for prefill in cluster.prefills:
+        engine = prefill.runtime.engine
+        holds.append(_HoldPrefillAtLayer(engine.kv_pusher.sink, layer=1))
+        engine.kv_pusher.sink = holds[-1]
+    prompt = random_prompts([200], seed=135)[0]
+    generation = asyncio.create_task(cluster.generate(_request(prompt)))
+    try:
+        await wait_until(lambda: any(h.reached.is_set() for h in holds), "a prefill worker to push a layer")
+        await _wait_for_push_started(cluster)
+        (index,) = [i for i, h in enumerate(holds) if h.reached.is_set()]
+        victim = cluster.prefills[index]
+        # The prefill worker goes away mid-push: every call it serves or makes ends.
+        await victim.server.grpc_server.stop(0)
+    finally:
+        for hold in holds:
+            hold.release.set()
+    responses = await generation
+    assert _tokens(responses) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    (survivor,) = [p for p in cluster.prefills if p is not victim]
+    # The retry on the other prefill worker pushed to the same decode worker, which took that push.
+    assert survivor.servicer.pusher.num_pushed == 1
+    assert cluster.decode.servicer.kv_pushes == 1
+    assert len(cluster.decode.servicer.inbox) == 0 and cluster.decode.servicer.inbox.num_bytes == 0
+    await wait_until(lambda: victim.runtime.async_engine.latest_stats.num_free_blocks
+                     == victim.runtime.async_engine.latest_stats.num_total_blocks, "the dead prefill's blocks freed")
+    assert victim.servicer.pusher._pushes == {}
+    await wait_until(lambda: not survivor.runtime.engine.leases.request_ids, "the lease released")
