@@ -3,12 +3,13 @@
     python -m benchmarks.handoff_cost [--prompt-lens 1000 2000] [--requests 6] [--output-len 32]
                                       [--transport grpc] [--modes push pull] [--json out.json]
 
-Starts one ``pdserve up`` per mode (1 prefill + 1 decode worker and the gateway as
-processes, the default model, float32): ``push`` (the gateway's default
-``--kv-push``: the prefill worker pushes each layer's KV to the decode worker
-while it computes) and ``pull`` (``--no-kv-push``: the decode worker fetches
-the KV once the first token is out). Both clusters run side by side, and the
-requests alternate between them, one at a time over both, so nothing queues:
+Starts ``pdserve up`` (1 prefill + 1 decode worker and the gateway as processes,
+the default model, float32) and a second gateway over the same two workers, one
+per mode: ``push`` (the gateway's default ``--kv-push``: the prefill worker
+pushes each layer's KV to the decode worker while it computes) and ``pull``
+(``--no-kv-push``: the decode worker fetches the KV once the first token is
+out). Requests alternate between the two gateways, one at a time, so nothing
+queues and both modes see the same workers and the same machine:
 whatever separates the first token (streamed as soon as the prefill worker
 returns it) from the second is the handoff — the decode worker taking the
 request, fetching the KV, landing it — plus one decode step and the relay.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -60,9 +60,11 @@ async def _decode_report(address: str) -> worker_pb2.LoadReport:
         return await worker_pb2_grpc.DecodeWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
 
 
-async def _measure(cluster: LocalCluster, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+async def _measure(
+    cluster: LocalCluster, endpoint: str, prompts: list[list[int]], output_len: int
+) -> dict[str, float]:
     before = await _decode_report(cluster.decode_addresses[0])
-    async with grpc.aio.insecure_channel(cluster.endpoint, options=channel_options()) as channel:
+    async with grpc.aio.insecure_channel(endpoint, options=channel_options()) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         results = [await _one(stub, prompt, output_len) for prompt in prompts]  # one at a time: idle cluster
     after = await _decode_report(cluster.decode_addresses[0])
@@ -90,7 +92,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--transport", default="grpc", choices=["grpc", "shm", "torch_dist"])
     parser.add_argument("--modes", nargs="+", default=["push", "pull"], choices=["push", "pull"],
-                        help="one cluster per mode, side by side, requests alternating between them")
+                        help="one gateway per mode over the same workers, requests alternating between them")
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
@@ -103,26 +105,26 @@ def main() -> None:
     def prompts(length: int, count: int) -> list[list[int]]:
         return [[rng.randrange(2, VOCAB_SIZE) for _ in range(length)] for _ in range(count)]
 
-    def config(mode: str) -> ClusterConfig:
-        return ClusterConfig(
-            dtype="float32", port=0, kv_transport=args.transport, kv_push=mode == "push",
-            engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
-            redis_prefix=f"pdserve-handoff-bench-{mode}-{time.time_ns()}",
-        )
-
+    config = ClusterConfig(
+        dtype="float32", port=0, kv_transport=args.transport, kv_push=args.modes[0] == "push",
+        engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
+        redis_prefix=f"pdserve-handoff-bench-{time.time_ns()}",
+    )
     summary: dict[str, object] = {"transport": args.transport, "output_len": args.output_len, "by_mode": {}}
-    with contextlib.ExitStack() as stack:
-        clusters = {mode: stack.enter_context(LocalCluster(config(mode))) for mode in args.modes}
+    with LocalCluster(config) as cluster:
+        endpoints = {args.modes[0]: cluster.endpoint}
+        for mode in args.modes[1:]:
+            endpoints[mode] = cluster.start_gateway(f"gateway-{mode}", ["--kv-push" if mode == "push" else "--no-kv-push"])
         # Warm every path (the model's first steps, the channels, the KV buffers) at each length.
         for length in args.prompt_lens:
-            for cluster in clusters.values():
-                asyncio.run(_measure(cluster, prompts(length, 2), args.output_len))
+            for endpoint in endpoints.values():
+                asyncio.run(_measure(cluster, endpoint, prompts(length, 2), args.output_len))
         for length in args.prompt_lens:
-            # One request at a time, alternating between the modes, so both see the same machine.
-            rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in clusters}
+            # One request at a time, alternating between the modes.
+            rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in endpoints}
             for _ in range(args.requests):
-                for mode, cluster in clusters.items():
-                    rows[mode].append(asyncio.run(_measure(cluster, prompts(length, 1), args.output_len)))
+                for mode, endpoint in endpoints.items():
+                    rows[mode].append(asyncio.run(_measure(cluster, endpoint, prompts(length, 1), args.output_len)))
             for mode, measured in rows.items():
                 row = _combine(measured)
                 summary["by_mode"].setdefault(mode, {})[str(length)] = row  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -135,6 +136,14 @@ class LocalCluster:
         self._spawn("gateway", gateway_args)
         self.endpoint = self._wait_ready("gateway")
         return self.endpoint
+
+    def start_gateway(self, name: str, extra_args: Sequence[str] = ()) -> str:
+        """Another gateway over this cluster's workers, on a free port, with ``extra_args`` added to the
+        first one's flags (e.g. ``--no-kv-push``, for a side-by-side comparison); its endpoint. Stopped
+        with the cluster."""
+        command = [*self._commands["gateway"], "--port", "0", "--ready-file", str(self._ready_file(name)), *extra_args]
+        self._spawn(name, command)
+        return self._wait_ready(name)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every process this cluster started, newest first; SIGKILL stragglers."""
