@@ -6,9 +6,9 @@ Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
 processes, KV over the chosen transport on loopback) driven with every request
 at once over gRPC. Reports output tokens/s and their ratio, TTFT p50/p99, the
-time from first to second token (which holds the KV transfer: the first token
-is streamed before the decode worker fetches), and the decode worker's own
-transfer time. Greedy, float32, EOS ignored; the cluster's tokens are compared
+time from first to second token, and the decode worker's own time to have the
+KV (``--kv-push``, the default: taking what the prefill worker pushed while it
+ran; ``--no-kv-push``: fetching it after the first token). Greedy, float32, EOS ignored; the cluster's tokens are compared
 with the in-process ones.
 """
 
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transport", default="grpc", choices=["grpc", "shm", "torch_dist"])
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
+    parser.add_argument("--kv-push", action=argparse.BooleanOptionalAction, default=True,
+                        help="the gateway's --kv-push: KV pushed while the prefill runs (default), else pulled")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -82,7 +84,7 @@ def main() -> None:
 
     config = ClusterConfig(
         dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
-        redis_prefix=f"pdserve-bench-{time.time_ns()}",
+        redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push,
         disaggregation="always",  # every prompt through a prefill worker and a KV handoff: the path measured here
     )
     with LocalCluster(config) as cluster:
@@ -111,6 +113,7 @@ def main() -> None:
             "kv_transfer_mean_ms": transfer_s * 1000,
             "kv_transfer_mean_mib": transfer_mb,
             "kv_transfers": transfers,
+            "kv_pushes": after.kv_pushes - before.kv_pushes,
         },
         "cluster_over_in_process": cluster_tps / local_tps,
         "identical_outputs": f"{same}/{len(results)}",
@@ -121,7 +124,7 @@ def main() -> None:
           f"-> {summary['cluster_over_in_process']:.0%} of in-process")
     print(f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, p99 {c['ttft_p99_ms']:.0f} ms; first->second token p50 "
           f"{c['first_to_second_token_p50_ms']:.0f} ms; KV transfer {c['kv_transfer_mean_ms']:.1f} ms per request "
-          f"({c['kv_transfer_mean_mib']:.1f} MiB, {transfers} transfers)")
+          f"({c['kv_transfer_mean_mib']:.1f} MiB, {transfers} transfers, {c['kv_pushes']} of them pushed)")
     print(f"outputs identical to in-process: {summary['identical_outputs']}")
     if args.json:
         with open(args.json, "w") as out:

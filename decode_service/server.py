@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
+from kv_transfer.push_inbox import PushedKV, PushInbox
 from kv_transfer.sharded import FETCHER
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
@@ -37,7 +38,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     The request waits in the engine's scheduler for blocks (WAITING_FOR_REMOTE_KVS);
     once it has them, only the blocks it does not already cache are fetched,
-    written in between two steps, and decoding goes on.
+    written in between two steps, and decoding goes on. When the prefill worker
+    pushed the KV here while it prefilled (PushKV, ``DecodeRequest.kv_pushed``),
+    the blocks come from the push inbox instead, and are pulled only when the
+    pushed copy is not there.
     """
 
     FAILURE_POLICIES = ("recompute", "fail")
@@ -63,6 +67,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_bytes_received = 0
         self.kv_receive_seconds = 0.0
         self.kv_transfers = 0
+        self.kv_pushes = 0
+        self.inbox = PushInbox(transfer, transfer.push_inbox_bytes, transfer.push_ttl_s)
 
     @grpc_errors
     @with_request_id(lambda request: request.request_id or request.handoff.request_id)
@@ -80,7 +86,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
-        receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
+        pushed: list[PushedKV] = []  # what the push inbox handed this request, freed once landed
+        if request.kv_pushed:
+            receive_kv = functools.partial(self._receive_pushed, handoff, stub, pushed, request_id)
+        else:
+            receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
             stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv)
@@ -89,6 +99,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 first = await anext(stream)
             finally:
                 self._release_lease(handoff, stub)
+                for entry in pushed:
+                    self.inbox.release(entry)
+                if request.kv_pushed:
+                    self.inbox.discard(handoff.request_id)  # an unclaimed push (the request failed first)
         num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
         try:
             async for output in stream:
@@ -182,11 +196,48 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             log.warning("draft KV transfer for %s failed (%s); the draft recomputes it", handoff.request_id, detail)
 
+    async def _receive_pushed(
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, pushed: list[PushedKV], request_id: str,
+        first_block: int,
+    ) -> torch.Tensor | None:
+        """The handoff's blocks from ``first_block`` on, out of what was pushed here; pulled when that is gone.
+
+        A draft section this engine's draft can use is fetched (it is never pushed) and landed first."""
+        started = time.perf_counter()
+        entry = self.inbox.take(handoff)
+        if entry is None:
+            log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
+                        handoff.request_id)
+            return await self._receive_kv(handoff, stub, first_block, request_id=request_id)
+        pushed.append(entry)
+        if self.runtime.engine.accepts_draft_kv(handoff):
+            await self._receive_draft_kv(handoff, stub, request_id)
+        blocks = entry.blocks[:, :, first_block:]
+        seconds = time.perf_counter() - started
+        num_bytes = blocks.numel() * blocks.element_size()
+        self.kv_pushes += 1
+        self.kv_transfers += 1
+        self.kv_receive_seconds += seconds
+        self.kv_bytes_received += num_bytes
+        self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
+        return blocks
+
+    @grpc_errors
+    async def PushKV(  # noqa: N802 - the gRPC method name
+        self, request_iterator, context: grpc.aio.ServicerContext  # noqa: ANN001
+    ) -> worker_pb2.PushKVResponse:
+        if self.engine.engine.tensor_parallel_size > 1:
+            # Each rank takes its own heads straight from the prefill worker (kv_transfer/sharded.py).
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this decode worker is tensor-parallel: it pulls its KV, a push cannot land here")
+        return await self.inbox.receive(request_iterator, context)
+
     @grpc_errors
     async def Load(  # noqa: N802
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadReport:
         report = self.runtime.load_report()
+        report.kv_pushes = self.kv_pushes
         report.kv_bytes_received = self.kv_bytes_received
         report.kv_receive_seconds = self.kv_receive_seconds
         report.kv_transfers = self.kv_transfers
@@ -242,6 +293,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.gather(task, return_exceptions=True)
         for channel, _ in self._channels.values():
             await channel.close()
+        self.inbox.close()
 
 
 def _new_tokens(output: RequestOutput, previous: RequestOutput | None) -> worker_pb2.DecodeResponse:

@@ -207,7 +207,9 @@ class KVHoldParams:
 
     Given at ``LLMEngine.add_request``; when the request finishes, its blocks go
     to the engine's lease table for ``lease_s`` seconds and its output carries
-    the ``KVHandoff`` built from these fields and the sequence.
+    the ``KVHandoff`` built from these fields and the sequence. With ``push``
+    the engine also hands each layer's blocks to its ``LayerPusher``'s sink as
+    the prefill writes them (``engine.kv_push``).
     """
 
     transport: str
@@ -215,6 +217,7 @@ class KVHoldParams:
     worker_id: str
     epoch: int
     lease_s: float
+    push: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -227,6 +230,8 @@ class KVHoldParams:
         _check_range("epoch", self.epoch, 0, _UINT64_MAX)
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+        if not isinstance(self.push, bool):
+            raise ValueError(f"push must be a bool, got {type(self.push).__name__}")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVSlot
 from engine.kv_leases import LeaseTable
+from engine.kv_push import LayerPusher
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
@@ -131,6 +132,8 @@ class LLMEngine:
             block_size=block_size,
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
+        # Requests held with push=True hand each layer's KV to its sink as it is written.
+        self.kv_pusher = LayerPusher(self.model.model.layers, self.kv_cache, block_size)
         self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
         self.draft = draft
         # Set: held requests get the draft's prompt KV too, handed over as the handoff's draft section.
@@ -202,6 +205,7 @@ class LLMEngine:
             # Finished already, its KV held for a decode worker that will not come.
             self.leases.release(request_id)
             return None
+        self.kv_pusher.end(request_id, complete=False)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
 
@@ -241,9 +245,13 @@ class LLMEngine:
             return []
         spec = self.spec_decoder
         generator_states = spec.save_generators(scheduler_output) if spec else {}
-        result = self.runner.execute(scheduler_output)
-        self.scheduler.complete_step(scheduler_output)
-        outputs = self._update(result, generator_states, spec)
+        self.kv_pusher.begin_step(scheduler_output)
+        try:
+            result = self.runner.execute(scheduler_output)
+            self.scheduler.complete_step(scheduler_output)
+            outputs = self._update(result, generator_states, spec)
+        finally:
+            self.kv_pusher.end_step()
         if spec is not None:
             spec.propose(self.scheduler)
         return outputs
@@ -296,6 +304,7 @@ class LLMEngine:
                         self._handoff_draft.fill([seq])
                     handoff = self._handoff(seq, seq.kv_hold)
                     self.leases.grant(seq, handoff, seq.kv_hold.lease_s)
+                    self.kv_pusher.end(seq.request_id, complete=True)
                 self._requests.pop(seq.request_id, None)
                 self._detokenizers.pop(seq.request_id, None)
             outputs.append(self._output(seq, detokenizer, handoff))

@@ -30,6 +30,8 @@ from service_common.server import Server, ServerConfig
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# The transports a prefill worker pushes KV over (kv_transfer.pusher's; the gateway imports no torch).
+PUSH_TRANSPORTS = ("grpc", "shm")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -45,6 +47,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         max_prefill_attempts: int = 3,
         metrics: GatewayMetrics | None = None,
         disaggregation: DisaggregationPolicy | None = None,
+        kv_push: bool = True,
+        max_decode_attempts: int = 2,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -52,6 +56,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.limits = limits or RequestLimits()
         self.admission = admission or Admission()
         self.max_prefill_attempts = max_prefill_attempts
+        # Choose the decode worker before the prefill, so the prefill worker pushes the KV there as it computes it.
+        self.kv_push = kv_push and transport in PUSH_TRANSPORTS
+        self.max_decode_attempts = max_decode_attempts
         self.metrics = metrics or GatewayMetrics()
         self.disaggregation = disaggregation or DisaggregationPolicy()
         self._background: set[asyncio.Task[Any]] = set()
@@ -72,9 +79,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
                                                      token_ids, context.time_remaining())
                 else:
+                    push_to = self._push_target(request, route.decode)
                     prefill, prefill_response = await self._prefill(request, request_id, token_ids, context,
-                                                                    route.prefill)
-                    responses = self._relay(request, request_id, token_ids, prefill, prefill_response, context)
+                                                                    route.prefill, push_to)
+                    responses = self._relay(request, request_id, token_ids, prefill, prefill_response, context,
+                                            push_to)
                 async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
                     async for response in responses:
                         tracker.responded(response)
@@ -89,9 +98,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         token_ids: list[int],
         context: grpc.aio.ServicerContext,
         choice: PrefillChoice | None = None,
+        push_to: WorkerHandle | None = None,
     ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
         """Prefill on the best worker (``choice``, when routing chose it already); when one is unreachable
-        (crashed, partitioned), on the next best."""
+        (crashed, partitioned), on the next best.
+
+        ``push_to``: the decode worker the prefill worker pushes the KV to while it computes it.
+        """
         prefill_request = worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -107,6 +120,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise Unavailable(str(error)) from error
             prefill = choice.worker
             self.metrics.routed("prefill", prefill.worker_id)
+            # A colocated worker finds the prompt in its own prefix cache: nothing to push.
+            pushing = push_to is not None and push_to.address != prefill.address
+            prefill_request.push_address = push_to.address if pushing else ""
             try:
                 # Count the work this adds there: the tokens its cache does not already hold
                 # (all of them when the prompt's logprobs are asked for: those skip the cache).
@@ -137,8 +153,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prefill: WorkerHandle,
         prefill_response: worker_pb2.PrefillResponse,
         context: grpc.aio.ServicerContext,
+        push_to: WorkerHandle | None = None,
     ):
-        """The first token at once, then the decode worker's stream, ending with usage."""
+        """The first token at once, then the decode worker's stream, ending with usage.
+
+        The decode worker is ``push_to`` (chosen before the prefill) when there is one. One that
+        fails before sending anything is replaced by another, which pulls the KV (still leased).
+        """
         usage = generation_pb2.Usage(
             prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
         )
@@ -155,50 +176,85 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield first
             return
 
-        try:
-            decode = self.router.choose_decode()
-        except NoWorkerAvailable as error:
-            self._release_prefill(prefill, request_id)
-            raise Unavailable(str(error)) from error
-        self.metrics.routed("decode", decode.worker_id)
+        decode = push_to if push_to is not None and push_to.healthy else None
         decode_request = worker_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=request.sampling_params,
             handoff=prefill_response.handoff,
+            # The prefill worker pushed only to push_to; any other decode worker pulls.
+            kv_pushed=prefill_response.kv_pushed and decode is not None,
         )
-        # Open the decode stream (it starts fetching the KV) before the first
-        # token goes out, so the two overlap; the client never waits for it.
-        call = decode.stub.Decode(decode_request, timeout=context.time_remaining())
-        finished = False
-        with _Inflight(decode, 0):
-            try:
-                yield first
-                async for piece in call:
-                    usage.completion_tokens += len(piece.token_ids)
-                    response = generation_pb2.GenerateResponse(
-                        request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
-                    )
-                    if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                        response.finish_reason = piece.finish_reason
-                        usage.spec_decode_drafts = piece.spec_decode_drafts
-                        usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
-                        usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
-                        response.usage.CopyFrom(usage)
-                        finished = True
-                    yield response
-            except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    # Crashed or its engine died: out of rotation now, not at the next load poll,
-                    # so requests arriving meanwhile go to the other decode workers.
-                    decode.healthy = False
-                raise
-            finally:
-                if not finished:
-                    # Client cancel, deadline or a failed decode: stop the decode
-                    # worker's request and free the prefill worker's pinned blocks.
-                    call.cancel()
-                    self._release_prefill(prefill, request_id)
+        first_sent = finished = False
+        attempts = 0
+        try:
+            while True:
+                attempts += 1
+                if decode is None:
+                    try:
+                        decode = self.router.choose_decode()
+                    except NoWorkerAvailable as error:
+                        raise Unavailable(str(error)) from error
+                self.metrics.routed("decode", decode.worker_id)
+                # Open the decode stream (it starts taking the KV) before the first token
+                # goes out, so the two overlap; the client never waits for it.
+                call = decode.stub.Decode(decode_request, timeout=context.time_remaining())
+                received = False
+                with _Inflight(decode, 0):
+                    try:
+                        if not first_sent:
+                            first_sent = True
+                            yield first
+                        async for piece in call:
+                            received = True
+                            usage.completion_tokens += len(piece.token_ids)
+                            response = generation_pb2.GenerateResponse(
+                                request_id=request_id, token_ids=piece.token_ids, text=piece.text,
+                                logprobs=piece.logprobs,
+                            )
+                            if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                                response.finish_reason = piece.finish_reason
+                                usage.spec_decode_drafts = piece.spec_decode_drafts
+                                usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
+                                usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
+                                response.usage.CopyFrom(usage)
+                                finished = True
+                            yield response
+                        return
+                    except grpc.aio.AioRpcError as error:
+                        if error.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        # Crashed or its engine died: out of rotation now, not at the next load poll,
+                        # so requests arriving meanwhile go to the other decode workers.
+                        decode.healthy = False
+                        if received or attempts >= self.max_decode_attempts:
+                            raise
+                        # Nothing came from it yet: another decode worker pulls the KV the prefill worker holds.
+                        log.warning("decode worker %s failed for %s (%s); retrying on another worker",
+                                    decode.address, request_id, error.details())
+                        decode, decode_request.kv_pushed = None, False
+                    finally:
+                        if not finished:
+                            call.cancel()
+        finally:
+            if not finished:
+                # Client cancel, deadline or a failed decode: stop the decode
+                # worker's request and free the prefill worker's pinned blocks.
+                self._release_prefill(prefill, request_id)
+
+    def _push_target(
+        self, request: generation_pb2.GenerateRequest, chosen: WorkerHandle | None = None
+    ) -> WorkerHandle | None:
+        """The decode worker chosen before the prefill (``chosen``: the one routing weighed), for the
+        prefill worker to push the KV to; None: pull."""
+        if not self.kv_push or request.sampling_params.max_tokens == 1:
+            return None
+        if chosen is not None and chosen.healthy:
+            return chosen
+        try:
+            return self.router.choose_decode()
+        except NoWorkerAvailable:
+            return None  # _relay says so, if a decode worker is needed at all
 
     @grpc_errors
     async def ModelInfo(  # noqa: N802
@@ -323,6 +379,7 @@ class GatewayServer:
         http_max_n: int = DEFAULT_MAX_N,  # the most choices (n) one HTTP request may ask for
         http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         disaggregation: str = "auto",  # always | never | auto: where prompts are prefilled (gateway/disaggregation.py)
+        kv_push: bool = True,  # push KV to the decode worker while the prefill runs (grpc, shm); False: pull
     ) -> None:
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         self.http_api: OpenAIHttpApi | None = None
@@ -338,6 +395,7 @@ class GatewayServer:
             RequestLimits(max_logprobs=max_logprobs),
             Admission(max_inflight_requests, max_inflight_tokens),
             disaggregation=DisaggregationPolicy(disaggregation),
+            kv_push=kv_push,
         )
         self.metrics_endpoint = (
             MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)

@@ -45,6 +45,15 @@ class TransferConfig:
     torch_dist_timeout_s: float = 60.0  # torch_dist: pair rendezvous and each send/recv
     torch_dist_max_pairs: int = 64  # torch_dist: cached pair groups per side; the least recently used go first
     device: str = "cpu"  # receivers place blocks here when the transport can (cuda_ipc, nccl)
+    # Push (grpc, shm): how long a prefill worker waits, once its first token is sampled, for the decode
+    # worker to confirm it holds every pushed block (past it the decode worker pulls instead) ...
+    push_ack_timeout_s: float = 2.0
+    # ... the most KV a prefill worker queues to push, over all requests (past it: pulled) ...
+    push_max_queued_bytes: int = 1 << 30
+    # ... and, on a decode worker, the most pushed KV held for requests whose Decode has not come yet
+    # (past it a push is refused and pulled), each dropped when unclaimed for push_ttl_s.
+    push_inbox_bytes: int = 2 << 30
+    push_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -59,5 +68,11 @@ class TransferConfig:
             )
         if self.torch_dist_max_pairs < 1:
             raise ValueError(f"torch_dist_max_pairs must be at least 1, got {self.torch_dist_max_pairs}")
+        for name in ("push_ack_timeout_s", "push_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("push_max_queued_bytes", "push_inbox_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.torch_dist_timeout_s <= 0:
             raise ValueError(f"torch_dist_timeout_s must be positive, got {self.torch_dist_timeout_s}")

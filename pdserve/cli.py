@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--handoff-draft-kv", action="store_true",
                          help="with a draft_model --speculative-config: build the draft's prompt KV here beside the "
                          "target's and hand both over (default: the decode worker recomputes it)")
+    add_client_tls_arguments(prefill, "decode workers (KV push)")
     prefill.set_defaults(func=run_prefill)
 
     decode = commands.add_parser("decode", help="run a decode worker")
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker (repeatable)")
     gateway.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker (repeatable)")
     gateway.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
+    gateway.add_argument("--kv-push", action=argparse.BooleanOptionalAction, default=True,
+                         help="choose the decode worker before the prefill and have the prefill worker push the KV "
+                         "to it as each layer is computed (grpc, shm; other transports are pulled)")
     gateway.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"],
                          help="prefill choice: longest cached prefix weighed against load, or round-robin")
     gateway.add_argument("--disaggregation", default="auto", choices=DISAGGREGATION_MODES,
@@ -208,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)
+    up.add_argument("--kv-push", action=argparse.BooleanOptionalAction, default=True,
+                    help="the gateway's --kv-push: KV pushed while the prefill runs (grpc, shm), else pulled")
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -43,6 +44,7 @@ class ClusterConfig:
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
+    kv_push: bool = True  # the gateway's --kv-push
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
     disaggregation: str = "auto"  # the gateway's --disaggregation: always | never | auto
@@ -124,6 +126,7 @@ class LocalCluster:
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
                         "--kv-transport", config.kv_transport, "--routing", config.routing,
                         "--disaggregation", config.disaggregation,
+                        "--kv-push" if config.kv_push else "--no-kv-push",
                         "--ready-file", str(self._ready_file("gateway")), *self._metrics_args("gateway")]
         if config.model:
             gateway_args += ["--model", config.model]
@@ -138,6 +141,14 @@ class LocalCluster:
         self._spawn("gateway", gateway_args)
         self.endpoint = self._wait_ready("gateway")
         return self.endpoint
+
+    def start_gateway(self, name: str, extra_args: Sequence[str] = ()) -> str:
+        """Another gateway over this cluster's workers, on a free port, with ``extra_args`` added to the
+        first one's flags (e.g. ``--no-kv-push``, for a side-by-side comparison); its endpoint. Stopped
+        with the cluster."""
+        command = [*self._commands["gateway"], "--port", "0", "--ready-file", str(self._ready_file(name)), *extra_args]
+        self._spawn(name, command)
+        return self._wait_ready(name)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every process this cluster started, newest first; SIGKILL stragglers."""

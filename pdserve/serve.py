@@ -112,7 +112,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         torch.set_num_threads(args.torch_threads)
     # Read before the model loads, so a wrong certificate path fails at once.
     server_tls = server_tls_from_args(args)
-    client_tls = client_tls_from_args(args) if role != "prefill" else None  # a prefill worker dials no one
+    client_tls = client_tls_from_args(args)  # a prefill worker dials decode workers to push KV
     engine = LLMEngine(engine_config(args))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                  grace_s=args.drain_seconds, tls=server_tls,
@@ -130,7 +130,8 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         from prefill_service.server import PrefillServer
 
         return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
-                                            advertise_host=advertise, metrics_port=args.metrics_port), args)
+                                            advertise_host=advertise, metrics_port=args.metrics_port,
+                                            client_tls=client_tls), args)
     if role == "colocated":
         from decode_service.colocated import ColocatedServer
 
@@ -185,4 +186,4 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
                                    http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
-                                   http_max_body_bytes=args.http_max_body_bytes), args)
+                                   http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push), args)

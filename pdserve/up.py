@@ -55,7 +55,7 @@ def run_up(args: argparse.Namespace) -> int:
         model=args.model, metrics_port=args.metrics_port, dtype=args.dtype, device=args.device,
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, host=args.host, port=args.port, redis_url=args.redis_url,
-        redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, engine_args=engine_args,
+        redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, kv_push=args.kv_push, engine_args=engine_args,
         decode_args=up_decode_args(args), prefill_args=up_prefill_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, disaggregation=args.disaggregation,
         http_port=args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,

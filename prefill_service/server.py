@@ -10,13 +10,15 @@ import grpc
 from engine.kv_handoff import KVHoldParams
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_to_proto
+from kv_transfer.pusher import PUSH_TRANSPORTS, KVPusher
 from kv_transfer.sender import KVSenderServicer
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import grpc_errors
 from service_common.logs import with_request_id
+from service_common.security import TlsConfig, open_channel
 from service_common.server import ServerConfig
 from service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
 
@@ -28,17 +30,25 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """Prefill with ``max_tokens=1`` and ``hold_kv``: the first token comes back, the blocks stay pinned."""
 
-    def __init__(self, runtime: WorkerRuntime, lease_s: float, transfer: TransferConfig) -> None:
+    def __init__(
+        self, runtime: WorkerRuntime, lease_s: float, transfer: TransferConfig, client_tls: TlsConfig | None = None
+    ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.runtime = runtime
         self.engine = runtime.async_engine
         self.lease_s = lease_s
+        self.transfer = transfer
         # The engine's lease table owns every held request; the transports read held
         # blocks through it (a KVSource) and hear from it when a lease ends.
         self.leases = runtime.engine.leases
         self.sender = KVSenderServicer(self.leases, transfer)
         self.leases.on_end = self.sender.release
+        # KV pushed to decode workers while the prefill runs: the engine hands each layer to the pusher.
+        self.client_tls = client_tls  # of the channels to decode workers; None: plaintext
+        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
+        self.pusher = KVPusher(transfer, self._decode_stub, transfer.push_max_queued_bytes)
+        runtime.engine.kv_pusher.sink = self.pusher
 
     @grpc_errors
     @with_request_id(lambda request: request.request_id)
@@ -47,21 +57,39 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
+        transport = request.transport or "grpc"
+        # Push while the prefill runs when the gateway chose the decode worker already, the
+        # transport can push, and a second token will be needed. A tensor-parallel engine holds
+        # each rank's KV heads on that rank: its decode workers pull them (kv_transfer/sharded.py).
+        push = bool(
+            request.push_address and transport in PUSH_TRANSPORTS and params.max_tokens > 1 and prompt
+            and request.push_address != self.runtime.address and self.runtime.engine.tensor_parallel_size == 1
+        )
         hold = KVHoldParams(
-            transport=request.transport or "grpc",
+            transport=transport,
             address=self.runtime.address,
             worker_id=self.runtime.config.worker_id,
             epoch=self.runtime.epoch,
             lease_s=self.lease_s,
+            push=push,
         )
         final = None
         # The first token only, checked against the client's max_tokens; cancelling
         # this RPC aborts the request and frees its blocks (held ones too).
-        with self.runtime.admit(len(prompt)):
-            async for output in self.engine.generate(
-                prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params
-            ):
-                final = output
+        try:
+            with self.runtime.admit(len(prompt)):
+                if push:
+                    layout = self.runtime.engine.kv_layout
+                    num_blocks = -(-len(prompt) // layout.block_size)
+                    self.pusher.start(request.request_id, request.push_address, transport, layout, num_blocks)
+                async for output in self.engine.generate(
+                    prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params
+                ):
+                    final = output
+        except BaseException:
+            # Rejected, aborted or cancelled: the decode worker drops what it got.
+            self.pusher.cancel(request.request_id)
+            raise
         assert final is not None and final.token_ids
         self.runtime.metrics.prefilled(len(prompt), final.num_cached_tokens)
         response = worker_pb2.PrefillResponse(
@@ -77,9 +105,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if final.finish_reason == "stop" or params.max_tokens == 1:
             # The first token already ends the request: nothing to hand off.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
+            self.pusher.cancel(request.request_id)
             self._release(request.request_id)
             return response
         response.handoff.CopyFrom(handoff_to_proto(final.kv_handoff))
+        if push:
+            # Only the last layer's piece can still be on its way: wait for the decode worker's
+            # confirmation (bounded; without it the decode worker pulls, the lease holds the KV).
+            remaining = context.time_remaining()
+            timeout = self.transfer.push_ack_timeout_s if remaining is None else min(
+                self.transfer.push_ack_timeout_s, remaining)
+            response.kv_pushed = await self.pusher.finish(request.request_id, timeout)
         return response
 
     @grpc_errors
@@ -111,11 +147,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if self.engine.is_alive:
             self.engine.submit(lambda engine: engine.leases.release(request_id))
 
+    def _decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        if address not in self._channels:
+            channel = open_channel(address, self.client_tls, INTERNAL_GRPC_OPTIONS)
+            self._channels[address] = (channel, worker_pb2_grpc.DecodeWorkerStub(channel))
+        return self._channels[address][1]
+
     async def close(self) -> None:
-        """Free every held request and everything staged; after the server stopped serving."""
+        """Free every held request, everything staged and every push; after the server stopped serving."""
         if self.engine.is_alive:
             await self.engine.call(lambda engine: engine.leases.release_all())
         self.sender.close()
+        self.pusher.close()
+        for channel, _ in self._channels.values():
+            await channel.close()
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:
@@ -143,10 +188,11 @@ class PrefillServer(WorkerServer):
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
         metrics_port: int | None = None,
+        client_tls: TlsConfig | None = None,  # of the channels to decode workers (KV push); None: plaintext
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host,
                          metrics_port=metrics_port)
-        self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig())
+        self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig(), client_tls)
         self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer)
 
     async def close_servicer(self) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve_client.v1 import generation_pb2 as protos_dot_pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'protos/pdserve/v1/internal/worker.proto\x12\x13pdserve.v1.internal\x1a\"protos/pdserve/v1/generation.proto\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xee\x02\n\tKVHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12-\n\x06layout\x18\x03 \x01(\x0b\x32\x1d.pdserve.v1.internal.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x06 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x12\x19\n\x11lease_deadline_ms\x18\t \x01(\x04\x12\x11\n\tworker_id\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x33\n\x0c\x64raft_layout\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.internal.KVLayout\x12\x16\n\x0e\x64raft_model_id\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\"\x86\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\ttransport\x18\x04 \x01(\t\"\x98\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12/\n\x07handoff\x18\x06 \x01(\x0b\x32\x1e.pdserve.v1.internal.KVHandoff\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"e\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x15\n\rkv_head_start\x18\x03 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x04 \x01(\r\"P\n\x07KVChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"\x8e\x01\n\x0eStageKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x06 \x01(\r\"J\n\x0fStageKVResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x13\n\x11ReleaseKVResponse\"\xa3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12/\n\x07handoff\x18\x04 \x01(\x0b\x32\x1e.pdserve.v1.internal.KVHandoff\"\x90\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1a\n\x12spec_decode_drafts\x18\x05 \x01(\r\x12 \n\x18spec_decode_draft_tokens\x18\x06 \x01(\r\x12#\n\x1bspec_decode_accepted_tokens\x18\x07 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\r\"\r\n\x0bLoadRequest\"\x80\x03\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x10\n\x08model_id\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x19\n\x11kv_bytes_received\x18\x0e \x01(\x04\x12\x1a\n\x12kv_receive_seconds\x18\x0f \x01(\x01\x12\x14\n\x0ckv_transfers\x18\x10 \x01(\x04\x12\x15\n\rkv_recomputes\x18\x11 \x01(\x04\x32\xb2\x03\n\rPrefillWorker\x12T\n\x07Prefill\x12#.pdserve.v1.internal.PrefillRequest\x1a$.pdserve.v1.internal.PrefillResponse\x12N\n\x07\x46\x65tchKV\x12#.pdserve.v1.internal.FetchKVRequest\x1a\x1c.pdserve.v1.internal.KVChunk0\x01\x12T\n\x07StageKV\x12#.pdserve.v1.internal.StageKVRequest\x1a$.pdserve.v1.internal.StageKVResponse\x12Z\n\tReleaseKV\x12%.pdserve.v1.internal.ReleaseKVRequest\x1a&.pdserve.v1.internal.ReleaseKVResponse\x12I\n\x04Load\x12 .pdserve.v1.internal.LoadRequest\x1a\x1f.pdserve.v1.internal.LoadReport2\xae\x01\n\x0c\x44\x65\x63odeWorker\x12S\n\x06\x44\x65\x63ode\x12\".pdserve.v1.internal.DecodeRequest\x1a#.pdserve.v1.internal.DecodeResponse0\x01\x12I\n\x04Load\x12 .pdserve.v1.internal.LoadRequest\x1a\x1f.pdserve.v1.internal.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'protos/pdserve/v1/internal/worker.proto\x12\x13pdserve.v1.internal\x1a\"protos/pdserve/v1/generation.proto\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xee\x02\n\tKVHandoff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12-\n\x06layout\x18\x03 \x01(\x0b\x32\x1d.pdserve.v1.internal.KVLayout\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x06 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x12\x19\n\x11lease_deadline_ms\x18\t \x01(\x04\x12\x11\n\tworker_id\x18\n \x01(\t\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\x12\x33\n\x0c\x64raft_layout\x18\x0c \x01(\x0b\x32\x1d.pdserve.v1.internal.KVLayout\x12\x16\n\x0e\x64raft_model_id\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\"\x9c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x14\n\x0cpush_address\x18\x05 \x01(\t\"\xab\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12/\n\x07handoff\x18\x06 \x01(\x0b\x32\x1e.pdserve.v1.internal.KVHandoff\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x11\n\tkv_pushed\x18\x08 \x01(\x08\"e\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x15\n\rkv_head_start\x18\x03 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x04 \x01(\r\"P\n\x07KVChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"\x8e\x01\n\x0eStageKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x06 \x01(\r\"J\n\x0fStageKVResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x13\n\x11ReleaseKVResponse\"\xb6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12/\n\x07handoff\x18\x04 \x01(\x0b\x32\x1e.pdserve.v1.internal.KVHandoff\x12\x11\n\tkv_pushed\x18\x05 \x01(\x08\"\x7f\n\rKVPushMessage\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.pdserve.v1.internal.KVPushHeaderH\x00\x12\x31\n\x05piece\x18\x02 \x01(\x0b\x32 .pdserve.v1.internal.KVPushPieceH\x00\x42\x06\n\x04kind\"\x8d\x01\n\x0cKVPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06layout\x18\x02 \x01(\x0b\x32\x1d.pdserve.v1.internal.KVLayout\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bshm_segment\x18\x05 \x01(\t\"x\n\x0bKVPushPiece\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"9\n\x0ePushKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x90\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1a\n\x12spec_decode_drafts\x18\x05 \x01(\r\x12 \n\x18spec_decode_draft_tokens\x18\x06 \x01(\r\x12#\n\x1bspec_decode_accepted_tokens\x18\x07 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\r\"\r\n\x0bLoadRequest\"\x93\x03\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\r\x12\x10\n\x08model_id\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x19\n\x11kv_bytes_received\x18\x0e \x01(\x04\x12\x1a\n\x12kv_receive_seconds\x18\x0f \x01(\x01\x12\x14\n\x0ckv_transfers\x18\x10 \x01(\x04\x12\x15\n\rkv_recomputes\x18\x11 \x01(\x04\x12\x11\n\tkv_pushes\x18\x12 \x01(\x04\x32\xb2\x03\n\rPrefillWorker\x12T\n\x07Prefill\x12#.pdserve.v1.internal.PrefillRequest\x1a$.pdserve.v1.internal.PrefillResponse\x12N\n\x07\x46\x65tchKV\x12#.pdserve.v1.internal.FetchKVRequest\x1a\x1c.pdserve.v1.internal.KVChunk0\x01\x12T\n\x07StageKV\x12#.pdserve.v1.internal.StageKVRequest\x1a$.pdserve.v1.internal.StageKVResponse\x12Z\n\tReleaseKV\x12%.pdserve.v1.internal.ReleaseKVRequest\x1a&.pdserve.v1.internal.ReleaseKVResponse\x12I\n\x04Load\x12 .pdserve.v1.internal.LoadRequest\x1a\x1f.pdserve.v1.internal.LoadReport2\x83\x02\n\x0c\x44\x65\x63odeWorker\x12S\n\x06\x44\x65\x63ode\x12\".pdserve.v1.internal.DecodeRequest\x1a#.pdserve.v1.internal.DecodeResponse0\x01\x12S\n\x06PushKV\x12\".pdserve.v1.internal.KVPushMessage\x1a#.pdserve.v1.internal.PushKVResponse(\x01\x12I\n\x04Load\x12 .pdserve.v1.internal.LoadRequest\x1a\x1f.pdserve.v1.internal.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHANDOFF']._serialized_start=208
   _globals['_KVHANDOFF']._serialized_end=574
   _globals['_PREFILLREQUEST']._serialized_start=577
-  _globals['_PREFILLREQUEST']._serialized_end=711
-  _globals['_PREFILLRESPONSE']._serialized_start=714
-  _globals['_PREFILLRESPONSE']._serialized_end=994
-  _globals['_FETCHKVREQUEST']._serialized_start=996
-  _globals['_FETCHKVREQUEST']._serialized_end=1097
-  _globals['_KVCHUNK']._serialized_start=1099
-  _globals['_KVCHUNK']._serialized_end=1179
-  _globals['_STAGEKVREQUEST']._serialized_start=1182
-  _globals['_STAGEKVREQUEST']._serialized_end=1324
-  _globals['_STAGEKVRESPONSE']._serialized_start=1326
-  _globals['_STAGEKVRESPONSE']._serialized_end=1400
-  _globals['_RELEASEKVREQUEST']._serialized_start=1402
-  _globals['_RELEASEKVREQUEST']._serialized_end=1440
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1442
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1461
-  _globals['_DECODEREQUEST']._serialized_start=1464
-  _globals['_DECODEREQUEST']._serialized_end=1627
-  _globals['_DECODERESPONSE']._serialized_start=1630
-  _globals['_DECODERESPONSE']._serialized_end=1902
-  _globals['_LOADREQUEST']._serialized_start=1904
-  _globals['_LOADREQUEST']._serialized_end=1917
-  _globals['_LOADREPORT']._serialized_start=1920
-  _globals['_LOADREPORT']._serialized_end=2304
-  _globals['_PREFILLWORKER']._serialized_start=2307
-  _globals['_PREFILLWORKER']._serialized_end=2741
-  _globals['_DECODEWORKER']._serialized_start=2744
-  _globals['_DECODEWORKER']._serialized_end=2918
+  _globals['_PREFILLREQUEST']._serialized_end=733
+  _globals['_PREFILLRESPONSE']._serialized_start=736
+  _globals['_PREFILLRESPONSE']._serialized_end=1035
+  _globals['_FETCHKVREQUEST']._serialized_start=1037
+  _globals['_FETCHKVREQUEST']._serialized_end=1138
+  _globals['_KVCHUNK']._serialized_start=1140
+  _globals['_KVCHUNK']._serialized_end=1220
+  _globals['_STAGEKVREQUEST']._serialized_start=1223
+  _globals['_STAGEKVREQUEST']._serialized_end=1365
+  _globals['_STAGEKVRESPONSE']._serialized_start=1367
+  _globals['_STAGEKVRESPONSE']._serialized_end=1441
+  _globals['_RELEASEKVREQUEST']._serialized_start=1443
+  _globals['_RELEASEKVREQUEST']._serialized_end=1481
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1483
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1502
+  _globals['_DECODEREQUEST']._serialized_start=1505
+  _globals['_DECODEREQUEST']._serialized_end=1687
+  _globals['_KVPUSHMESSAGE']._serialized_start=1689
+  _globals['_KVPUSHMESSAGE']._serialized_end=1816
+  _globals['_KVPUSHHEADER']._serialized_start=1819
+  _globals['_KVPUSHHEADER']._serialized_end=1960
+  _globals['_KVPUSHPIECE']._serialized_start=1962
+  _globals['_KVPUSHPIECE']._serialized_end=2082
+  _globals['_PUSHKVRESPONSE']._serialized_start=2084
+  _globals['_PUSHKVRESPONSE']._serialized_end=2141
+  _globals['_DECODERESPONSE']._serialized_start=2144
+  _globals['_DECODERESPONSE']._serialized_end=2416
+  _globals['_LOADREQUEST']._serialized_start=2418
+  _globals['_LOADREQUEST']._serialized_end=2431
+  _globals['_LOADREPORT']._serialized_start=2434
+  _globals['_LOADREPORT']._serialized_end=2837
+  _globals['_PREFILLWORKER']._serialized_start=2840
+  _globals['_PREFILLWORKER']._serialized_end=3274
+  _globals['_DECODEWORKER']._serialized_start=3277
+  _globals['_DECODEWORKER']._serialized_end=3536
 # @@protoc_insertion_point(module_scope)

@@ -54,19 +54,21 @@ class KVHandoff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., draft_model_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport", "push_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     transport: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ...) -> None: ...
+    push_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., push_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "text", "logprobs", "finish_reason", "cached_prompt_tokens", "handoff", "prompt_logprobs")
+    __slots__ = ("first_token_id", "text", "logprobs", "finish_reason", "cached_prompt_tokens", "handoff", "prompt_logprobs", "kv_pushed")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class PrefillResponse(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     text: str
     logprobs: _generation_pb2.TokenLogprobs
@@ -81,7 +84,8 @@ class PrefillResponse(_message.Message):
     cached_prompt_tokens: int
     handoff: KVHandoff
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
-    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    kv_pushed: bool
+    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., kv_pushed: _Optional[bool] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("request_id", "first_block", "kv_head_start", "kv_head_end")
@@ -144,16 +148,64 @@ class ReleaseKVResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     handoff: KVHandoff
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+    kv_pushed: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ...) -> None: ...
+
+class KVPushMessage(_message.Message):
+    __slots__ = ("header", "piece")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    header: KVPushHeader
+    piece: KVPushPiece
+    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., piece: _Optional[_Union[KVPushPiece, _Mapping]] = ...) -> None: ...
+
+class KVPushHeader(_message.Message):
+    __slots__ = ("request_id", "layout", "num_blocks", "transport", "shm_segment")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    layout: KVLayout
+    num_blocks: int
+    transport: str
+    shm_segment: str
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., shm_segment: _Optional[str] = ...) -> None: ...
+
+class KVPushPiece(_message.Message):
+    __slots__ = ("layer", "first_block", "num_blocks", "offset", "total_bytes", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    first_block: int
+    num_blocks: int
+    offset: int
+    total_bytes: int
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("num_blocks", "total_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    total_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens", "cached_prompt_tokens")
@@ -180,7 +232,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "kv_bytes_received", "kv_receive_seconds", "kv_transfers", "kv_recomputes")
+    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "kv_bytes_received", "kv_receive_seconds", "kv_transfers", "kv_recomputes", "kv_pushes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +250,7 @@ class LoadReport(_message.Message):
     KV_RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     epoch: int
@@ -215,4 +268,5 @@ class LoadReport(_message.Message):
     kv_receive_seconds: float
     kv_transfers: int
     kv_recomputes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., kv_receive_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_recomputes: _Optional[int] = ...) -> None: ...
+    kv_pushes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., kv_receive_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_recomputes: _Optional[int] = ..., kv_pushes: _Optional[int] = ...) -> None: ...

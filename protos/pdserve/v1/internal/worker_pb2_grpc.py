@@ -298,6 +298,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.PushKV = channel.stream_unary(
+                '/pdserve.v1.internal.DecodeWorker/PushKV',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.KVPushMessage.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.PushKVResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/pdserve.v1.internal.DecodeWorker/Load',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.SerializeToString,
@@ -317,6 +322,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushKV(self, request_iterator, context):
+        """A prefill worker pushes a request's KV here while its prefill runs, layer
+        by layer, before the gateway calls Decode: a header, then pieces (grpc:
+        the bytes, in messages of at most 1 MiB; shm: notices that a piece is in
+        the header's segment). Half-closing the stream says every piece was sent;
+        the answer confirms that every block is held here. A broken or cancelled
+        stream drops what arrived.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """Current load, for routing.
         """
@@ -331,6 +348,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'PushKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.KVPushMessage.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.PushKVResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -366,6 +388,33 @@ class DecodeWorker:
             '/pdserve.v1.internal.DecodeWorker/Decode',
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DecodeRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdserve.v1.internal.DecodeWorker/PushKV',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.KVPushMessage.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

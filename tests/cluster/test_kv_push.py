@@ -1,0 +1,214 @@
+"""KV pushed to the decode worker while the prefill runs, through real gRPC servers: exact, and nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos.pdserve.v1 import generation_pb2
+from tests.conftest import Oracle, StartInProcessCluster, random_prompts
+from tests.support.cluster import ClusterOptions, InProcessCluster
+from tests.support.waiting import wait_until
+
+MAX_TOKENS = 12
+PARAMS = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SHM_PREFIX = "pdserve_kv_"
+
+
+def _request(prompt: list[int]) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=PARAMS)
+
+
+def _tokens(responses: list[generation_pb2.GenerateResponse]) -> list[int]:
+    return [token for response in responses for token in response.token_ids]
+
+
+def _shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+
+
+async def _assert_nothing_held(cluster: InProcessCluster) -> None:
+    """Every block free on every worker, no lease, no push in flight, nothing in any inbox."""
+    reports = await cluster.wait_idle()
+    assert [r.num_free_blocks for r in reports] == [r.num_total_blocks for r in reports]
+    for prefill in cluster.prefills:
+        await wait_until(lambda p=prefill: not p.runtime.engine.leases.request_ids, "every lease released")
+        assert prefill.servicer.pusher._pushes == {}
+        assert prefill.servicer.pusher._queued_bytes == 0
+    for decode in cluster.decodes:
+        await wait_until(lambda d=decode: len(d.servicer.inbox) == 0, "every pushed KV claimed or dropped")
+        assert decode.servicer.inbox.num_bytes == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+async def test_pushed_kv_gives_transformers_tokens_over_each_cpu_transport(
+    transport: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    segments_before = _shm_segments()
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, kv_transport=transport))
+    # Lengths around block edges (16), one token, and prompts sent together so steps batch them.
+    prompts = random_prompts([1, 15, 16, 17, 40, 95, 160, 300], seed=130)
+    results = await asyncio.gather(*(cluster.generate(_request(prompt)) for prompt in prompts))
+    oracle = Oracle(llama_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS)
+    # Every handoff came by push: none fetched, none recomputed.
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (len(prompts), len(prompts), 0)
+    assert cluster.prefill.servicer.pusher.num_pushed == len(prompts)
+    assert cluster.prefill.servicer.pusher.num_failed == 0
+    await _assert_nothing_held(cluster)
+    assert _shm_segments() == segments_before
+
+
+@pytest.mark.asyncio
+async def test_with_push_off_the_decode_worker_pulls_and_the_tokens_are_the_same(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(gateway_args={"kv_push": False}))
+    prompts = random_prompts([40, 95], seed=131)
+    results = [await cluster.generate(_request(prompt)) for prompt in prompts]
+    oracle = Oracle(llama_checkpoint)
+    assert [_tokens(r) for r in results] == [oracle.generate(p, MAX_TOKENS) for p in prompts]
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers) == (0, 2)
+    await _assert_nothing_held(cluster)
+
+
+class _HoldPrefillAtLayer:
+    """Blocks the prefill engine thread after it pushed layer ``layer``, until ``release`` is set.
+
+    Wraps the prefill service's pusher (the engine's sink), so the push has started and
+    the decode worker holds part of the KV while the prefill is held mid-forward.
+    """
+
+    def __init__(self, sink: object, layer: int) -> None:
+        self._sink = sink
+        self._layer = layer
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def push_layer(self, request_id, layer, first_block, blocks) -> None:  # noqa: ANN001
+        self._sink.push_layer(request_id, layer, first_block, blocks)
+        if layer == self._layer and not self.release.is_set():
+            self.reached.set()
+            self.release.wait(timeout=30)
+
+    def push_end(self, request_id: str, complete: bool) -> None:
+        self._sink.push_end(request_id, complete)
+
+
+async def _wait_for_push_started(cluster: InProcessCluster) -> None:
+    await wait_until(lambda: any(len(d.servicer.inbox) for d in cluster.decodes), "a push to reach a decode worker")
+
+
+@pytest.mark.asyncio
+async def test_client_cancel_during_the_push_frees_everything_on_both_sides(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    segments_before = _shm_segments()
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(kv_transport="shm"))
+    engine = cluster.prefill.runtime.engine
+    hold = _HoldPrefillAtLayer(engine.kv_pusher.sink, layer=1)
+    engine.kv_pusher.sink = hold
+    assert cluster.stub is not None
+    call = cluster.stub.Generate(_request(random_prompts([200], seed=132)[0]), timeout=30)
+    try:
+        assert await asyncio.to_thread(hold.reached.wait, 30)
+        await _wait_for_push_started(cluster)
+        call.cancel()
+    finally:
+        hold.release.set()
+    assert await call.code() == grpc.StatusCode.CANCELLED
+    await _assert_nothing_held(cluster)
+    assert cluster.prefill.servicer.pusher.num_pushed == 0
+    assert _shm_segments() == segments_before
+    # The cluster still serves, by push.
+    engine.kv_pusher.sink = cluster.prefill.servicer.pusher
+    prompt = random_prompts([50], seed=133)[0]
+    assert _tokens(await cluster.generate(_request(prompt))) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+async def test_decode_worker_dying_while_kv_is_pushed_to_it_falls_back_to_another_by_pull(
+    transport: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    segments_before = _shm_segments()
+    cluster = await start_inprocess_cluster(
+        llama_checkpoint, ClusterOptions(decode_workers=2, kv_transport=transport)
+    )
+    engine = cluster.prefill.runtime.engine
+    hold = _HoldPrefillAtLayer(engine.kv_pusher.sink, layer=1)
+    engine.kv_pusher.sink = hold
+    prompt = random_prompts([200], seed=134)[0]
+    generation = asyncio.create_task(cluster.generate(_request(prompt)))
+    try:
+        assert await asyncio.to_thread(hold.reached.wait, 30)
+        await _wait_for_push_started(cluster)
+        (victim,) = [d for d in cluster.decodes if len(d.servicer.inbox)]
+        # The decode worker goes away mid-push: its server stops at once, cancelling every call.
+        await victim.server.grpc_server.stop(0)
+    finally:
+        hold.release.set()
+    responses = await generation
+    assert _tokens(responses) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    (survivor,) = [d for d in cluster.decodes if d is not victim]
+    report = survivor.servicer
+    # The survivor pulled the KV the prefill worker still held under its lease.
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+    assert cluster.prefill.servicer.pusher.num_pushed == 0
+    await wait_until(lambda: not engine.leases.request_ids, "the lease released")
+    assert cluster.prefill.servicer.pusher._pushes == {}
+    assert len(victim.servicer.inbox) == 0 and victim.servicer.inbox.num_bytes == 0
+    assert len(survivor.servicer.inbox) == 0
+    assert _shm_segments() == segments_before
+
+    def all_free() -> bool:
+        workers = (cluster.prefill, survivor)
+        return all(w.runtime.async_engine.latest_stats.num_free_blocks == w.runtime.async_engine.latest_stats.num_total_blocks
+                   for w in workers)
+
+    await wait_until(all_free, "every block free on the prefill worker and the surviving decode worker")
+
+
+@pytest.mark.asyncio
+async def test_prefill_worker_dying_mid_push_leaves_nothing_on_the_decode_worker_and_the_request_is_retried(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(prefill_workers=2))
+    holds = []
+    for prefill in cluster.prefills:
+        engine = prefill.runtime.engine
+        holds.append(_HoldPrefillAtLayer(engine.kv_pusher.sink, layer=1))
+        engine.kv_pusher.sink = holds[-1]
+    prompt = random_prompts([200], seed=135)[0]
+    generation = asyncio.create_task(cluster.generate(_request(prompt)))
+    try:
+        await wait_until(lambda: any(h.reached.is_set() for h in holds), "a prefill worker to push a layer")
+        await _wait_for_push_started(cluster)
+        (index,) = [i for i, h in enumerate(holds) if h.reached.is_set()]
+        victim = cluster.prefills[index]
+        # The prefill worker goes away mid-push: every call it serves or makes ends.
+        await victim.server.grpc_server.stop(0)
+    finally:
+        for hold in holds:
+            hold.release.set()
+    responses = await generation
+    assert _tokens(responses) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    (survivor,) = [p for p in cluster.prefills if p is not victim]
+    # The retry on the other prefill worker pushed to the same decode worker, which took that push.
+    assert survivor.servicer.pusher.num_pushed == 1
+    assert cluster.decode.servicer.kv_pushes == 1
+    assert len(cluster.decode.servicer.inbox) == 0 and cluster.decode.servicer.inbox.num_bytes == 0
+    await wait_until(lambda: victim.runtime.async_engine.latest_stats.num_free_blocks
+                     == victim.runtime.async_engine.latest_stats.num_total_blocks, "the dead prefill's blocks freed")
+    assert victim.servicer.pusher._pushes == {}
+    await wait_until(lambda: not survivor.runtime.engine.leases.request_ids, "the lease released")
