@@ -5,6 +5,14 @@ speculative step verifies) over the paged cache where it lies. It is compiled
 once per machine (``engine.native``) and loaded with ctypes. Without a
 compiler, or when the build fails, ``load_paged_attention_kernel`` returns
 None and the engine keeps the pure-torch SDPA path.
+
+A step's work is split over threads by OpenMP inside the kernel, on the
+OpenMP runtime torch itself runs on (``engine.native.torch_openmp_flags``), so
+that the kernel's threads are the ones torch's GEMMs use. Where that build
+fails (no OpenMP, a torch on another runtime), the kernel is built without it
+and this module splits the work over a Python thread pool instead (ctypes
+releases the GIL); on two cores that pool thread competes with torch's still
+spinning OpenMP workers, which costs (BENCHMARKS.md, issue 11, third session).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from pathlib import Path
 import torch
 
 from engine.kv_cache import QuantizedKV
-from engine.native import compile_kernel
+from engine.native import compile_kernel, torch_openmp_flags
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention.c"
 _SYMBOL = "pdserve_paged_attention"
+_RANGES_SYMBOL = "pdserve_paged_attention_ranges"
+_OPENMP_SYMBOL = "pdserve_paged_attention_openmp"
 # The C side's kv_kind codes.
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # The KV dtypes the kernel reads; queries may be float32 or bfloat16 (computed in float32).
@@ -45,7 +55,7 @@ class KernelPlan:
     Sequence i owns query rows ``query_rows[i]`` .. ``+ query_lens[i] - 1`` of
     the flattened batch; its queries sit at the end of ``context_lens[i]``
     positions. ``item_ranges`` split the work items (sequence x KV head) over
-    threads.
+    threads; ``range_points`` holds the same ranges as their boundaries, for the C side.
     """
 
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int64, padded with 0
@@ -53,6 +63,7 @@ class KernelPlan:
     query_rows: torch.Tensor  # (num_seqs,) int64
     query_lens: torch.Tensor  # (num_seqs,) int64
     item_ranges: tuple[tuple[int, int], ...]
+    range_points: torch.Tensor  # (len(item_ranges) + 1,) int64
 
 
 class PagedAttentionKernel:
@@ -60,14 +71,19 @@ class PagedAttentionKernel:
 
     The cache may be float32, bfloat16 or int8 (a ``QuantizedKV`` with its
     scales); queries and output are float32 or bfloat16. The work items of a
-    step run on up to ``num_threads`` threads side by side (ctypes releases the
-    GIL), split into contiguous ranges of about equal cost.
+    step run on up to ``num_threads`` threads side by side, split into
+    contiguous ranges of about equal cost: OpenMP threads inside the kernel
+    when it was built on torch's runtime (``openmp``), else a Python pool.
     """
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self._function = getattr(library, _SYMBOL)
+        self._ranges_function = getattr(library, _RANGES_SYMBOL)
+        self.openmp = bool(getattr(library, _OPENMP_SYMBOL)())
         self.num_threads = max(1, num_threads)
-        self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn") if self.num_threads > 1 else None
+        self._pool = None
+        if self.num_threads > 1 and not self.openmp:
+            self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn")
 
     def plan(
         self,
@@ -86,12 +102,14 @@ class PagedAttentionKernel:
         costs = []
         for q_len, ctx_len in zip(query_lens, context_lens):
             costs += [ctx_len * math.ceil(q_len * group / _VECTORS_PER_PASS)] * num_kv_heads
+        ranges = self.split(costs)
         return KernelPlan(
             block_tables=torch.tensor(tables, dtype=torch.long),
             context_lens=torch.tensor(context_lens, dtype=torch.long),
             query_rows=torch.tensor(query_rows, dtype=torch.long),
             query_lens=torch.tensor(query_lens, dtype=torch.long),
-            item_ranges=self.split(costs),
+            item_ranges=ranges,
+            range_points=torch.tensor([begin for begin, _ in ranges] + [ranges[-1][1]], dtype=torch.long),
         )
 
     def split(self, costs: list[int]) -> tuple[tuple[int, int], ...]:
@@ -145,37 +163,55 @@ class PagedAttentionKernel:
         )
         shape = (plan.block_tables.shape[1], num_kv_heads, query.shape[1] // num_kv_heads, head_dim, block_size, scale)
         ranges = plan.item_ranges
-        pending = []
-        if self._pool is not None:
+        if self._pool is None:
+            # One call: the ranges run on OpenMP threads (or in turn, on one thread).
+            statuses = [self._ranges_function(*args, plan.range_points.data_ptr(), len(ranges), *shape)]
+        else:
             pending = [self._pool.submit(self._function, *args, begin, end, *shape) for begin, end in ranges[1:]]
-            ranges = ranges[:1]
-        statuses = [self._function(*args, begin, end, *shape) for begin, end in ranges]
-        statuses += [future.result() for future in pending]
+            begin, end = ranges[0]
+            statuses = [self._function(*args, begin, end, *shape)] + [future.result() for future in pending]
         if -1 in statuses:
             raise MemoryError("the paged attention kernel could not allocate its score buffer")
         if any(status != 0 for status in statuses):
             raise ValueError("the paged attention kernel was given a query longer than its context")
 
 
-def load_paged_attention_kernel(num_threads: int | None = None) -> PagedAttentionKernel | None:
-    """The compiled kernel, building it on first use; None where it cannot be built on this machine."""
-    library = _load_library()
+def load_paged_attention_kernel(num_threads: int | None = None, openmp: bool = True) -> PagedAttentionKernel | None:
+    """The compiled kernel, building it on first use; None where it cannot be built on this machine.
+
+    ``openmp`` False: the build without OpenMP, split over a Python pool (the
+    fallback; benchmarks compare the two).
+    """
+    library = _load_library(openmp)
+    if library is None and openmp:
+        library = _load_library(False)
     if library is None:
         return None
     return PagedAttentionKernel(library, num_threads if num_threads is not None else torch.get_num_threads())
 
 
-@lru_cache(maxsize=1)
-def _load_library() -> ctypes.CDLL | None:
+@lru_cache(maxsize=2)
+def _load_library(openmp: bool) -> ctypes.CDLL | None:
+    flags = torch_openmp_flags() if openmp else ()
+    if flags is None:
+        logger.info("torch runs on no libgomp: the paged-attention kernel splits its work over a Python pool")
+        return None
     try:
-        path = compile_kernel(_SOURCE)
+        path = compile_kernel(_SOURCE, flags)
     except OSError as error:
-        logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
+        if openmp:
+            logger.info("paged-attention kernel: no OpenMP build (%s); trying without", error)
+        else:
+            logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
         return None
     library = ctypes.CDLL(str(path))
-    function = getattr(library, _SYMBOL)
-    function.restype = ctypes.c_int
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
-                         pointer, pointer, pointer, pointer] + [integer] * 7 + [ctypes.c_float]
+    for symbol in (_SYMBOL, _RANGES_SYMBOL):
+        function = getattr(library, symbol)
+        function.restype = ctypes.c_int
+        # The ranges entry takes (points, num_ranges) where the other takes (item_begin, item_end).
+        middle = [integer, integer] if symbol == _SYMBOL else [pointer, integer]
+        function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
+                             pointer, pointer, pointer, pointer] + middle + [integer] * 5 + [ctypes.c_float]
+    getattr(library, _OPENMP_SYMBOL).restype = ctypes.c_int
     return library

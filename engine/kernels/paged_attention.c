@@ -5,13 +5,17 @@
  * verifies: q_len query rows at the end of a context that is already in the
  * cache. The torch path gathers every sequence's KV blocks into a padded batch
  * and runs SDPA over it; this kernel reads each key and value row where it lies
- * in the block pool, so nothing is copied or padded. It is single-threaded and
- * needs no OpenMP runtime: the Python side splits a step's work items across
- * threads (ctypes releases the GIL).
+ * in the block pool, so nothing is copied or padded.
  *
- * Work items: item = seq * num_kv_heads + kv_head, one call covers
- * [item_begin, item_end). An item computes the group of query heads that share
- * that KV head, for every query row of the sequence.
+ * Work items: item = seq * num_kv_heads + kv_head. An item computes the group of
+ * query heads that share that KV head, for every query row of the sequence.
+ * pdserve_paged_attention covers items [item_begin, item_end) on the calling
+ * thread. pdserve_paged_attention_ranges covers num_ranges contiguous ranges
+ * (range r: items [points[r], points[r + 1])), one per OpenMP thread, when built
+ * with -fopenmp on torch's own runtime (engine/native.py: the threads are the
+ * ones torch's GEMMs use, so the two never fight over the cores); without
+ * OpenMP it runs the ranges in turn and the Python side splits them over
+ * threads itself (pdserve_paged_attention_openmp says which).
  *
  * Layouts (row-major):
  *   query, out    (num_rows, num_kv_heads, group, head_dim) float32 or bfloat16
@@ -35,6 +39,9 @@
  * longer than its context, head_dim above MAX_HEAD_DIM, int8 without scales).
  */
 #include "vector.h"
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 enum kv_kind { KV_FLOAT32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
@@ -300,4 +307,35 @@ int pdserve_paged_attention(
     return paged_attention((enum kv_kind)kv_kind, io_bf16 != 0, out, query, key_cache, value_cache, key_scales,
                            value_scales, block_tables, context_lens, query_rows, query_lens, item_begin, item_end,
                            max_blocks, num_kv_heads, group, head_dim, block_size, scale);
+}
+
+int pdserve_paged_attention_ranges(
+    void *out, const void *query, int64_t io_bf16, const void *key_cache, const void *value_cache, int64_t kv_kind,
+    const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
+    const int64_t *query_rows, const int64_t *query_lens, const int64_t *points, int64_t num_ranges,
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+{
+    /* Any failure wins over success; out of memory (-1) over a bad argument (-2) is as good as any order. */
+    int status = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(num_ranges) schedule(static, 1) reduction(min : status) if (num_ranges > 1)
+#endif
+    for (int64_t r = 0; r < num_ranges; ++r) {
+        const int result = pdserve_paged_attention(
+            out, query, io_bf16, key_cache, value_cache, kv_kind, key_scales, value_scales, block_tables,
+            context_lens, query_rows, query_lens, points[r], points[r + 1], max_blocks, num_kv_heads, group,
+            head_dim, block_size, scale);
+        status = result < status ? result : status;
+    }
+    return status;
+}
+
+/* 1 when the ranges above run on OpenMP threads, 0 when they run in turn on the caller's. */
+int pdserve_paged_attention_openmp(void)
+{
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
 }
