@@ -36,6 +36,7 @@ _SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention.c"
 _SYMBOL = "pdserve_paged_attention"
 _RANGES_SYMBOL = "pdserve_paged_attention_ranges"
 _OPENMP_SYMBOL = "pdserve_paged_attention_openmp"
+_STORE_SYMBOL = "pdserve_store_kv"
 # The C side's kv_kind codes.
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # The KV dtypes the kernel reads; queries may be float32 or bfloat16 (computed in float32).
@@ -79,6 +80,7 @@ class PagedAttentionKernel:
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self._function = getattr(library, _SYMBOL)
         self._ranges_function = getattr(library, _RANGES_SYMBOL)
+        self._store_function = getattr(library, _STORE_SYMBOL)
         self.openmp = bool(getattr(library, _OPENMP_SYMBOL)())
         self.num_threads = max(1, num_threads)
         self._pool = None
@@ -176,6 +178,56 @@ class PagedAttentionKernel:
             raise ValueError("the paged attention kernel was given a query longer than its context")
 
 
+    def store(
+        self,
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim); rows may be strided (a view of fused q/k/v)
+        value: torch.Tensor,  # like key
+        key_cache: torch.Tensor | QuantizedKV,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: torch.Tensor | QuantizedKV,
+        slot_mapping: torch.Tensor,  # (num_tokens,) int64: block_id * block_size + offset
+    ) -> None:
+        """Writes each token's K/V at its slot, cast or int8-quantized exactly as ``attention.backend._store`` does."""
+        key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
+        value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
+        kv_dtype = key_data.dtype
+        if kv_dtype not in _KV_KINDS or value_data.dtype != kv_dtype:
+            raise ValueError(f"key_cache and value_cache must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}, {value_data.dtype}")
+        if (kv_dtype == torch.int8) != isinstance(key_cache, QuantizedKV) or type(key_cache) is not type(value_cache):
+            raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if key_data.shape[2:] != (num_kv_heads, head_dim) or value.shape != key.shape:
+            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must fit the cache's "
+                             f"{tuple(key_data.shape[2:])} heads")
+        for name, tensor in (("key", key), ("value", value)):
+            if tensor.dtype not in KERNEL_QUERY_DTYPES or tensor.dtype != key.dtype or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU float32 or bfloat16 tensor like key, got {tensor.dtype}")
+            if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
+                raise ValueError(f"{name}'s heads must be contiguous within a token's row, strides {tensor.stride()}")
+        checks = [("key_cache", key_data, kv_dtype), ("value_cache", value_data, kv_dtype),
+                  ("slot_mapping", slot_mapping, torch.long)]
+        scales = (0, 0)
+        if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
+            checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
+            scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
+        for name, tensor, dtype in checks:
+            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+        if slot_mapping.shape != (num_tokens,):
+            raise ValueError(f"slot_mapping must hold one slot per token ({num_tokens}), got {tuple(slot_mapping.shape)}")
+        if num_tokens == 0:
+            return
+        num_slots = key_data.shape[0] * key_data.shape[1]
+        status = self._store_function(
+            key.data_ptr(), value.data_ptr(), int(key.dtype == torch.bfloat16), key.stride(0), value.stride(0),
+            key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales, slot_mapping.data_ptr(),
+            num_tokens, num_slots, num_kv_heads, head_dim,
+        )
+        if status == -3:
+            raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the pool's slots); nothing was written")
+        if status != 0:
+            raise ValueError(f"the KV write cannot serve head_dim {head_dim} or KV dtype {kv_dtype}")
+
+
 def load_paged_attention_kernel(num_threads: int | None = None, openmp: bool = True) -> PagedAttentionKernel | None:
     """The compiled kernel, building it on first use; None where it cannot be built on this machine.
 
@@ -214,4 +266,8 @@ def _load_library(openmp: bool) -> ctypes.CDLL | None:
         function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
                              pointer, pointer, pointer, pointer] + middle + [integer] * 5 + [ctypes.c_float]
     getattr(library, _OPENMP_SYMBOL).restype = ctypes.c_int
+    store = getattr(library, _STORE_SYMBOL)
+    store.restype = ctypes.c_int
+    store.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer, integer, pointer, pointer,
+                      pointer, integer, integer, integer, integer]
     return library

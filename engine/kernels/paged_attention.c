@@ -339,3 +339,81 @@ int pdserve_paged_attention_openmp(void)
     return 0;
 #endif
 }
+
+/*
+ * The KV write of a step (vLLM's reshape_and_cache): token t's key and value rows go to cache slot
+ * slots[t], cast to the cache's dtype or, for int8, quantized as engine/kv_cache.py's quantize_int8 does
+ * it (scale = max |x| / 127, x / scale rounded half to even, clamped to +-127; an all-zero row keeps
+ * scale 0), bit for bit. One call replaces the dozen torch ops per layer that cost more in dispatch than
+ * in arithmetic at decode sizes.
+ *   key, value  (num_tokens, num_kv_heads, head_dim) float32 or bfloat16 (in_bf16), rows key_stride and
+ *               value_stride elements apart (views of the fused q/k/v projection's output)
+ *   caches      as pdserve_paged_attention's, scales (int8 only) (num_blocks * block_size, num_kv_heads)
+ * Returns 0, -2 for a kind it does not know or int8 without scales, -3 for a slot outside [0, num_slots)
+ * (checked before anything is written).
+ */
+static void store_rows(enum kv_kind kind, int in_bf16, const void *source, int64_t stride, void *cache,
+                       float *scales, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                       int64_t head_dim)
+{
+    float row[MAX_HEAD_DIM];
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t from = t * stride + h * head_dim;
+            const int64_t to = (slots[t] * num_kv_heads + h) * head_dim;
+            if (in_bf16 && kind == KV_BF16) {
+                memcpy((uint16_t *)cache + to, (const uint16_t *)source + from, sizeof(uint16_t) * head_dim);
+                continue;
+            }
+            if (!in_bf16 && kind == KV_FLOAT32) {
+                memcpy((float *)cache + to, (const float *)source + from, sizeof(float) * head_dim);
+                continue;
+            }
+            for (int64_t i = 0; i < head_dim; ++i) {
+                row[i] = in_bf16 ? bf16_to_float(((const uint16_t *)source)[from + i]) : ((const float *)source)[from + i];
+            }
+            if (kind == KV_FLOAT32) {
+                memcpy((float *)cache + to, row, sizeof(float) * head_dim);
+            } else if (kind == KV_BF16) {
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    /* NaN stays NaN (float_to_bf16's rounding would carry it into the exponent). */
+                    ((uint16_t *)cache)[to + i] = isnan(row[i]) ? 0x7FC0u : float_to_bf16(row[i]);
+                }
+            } else {
+                float largest = 0.0f;
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    largest = fabsf(row[i]) > largest ? fabsf(row[i]) : largest;
+                }
+                const float scale = largest / 127.0f;
+                const float divisor = scale == 0.0f ? 1.0f : scale;
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    float q = nearbyintf(row[i] / divisor);
+                    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+                    ((int8_t *)cache)[to + i] = (int8_t)q;
+                }
+                scales[slots[t] * num_kv_heads + h] = scale;
+            }
+        }
+    }
+}
+
+int pdserve_store_kv(const void *key, const void *value, int64_t in_bf16, int64_t key_stride, int64_t value_stride,
+                     void *key_cache, void *value_cache, int64_t kv_kind, float *key_scales, float *value_scales,
+                     const int64_t *slots, int64_t num_tokens, int64_t num_slots, int64_t num_kv_heads,
+                     int64_t head_dim)
+{
+    const int known_kind = kv_kind == KV_FLOAT32 || kv_kind == KV_BF16 || (kv_kind == KV_INT8 && key_scales && value_scales);
+    if (!known_kind || head_dim < 1 || head_dim > MAX_HEAD_DIM) {
+        return -2;
+    }
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0 || slots[t] >= num_slots) {
+            return -3;
+        }
+    }
+    store_rows((enum kv_kind)kv_kind, in_bf16 != 0, key, key_stride, key_cache, key_scales, slots, num_tokens,
+               num_kv_heads, head_dim);
+    store_rows((enum kv_kind)kv_kind, in_bf16 != 0, value, value_stride, value_cache, value_scales, slots,
+               num_tokens, num_kv_heads, head_dim);
+    return 0;
+}

@@ -12,7 +12,8 @@ import torch
 from engine import native
 from engine.attention import cpu_kernel, select_backend
 from engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
-from engine.kv_cache import QuantizedKV, dequantize_int8, quantize_int8
+from engine.attention.backend import write_to_cache
+from engine.kv_cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
 
 
 def _reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],
@@ -204,6 +205,51 @@ def test_without_openmp_the_kernel_splits_its_work_over_a_python_pool(
     finally:
         monkeypatch.undo()
         cpu_kernel._load_library.cache_clear()
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_kv_write_matches_the_torch_write_bit_for_bit(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    kernel = load_paged_attention_kernel(1)
+    assert kernel is not None
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, block_size = 3, 64, 16
+    # Keys and values as the model hands them over: column slices of the fused q/k/v output.
+    qkv = (torch.randn(7, 9 + 2 * num_kv_heads, head_dim) * 3).to(model_dtype)
+    qkv[2, 9] = 0  # an all-zero row: int8 keeps scale 0
+    qkv[3, 9 + num_kv_heads, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 63.5, -63.5])  # ties at 127
+    key, value = qkv[:, 9 : 9 + num_kv_heads], qkv[:, 9 + num_kv_heads :]
+    slots = torch.tensor([5, 17, 40, 41, 0, 63, 22])
+
+    def empty_cache() -> tuple[object, object]:
+        caches = KVCache(1, 4, block_size, num_kv_heads, head_dim, kv_dtype, torch.device("cpu")).layers()[0]
+        return caches
+
+    expected_k, expected_v = empty_cache()
+    write_to_cache(key, value, expected_k, expected_v, slots)
+    got_k, got_v = empty_cache()
+    kernel.store(key, value, got_k, got_v, slots)
+
+    for expected, got in ((expected_k, got_k), (expected_v, got_v)):
+        if kv_dtype == torch.int8:
+            assert torch.equal(got.data, expected.data) and torch.equal(got.scales, expected.scales)
+            assert got.data.abs().sum() > 0
+        else:
+            assert torch.equal(got, expected) and got.abs().sum() > 0
+
+
+def test_kv_write_rejects_a_slot_outside_the_pool_and_writes_nothing() -> None:
+    kernel = load_paged_attention_kernel(1)
+    assert kernel is not None
+    cache = torch.zeros(2, 4, 1, 8)
+    new = torch.ones(2, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernel.store(new, new, cache, cache, torch.tensor([3, 8]))
+    assert not cache.any()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernel.store(new, new, cache, cache, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="key_cache"):
+        kernel.store(new, new, cache.half(), cache.half(), torch.tensor([0, 1]))
 
 
 def test_without_a_compiler_auto_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
