@@ -129,7 +129,7 @@ class PagedAttentionKernel:
 
     def __call__(
         self,
-        query: torch.Tensor,  # (num_rows, num_heads, head_dim)
+        query: torch.Tensor,  # (num_rows, num_heads, head_dim); rows may be strided, each row's heads contiguous
         key_cache: torch.Tensor | QuantizedKV,  # (num_blocks, block_size, num_kv_heads, head_dim)
         value_cache: torch.Tensor | QuantizedKV,
         plan: KernelPlan,
@@ -147,8 +147,9 @@ class PagedAttentionKernel:
             raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
         if query.dtype not in KERNEL_QUERY_DTYPES or out.dtype != query.dtype or out.shape != query.shape:
             raise ValueError(f"query and out must be float32 or bfloat16 of one shape, got {query.dtype}, {out.dtype}")
-        checks = [("query", query, query.dtype), ("out", out, query.dtype), ("key_cache", key_data, kv_dtype),
-                  ("value_cache", value_data, kv_dtype)]
+        if query.stride(2) != 1 or query.stride(1) != head_dim or query.device.type != "cpu":
+            raise ValueError(f"query must be a CPU tensor with each row's heads contiguous, strides {query.stride()}")
+        checks = [("out", out, query.dtype), ("key_cache", key_data, kv_dtype), ("value_cache", value_data, kv_dtype)]
         scales = (0, 0)
         if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
             checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
@@ -158,7 +159,7 @@ class PagedAttentionKernel:
             if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
         args = (
-            out.data_ptr(), query.data_ptr(), int(query.dtype == torch.bfloat16),
+            out.data_ptr(), query.data_ptr(), query.stride(0), int(query.dtype == torch.bfloat16),
             key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales,
             plan.block_tables.data_ptr(), plan.context_lens.data_ptr(),
             plan.query_rows.data_ptr(), plan.query_lens.data_ptr(),
@@ -263,7 +264,7 @@ def _load_library(openmp: bool) -> ctypes.CDLL | None:
         function.restype = ctypes.c_int
         # The ranges entry takes (points, num_ranges) where the other takes (item_begin, item_end).
         middle = [integer, integer] if symbol == _SYMBOL else [pointer, integer]
-        function.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer,
+        function.argtypes = [pointer, pointer, integer, integer, pointer, pointer, integer, pointer, pointer,
                              pointer, pointer, pointer, pointer] + middle + [integer] * 5 + [ctypes.c_float]
     getattr(library, _OPENMP_SYMBOL).restype = ctypes.c_int
     store = getattr(library, _STORE_SYMBOL)

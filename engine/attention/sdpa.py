@@ -132,12 +132,12 @@ class SdpaBackend(AttentionBackend):
         else:
             flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
         nd = metadata.num_decodes
         if metadata.kernel_plan is not None:
             assert self.kernel is not None
             # Writes the plan's rows of ``out`` in place; the rest are SDPA's below.
-            self.kernel(query.contiguous(), key_cache, value_cache, metadata.kernel_plan, head_dim**-0.5, out)
+            self.kernel(_heads_packed(query), key_cache, value_cache, metadata.kernel_plan, head_dim**-0.5, out)
         if nd:
             assert metadata.decode_block_tables is not None
             block_ids = metadata.decode_block_tables.flatten()  # (nd * max_blocks,)
@@ -174,6 +174,6 @@ class SdpaBackend(AttentionBackend):
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (num_tokens, heads, head_dim) with each token's heads contiguous, as the C KV write reads rows
+    """``x`` (num_tokens, heads, head_dim) with each token's heads contiguous, as the C kernels read rows
     (a column slice of the fused q/k/v output already is: no copy)."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

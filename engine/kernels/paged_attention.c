@@ -20,7 +20,8 @@
  * Layouts (row-major):
  *   query, out    (num_rows, num_kv_heads, group, head_dim) float32 or bfloat16
  *                 (io_bf16): query head h * group + g uses KV head h, as repeat_kv
- *                 does. Sequence s owns rows query_rows[s] .. + query_lens[s] - 1;
+ *                 does. out is contiguous; query's rows are query_stride elements
+ *                 apart (a column slice of the fused q/k/v output, read in place). Sequence s owns rows query_rows[s] .. + query_lens[s] - 1;
  *                 rows no item covers are left untouched.
  *   key_cache,    (num_blocks, block_size, num_kv_heads, head_dim): float32,
  *   value_cache   bfloat16 bits or int8 (kv_kind)
@@ -237,7 +238,8 @@ static __attribute__((noinline)) void attend_pass_kind(enum kv_kind kind, const 
 }
 
 static int paged_attention(
-    enum kv_kind kind, int io_bf16, void *out, const void *query, const void *key_cache, const void *value_cache,
+    enum kv_kind kind, int io_bf16, void *out, const void *query, int64_t query_stride, const void *key_cache,
+    const void *value_cache,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, int64_t item_begin, int64_t item_end, int64_t max_blocks,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
@@ -267,14 +269,16 @@ static int paged_attention(
         for (int64_t first = 0; first < num_vectors; first += VECTORS_PER_PASS) {
             const int64_t count = num_vectors - first < VECTORS_PER_PASS ? num_vectors - first : VECTORS_PER_PASS;
             int64_t limits[VECTORS_PER_PASS];
-            int64_t offsets[VECTORS_PER_PASS]; /* element offset of vector j in query/out */
+            int64_t offsets[VECTORS_PER_PASS]; /* element offset of vector j in out */
+            int64_t query_offsets[VECTORS_PER_PASS]; /* and in query */
             for (int64_t j = 0; j < count; ++j) {
                 const int64_t vector = first + j, row = vector / group, g = vector % group;
                 limits[j] = first_position + row + 1;
                 offsets[j] = ((query_rows[s] + row) * num_heads + kv_head * group + g) * head_dim;
+                query_offsets[j] = (query_rows[s] + row) * query_stride + (kv_head * group + g) * head_dim;
                 for (int64_t i = 0; i < head_dim; ++i) {
-                    q[j * head_dim + i] = io_bf16 ? bf16_to_float(((const uint16_t *)query)[offsets[j] + i])
-                                                  : ((const float *)query)[offsets[j] + i];
+                    q[j * head_dim + i] = io_bf16 ? bf16_to_float(((const uint16_t *)query)[query_offsets[j] + i])
+                                                  : ((const float *)query)[query_offsets[j] + i];
                 }
             }
             attend_pass_kind(kind, key_cache, value_cache, key_scales, value_scales, block_tables + s * max_blocks,
@@ -295,7 +299,8 @@ static int paged_attention(
 }
 
 int pdserve_paged_attention(
-    void *out, const void *query, int64_t io_bf16, const void *key_cache, const void *value_cache, int64_t kv_kind,
+    void *out, const void *query, int64_t query_stride, int64_t io_bf16, const void *key_cache,
+    const void *value_cache, int64_t kv_kind,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, int64_t item_begin, int64_t item_end, int64_t max_blocks,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
@@ -304,13 +309,15 @@ int pdserve_paged_attention(
     if (!known_kind || head_dim < 1 || head_dim > MAX_HEAD_DIM) {
         return -2;
     }
-    return paged_attention((enum kv_kind)kv_kind, io_bf16 != 0, out, query, key_cache, value_cache, key_scales,
+    return paged_attention((enum kv_kind)kv_kind, io_bf16 != 0, out, query, query_stride, key_cache, value_cache,
+                           key_scales,
                            value_scales, block_tables, context_lens, query_rows, query_lens, item_begin, item_end,
                            max_blocks, num_kv_heads, group, head_dim, block_size, scale);
 }
 
 int pdserve_paged_attention_ranges(
-    void *out, const void *query, int64_t io_bf16, const void *key_cache, const void *value_cache, int64_t kv_kind,
+    void *out, const void *query, int64_t query_stride, int64_t io_bf16, const void *key_cache,
+    const void *value_cache, int64_t kv_kind,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, const int64_t *points, int64_t num_ranges,
     int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
@@ -322,7 +329,7 @@ int pdserve_paged_attention_ranges(
 #endif
     for (int64_t r = 0; r < num_ranges; ++r) {
         const int result = pdserve_paged_attention(
-            out, query, io_bf16, key_cache, value_cache, kv_kind, key_scales, value_scales, block_tables,
+            out, query, query_stride, io_bf16, key_cache, value_cache, kv_kind, key_scales, value_scales, block_tables,
             context_lens, query_rows, query_lens, points[r], points[r + 1], max_blocks, num_kv_heads, group,
             head_dim, block_size, scale);
         status = result < status ? result : status;

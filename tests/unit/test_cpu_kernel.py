@@ -95,6 +95,24 @@ def test_kernel_leaves_rows_outside_its_plan_untouched(openmp: bool) -> None:
     assert not torch.isnan(out[1:3]).any() and not torch.equal(out[1:3], torch.full((2, 2, 16), 7.0))
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_a_strided_query_in_place(query_dtype: torch.dtype) -> None:
+    kernel = load_paged_attention_kernel(2)
+    assert kernel is not None
+    torch.manual_seed(0)
+    cache = torch.randn(200, 16, 3, 64)
+    lens, tables, query_lens = _scattered_batch(16, seed=1)
+    # The queries as the model hands them over: the first 9 heads of the fused q/k/v output's 15.
+    fused = torch.randn(sum(query_lens), 15, 64).to(query_dtype)
+    strided = fused[:, :9]
+    assert not strided.is_contiguous()
+    out = _run(kernel, strided, cache, cache, tables, lens, query_lens)
+    assert torch.equal(out, _run(kernel, strided.contiguous(), cache, cache, tables, lens, query_lens))
+    with pytest.raises(ValueError, match="query"):
+        # head_dim strided: (rows, head_dim, heads) seen as (rows, heads, head_dim)
+        _run(kernel, strided.transpose(1, 2).contiguous().transpose(1, 2), cache, cache, tables, lens, query_lens)
+
+
 def test_plan_rejects_a_query_longer_than_its_context() -> None:
     kernel = load_paged_attention_kernel(1)
     assert kernel is not None
