@@ -81,6 +81,10 @@ class Sampler:
                 f"{len(params)} params, {len(generators)} generators"
             )
         device = logits.device
+        if all(p.is_greedy and p.logprobs is None and not p.adjusts_logits for p in params):
+            # Plain greedy batch: widening bf16 to float32 is exact, so the argmax of the model's own
+            # logits is the same token, without a (num_seqs, vocab_size) float32 copy per step.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), logprobs=None, top_token_ids=None, top_logprobs=None)
         logits = logits.float()  # (num_seqs, vocab_size); bf16 model outputs are upcast once here
         # vLLM's default: logprobs of the raw model distribution, before any
         # adjustment, temperature or filtering, so they do not depend on how we sampled.
