@@ -192,7 +192,9 @@ class PagedAttentionKernel:
         value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
         kv_dtype = key_data.dtype
         if kv_dtype not in _KV_KINDS or value_data.dtype != kv_dtype:
-            raise ValueError(f"key_cache and value_cache must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}, {value_data.dtype}")
+            raise ValueError(
+                f"key_cache and value_cache must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}, {value_data.dtype}"
+            )
         if (kv_dtype == torch.int8) != isinstance(key_cache, QuantizedKV) or type(key_cache) is not type(value_cache):
             raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
         num_tokens, num_kv_heads, head_dim = key.shape
@@ -208,13 +210,16 @@ class PagedAttentionKernel:
                   ("slot_mapping", slot_mapping, torch.long)]
         scales = (0, 0)
         if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
-            checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
+            checks += [("key_scales", key_cache.scales, torch.float32),
+                       ("value_scales", value_cache.scales, torch.float32)]
             scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
         for name, tensor, dtype in checks:
             if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
         if slot_mapping.shape != (num_tokens,):
-            raise ValueError(f"slot_mapping must hold one slot per token ({num_tokens}), got {tuple(slot_mapping.shape)}")
+            raise ValueError(
+                f"slot_mapping must hold one slot per token ({num_tokens}), got {tuple(slot_mapping.shape)}"
+            )
         if num_tokens == 0:
             return
         num_slots = key_data.shape[0] * key_data.shape[1]

@@ -377,7 +377,8 @@ static void store_rows(enum kv_kind kind, int in_bf16, const void *source, int64
                 continue;
             }
             for (int64_t i = 0; i < head_dim; ++i) {
-                row[i] = in_bf16 ? bf16_to_float(((const uint16_t *)source)[from + i]) : ((const float *)source)[from + i];
+                row[i] = in_bf16 ? bf16_to_float(((const uint16_t *)source)[from + i])
+                                 : ((const float *)source)[from + i];
             }
             if (kind == KV_FLOAT32) {
                 memcpy((float *)cache + to, row, sizeof(float) * head_dim);
