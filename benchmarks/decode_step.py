@@ -1,7 +1,8 @@
 """Side-by-side timings of the engine's two CPU hot paths: the projections and decode attention.
 
     python -m benchmarks.decode_step [--batch 32] [--steps-before 40] [--repeats 12] [--json out.json]
-        [--dtype float32] [--quantization int4] [--kv-cache-dtype int8] [--skip-linear]
+        [--dtype float32] [--quantization int4] [--kv-cache-dtype int8] [--skip-linear] [--threads 2]
+        [--profile 20]
 
 1. Linear layers: every distinct weight shape of the model at the decode batch
    size and at a 2,048-token prefill step, as ``F.linear`` on the checkpoint's
@@ -10,8 +11,12 @@
 2. A whole decode step of the embedded default model at batch ``--batch``
    (after ``--steps-before`` steps of the offline workload, so contexts are
    mid-run), alternating the attention backend on the same scheduled step:
-   ``sdpa`` (gather the blocks into a padded batch, SDPA) and ``cpu_paged``
-   (the C kernel reading the block pool in place).
+   ``sdpa`` (gather the blocks into a padded batch, SDPA), ``cpu_paged``
+   (the C kernel reading the block pool in place, its work split by OpenMP on
+   torch's own threads) and ``cpu_paged_pool`` (the same kernel built without
+   OpenMP, split over a Python thread pool: the fallback, and the engine's path
+   before issue 11's third session). ``--profile N`` then prints torch.profiler's
+   table of the N costliest ops of one ``cpu_paged`` step (self CPU time).
 
 The minimum of ``--repeats`` alternating runs is reported, with the median;
 the machine is shared, so only figures from one run compare.
@@ -77,7 +82,7 @@ def linear_layers(hidden: int, intermediate: int, q_out: int, kv_out: int, batch
     return rows
 
 
-def decode_step(batch: int, steps_before: int, repeats: int, **engine_args: object) -> dict:
+def decode_step(batch: int, steps_before: int, repeats: int, profile_rows: int = 0, **engine_args: object) -> dict:
     llm = LLM(**engine_args)
     engine = llm.engine
     workload = make_workload(batch, 32, 256, 64, VOCAB_SIZE, 0)
@@ -91,10 +96,13 @@ def decode_step(batch: int, steps_before: int, repeats: int, **engine_args: obje
     if len(decodes) != len(scheduled.scheduled):
         raise SystemExit("the timed step still holds prefill chunks: raise --steps-before")
     context = statistics.mean(item.start + 1 for item in decodes)
-    kernel = load_paged_attention_kernel()
     backends = {"sdpa": SdpaBackend()}
+    kernel = load_paged_attention_kernel()
     if kernel is not None:
         backends["cpu_paged"] = SdpaBackend(kernel)
+        pool_kernel = load_paged_attention_kernel(openmp=False)
+        if kernel.openmp and pool_kernel is not None:
+            backends["cpu_paged_pool"] = SdpaBackend(pool_kernel)
 
     def run_with(backend: SdpaBackend) -> Callable[[], object]:
         def run() -> object:
@@ -105,6 +113,11 @@ def decode_step(batch: int, steps_before: int, repeats: int, **engine_args: obje
         return run
 
     result = _alternate({name: run_with(backend) for name, backend in backends.items()}, repeats)
+    if profile_rows:
+        engine.runner.backend = backends.get("cpu_paged", backends["sdpa"])
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            engine.runner.execute(scheduled)
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile_rows))
     return {"batch": len(decodes), "mean_context": context, **result}
 
 
@@ -118,7 +131,12 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"])
     parser.add_argument("--skip-linear", action="store_true", help="time the decode step only")
+    parser.add_argument("--num-kv-blocks", type=int, default=1024, help="KV pool size (default: room for the batch)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest ops of one step")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     linear = []
     if not args.skip_linear:
@@ -129,16 +147,19 @@ def main() -> None:
             old, new = row["F.linear"]["min_ms"], row["PackedLinear"]["min_ms"]
             print(f"{row['tokens']:>6}  {row['projection']:<8}  {old:>11.3f}  {new:>15.3f}  {old / new:.2f}x")
     step = decode_step(
-        args.batch, args.steps_before, args.repeats,
+        args.batch, args.steps_before, args.repeats, args.profile,
         dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=args.num_kv_blocks,
     )
     setting = f"{args.dtype}, quantization {args.quantization}, KV {args.kv_cache_dtype}"
     print(f"\ndecode step ({setting}), batch {step['batch']}, mean context {step['mean_context']:.0f} tokens:")
-    for name in ("sdpa", "cpu_paged"):
+    print(f"  {torch.get_num_threads()} torch thread(s)")
+    for name in ("sdpa", "cpu_paged", "cpu_paged_pool"):
         if name in step:
-            print(f"  {name:<10} min {step[name]['min_ms']:.1f} ms, median {step[name]['median_ms']:.1f} ms")
-    if "cpu_paged" in step:
-        print(f"  cpu_paged / sdpa (min): {step['cpu_paged']['min_ms'] / step['sdpa']['min_ms']:.2f}")
+            print(f"  {name:<14} min {step[name]['min_ms']:.1f} ms, median {step[name]['median_ms']:.1f} ms")
+    for name in ("sdpa", "cpu_paged_pool"):
+        if "cpu_paged" in step and name in step:
+            print(f"  cpu_paged / {name} (min): {step['cpu_paged']['min_ms'] / step[name]['min_ms']:.2f}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"linear": linear, "decode_step": step}, out, indent=2)

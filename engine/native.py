@@ -5,6 +5,11 @@ Each kernel is one C file (in ``engine/kernels/``, with the headers beside it) c
 the compiler and flags, and the CPU's model and feature flags, so a changed
 source or another CPU never loads a stale build. Callers treat ``OSError`` as
 "no kernel here" and keep their pure-torch path.
+
+A kernel that splits its work over threads does it with OpenMP on torch's own
+runtime (``torch_openmp_flags``): linked against the very libgomp torch has
+loaded, so the kernel's parallel regions run on the worker threads torch's
+GEMMs just used, instead of a second pool of threads fighting them for the cores.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ _BUILD_TIMEOUT_S = 120
 _build_lock = threading.Lock()
 
 
-def compile_kernel(source: Path) -> Path:
-    """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be."""
+def compile_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be.
+
+    ``extra_flags`` go after the source (link flags such as ``torch_openmp_flags()``) and into the build's key.
+    """
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (set CC, or install gcc)")
     # The kernels' shared header (vector.h) is part of every build.
     text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(text + " ".join((compiler, *CFLAGS)).encode() + _cpu_identity()).hexdigest()[:16]
+    flags = " ".join((compiler, *CFLAGS, *extra_flags)).encode()
+    key = hashlib.sha256(text + flags + _cpu_identity()).hexdigest()[:16]
     directory = default_cache_dir() / "kernels"
     target = directory / f"{source.stem}-{key}.so"
     with _build_lock:
@@ -46,7 +55,7 @@ def compile_kernel(source: Path) -> Path:
         try:
             try:
                 result = subprocess.run(
-                    [compiler, *CFLAGS, "-I", str(source.parent), "-o", temp_name, str(source)],
+                    [compiler, *CFLAGS, "-I", str(source.parent), "-o", temp_name, str(source), *extra_flags],
                     capture_output=True,
                     text=True,
                     timeout=_BUILD_TIMEOUT_S,
@@ -60,6 +69,39 @@ def compile_kernel(source: Path) -> Path:
             if os.path.exists(temp_name):
                 os.unlink(temp_name)
     return target
+
+
+def torch_openmp_flags() -> tuple[str, ...] | None:
+    """Flags that build a kernel's ``#pragma omp`` regions on the OpenMP runtime torch itself uses; None without one.
+
+    ``-fopenmp`` compiles the pragmas; linking the libgomp file that torch has
+    loaded (found in this process's memory map), rather than the compiler's own,
+    makes the library's ``libgomp.so.1`` dependency resolve to the copy already in
+    the process, so one thread pool serves torch and the kernel. A torch on another
+    OpenMP runtime (Intel's, LLVM's) or on none gets None: callers build without
+    OpenMP and split their work themselves.
+    """
+    import torch  # noqa: F401  (loads torch's OpenMP runtime, if it has one, before the map is read)
+
+    libgomp = _loaded_library("libgomp")
+    if libgomp is None:
+        return None
+    return ("-fopenmp", str(libgomp), f"-Wl,-rpath,{libgomp.parent}")
+
+
+def _loaded_library(stem: str) -> Path | None:
+    """The file of a shared library this process has mapped whose name starts with ``stem`` (``libgomp``)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                # auditwheel renames bundled libraries (libgomp-a34b3233.so.1).
+                name = Path(path).name
+                if path.startswith("/") and (name.startswith(f"{stem}.so") or name.startswith(f"{stem}-")):
+                    return Path(path)
+    except OSError:
+        pass
+    return None
 
 
 def _cpu_identity() -> bytes:

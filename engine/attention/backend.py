@@ -71,21 +71,27 @@ def write_to_cache(
     return _store(key, key_cache, slot_mapping), _store(value, value_cache, slot_mapping)
 
 
-def _store(new: torch.Tensor, cache: CacheTensor, slot_mapping: torch.Tensor) -> CacheTensor:
+def flat_slots(cache: CacheTensor) -> CacheTensor:
+    """The cache viewed as (num_blocks * block_size, num_kv_heads, head_dim): one row per slot."""
     if isinstance(cache, QuantizedKV):
         num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
-        flat = QuantizedKV(
+        return QuantizedKV(
             cache.data.view(num_blocks * block_size, num_kv_heads, head_dim),
             cache.scales.view(num_blocks * block_size, num_kv_heads),
         )
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    return cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def _store(new: torch.Tensor, cache: CacheTensor, slot_mapping: torch.Tensor) -> CacheTensor:
+    flat = flat_slots(cache)
+    if isinstance(flat, QuantizedKV):
         data, scales = quantize_int8(new)
         flat.data.index_copy_(0, slot_mapping, data)
         flat.scales.index_copy_(0, slot_mapping, scales)
         return flat
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    flat_cache = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_cache.index_copy_(0, slot_mapping, new.to(cache.dtype))
-    return flat_cache
+    flat.index_copy_(0, slot_mapping, new.to(flat.dtype))
+    return flat
 
 
 def read_cache(cache: CacheTensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

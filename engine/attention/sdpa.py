@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionBatch, CacheTensor, read_cache, write_to_cache
+from engine.attention.backend import (
+    AttentionBackend,
+    AttentionBatch,
+    CacheTensor,
+    flat_slots,
+    read_cache,
+    write_to_cache,
+)
 from engine.attention.cpu_kernel import KernelPlan, PagedAttentionKernel
 
 
@@ -118,14 +125,19 @@ class SdpaBackend(AttentionBackend):
         metadata: SdpaMetadata,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1:]
-        flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if self.kernel is not None:
+            # One C call for the whole write (cast or int8-quantized as write_to_cache does it, bit for bit).
+            self.kernel.store(_heads_packed(key), _heads_packed(value), key_cache, value_cache, metadata.slot_mapping)
+            flat_k, flat_v = flat_slots(key_cache), flat_slots(value_cache)
+        else:
+            flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
         nd = metadata.num_decodes
         if metadata.kernel_plan is not None:
             assert self.kernel is not None
             # Writes the plan's rows of ``out`` in place; the rest are SDPA's below.
-            self.kernel(query.contiguous(), key_cache, value_cache, metadata.kernel_plan, head_dim**-0.5, out)
+            self.kernel(_heads_packed(query), key_cache, value_cache, metadata.kernel_plan, head_dim**-0.5, out)
         if nd:
             assert metadata.decode_block_tables is not None
             block_ids = metadata.decode_block_tables.flatten()  # (nd * max_blocks,)
@@ -159,3 +171,9 @@ class SdpaBackend(AttentionBackend):
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
 
+
+
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (num_tokens, heads, head_dim) with each token's heads contiguous, as the C kernels read rows
+    (a column slice of the fused q/k/v output already is: no copy)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

@@ -5,18 +5,23 @@
  * verifies: q_len query rows at the end of a context that is already in the
  * cache. The torch path gathers every sequence's KV blocks into a padded batch
  * and runs SDPA over it; this kernel reads each key and value row where it lies
- * in the block pool, so nothing is copied or padded. It is single-threaded and
- * needs no OpenMP runtime: the Python side splits a step's work items across
- * threads (ctypes releases the GIL).
+ * in the block pool, so nothing is copied or padded.
  *
- * Work items: item = seq * num_kv_heads + kv_head, one call covers
- * [item_begin, item_end). An item computes the group of query heads that share
- * that KV head, for every query row of the sequence.
+ * Work items: item = seq * num_kv_heads + kv_head. An item computes the group of
+ * query heads that share that KV head, for every query row of the sequence.
+ * pdserve_paged_attention covers items [item_begin, item_end) on the calling
+ * thread. pdserve_paged_attention_ranges covers num_ranges contiguous ranges
+ * (range r: items [points[r], points[r + 1])), one per OpenMP thread, when built
+ * with -fopenmp on torch's own runtime (engine/native.py: the threads are the
+ * ones torch's GEMMs use, so the two never fight over the cores); without
+ * OpenMP it runs the ranges in turn and the Python side splits them over
+ * threads itself (pdserve_paged_attention_openmp says which).
  *
  * Layouts (row-major):
  *   query, out    (num_rows, num_kv_heads, group, head_dim) float32 or bfloat16
  *                 (io_bf16): query head h * group + g uses KV head h, as repeat_kv
- *                 does. Sequence s owns rows query_rows[s] .. + query_lens[s] - 1;
+ *                 does. out is contiguous; query's rows are query_stride elements
+ *                 apart (a column slice of the fused q/k/v output, read in place). Sequence s owns rows query_rows[s] .. + query_lens[s] - 1;
  *                 rows no item covers are left untouched.
  *   key_cache,    (num_blocks, block_size, num_kv_heads, head_dim): float32,
  *   value_cache   bfloat16 bits or int8 (kv_kind)
@@ -35,6 +40,9 @@
  * longer than its context, head_dim above MAX_HEAD_DIM, int8 without scales).
  */
 #include "vector.h"
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 enum kv_kind { KV_FLOAT32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
@@ -230,7 +238,8 @@ static __attribute__((noinline)) void attend_pass_kind(enum kv_kind kind, const 
 }
 
 static int paged_attention(
-    enum kv_kind kind, int io_bf16, void *out, const void *query, const void *key_cache, const void *value_cache,
+    enum kv_kind kind, int io_bf16, void *out, const void *query, int64_t query_stride, const void *key_cache,
+    const void *value_cache,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, int64_t item_begin, int64_t item_end, int64_t max_blocks,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
@@ -260,14 +269,16 @@ static int paged_attention(
         for (int64_t first = 0; first < num_vectors; first += VECTORS_PER_PASS) {
             const int64_t count = num_vectors - first < VECTORS_PER_PASS ? num_vectors - first : VECTORS_PER_PASS;
             int64_t limits[VECTORS_PER_PASS];
-            int64_t offsets[VECTORS_PER_PASS]; /* element offset of vector j in query/out */
+            int64_t offsets[VECTORS_PER_PASS]; /* element offset of vector j in out */
+            int64_t query_offsets[VECTORS_PER_PASS]; /* and in query */
             for (int64_t j = 0; j < count; ++j) {
                 const int64_t vector = first + j, row = vector / group, g = vector % group;
                 limits[j] = first_position + row + 1;
                 offsets[j] = ((query_rows[s] + row) * num_heads + kv_head * group + g) * head_dim;
+                query_offsets[j] = (query_rows[s] + row) * query_stride + (kv_head * group + g) * head_dim;
                 for (int64_t i = 0; i < head_dim; ++i) {
-                    q[j * head_dim + i] = io_bf16 ? bf16_to_float(((const uint16_t *)query)[offsets[j] + i])
-                                                  : ((const float *)query)[offsets[j] + i];
+                    q[j * head_dim + i] = io_bf16 ? bf16_to_float(((const uint16_t *)query)[query_offsets[j] + i])
+                                                  : ((const float *)query)[query_offsets[j] + i];
                 }
             }
             attend_pass_kind(kind, key_cache, value_cache, key_scales, value_scales, block_tables + s * max_blocks,
@@ -288,7 +299,8 @@ static int paged_attention(
 }
 
 int pdserve_paged_attention(
-    void *out, const void *query, int64_t io_bf16, const void *key_cache, const void *value_cache, int64_t kv_kind,
+    void *out, const void *query, int64_t query_stride, int64_t io_bf16, const void *key_cache,
+    const void *value_cache, int64_t kv_kind,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, int64_t item_begin, int64_t item_end, int64_t max_blocks,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
@@ -297,7 +309,119 @@ int pdserve_paged_attention(
     if (!known_kind || head_dim < 1 || head_dim > MAX_HEAD_DIM) {
         return -2;
     }
-    return paged_attention((enum kv_kind)kv_kind, io_bf16 != 0, out, query, key_cache, value_cache, key_scales,
+    return paged_attention((enum kv_kind)kv_kind, io_bf16 != 0, out, query, query_stride, key_cache, value_cache,
+                           key_scales,
                            value_scales, block_tables, context_lens, query_rows, query_lens, item_begin, item_end,
                            max_blocks, num_kv_heads, group, head_dim, block_size, scale);
+}
+
+int pdserve_paged_attention_ranges(
+    void *out, const void *query, int64_t query_stride, int64_t io_bf16, const void *key_cache,
+    const void *value_cache, int64_t kv_kind,
+    const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
+    const int64_t *query_rows, const int64_t *query_lens, const int64_t *points, int64_t num_ranges,
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+{
+    /* Any failure wins over success; out of memory (-1) over a bad argument (-2) is as good as any order. */
+    int status = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(num_ranges) schedule(static, 1) reduction(min : status) if (num_ranges > 1)
+#endif
+    for (int64_t r = 0; r < num_ranges; ++r) {
+        const int result = pdserve_paged_attention(
+            out, query, query_stride, io_bf16, key_cache, value_cache, kv_kind, key_scales, value_scales, block_tables,
+            context_lens, query_rows, query_lens, points[r], points[r + 1], max_blocks, num_kv_heads, group,
+            head_dim, block_size, scale);
+        status = result < status ? result : status;
+    }
+    return status;
+}
+
+/* 1 when the ranges above run on OpenMP threads, 0 when they run in turn on the caller's. */
+int pdserve_paged_attention_openmp(void)
+{
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/*
+ * The KV write of a step (vLLM's reshape_and_cache): token t's key and value rows go to cache slot
+ * slots[t], cast to the cache's dtype or, for int8, quantized as engine/kv_cache.py's quantize_int8 does
+ * it (scale = max |x| / 127, x / scale rounded half to even, clamped to +-127; an all-zero row keeps
+ * scale 0), bit for bit. One call replaces the dozen torch ops per layer that cost more in dispatch than
+ * in arithmetic at decode sizes.
+ *   key, value  (num_tokens, num_kv_heads, head_dim) float32 or bfloat16 (in_bf16), rows key_stride and
+ *               value_stride elements apart (views of the fused q/k/v projection's output)
+ *   caches      as pdserve_paged_attention's, scales (int8 only) (num_blocks * block_size, num_kv_heads)
+ * Returns 0, -2 for a kind it does not know or int8 without scales, -3 for a slot outside [0, num_slots)
+ * (checked before anything is written).
+ */
+static void store_rows(enum kv_kind kind, int in_bf16, const void *source, int64_t stride, void *cache,
+                       float *scales, const int64_t *slots, int64_t num_tokens, int64_t num_kv_heads,
+                       int64_t head_dim)
+{
+    float row[MAX_HEAD_DIM];
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t from = t * stride + h * head_dim;
+            const int64_t to = (slots[t] * num_kv_heads + h) * head_dim;
+            if (in_bf16 && kind == KV_BF16) {
+                memcpy((uint16_t *)cache + to, (const uint16_t *)source + from, sizeof(uint16_t) * head_dim);
+                continue;
+            }
+            if (!in_bf16 && kind == KV_FLOAT32) {
+                memcpy((float *)cache + to, (const float *)source + from, sizeof(float) * head_dim);
+                continue;
+            }
+            for (int64_t i = 0; i < head_dim; ++i) {
+                row[i] = in_bf16 ? bf16_to_float(((const uint16_t *)source)[from + i])
+                                 : ((const float *)source)[from + i];
+            }
+            if (kind == KV_FLOAT32) {
+                memcpy((float *)cache + to, row, sizeof(float) * head_dim);
+            } else if (kind == KV_BF16) {
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    /* NaN stays NaN (float_to_bf16's rounding would carry it into the exponent). */
+                    ((uint16_t *)cache)[to + i] = isnan(row[i]) ? 0x7FC0u : float_to_bf16(row[i]);
+                }
+            } else {
+                float largest = 0.0f;
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    largest = fabsf(row[i]) > largest ? fabsf(row[i]) : largest;
+                }
+                const float scale = largest / 127.0f;
+                const float divisor = scale == 0.0f ? 1.0f : scale;
+                for (int64_t i = 0; i < head_dim; ++i) {
+                    float q = nearbyintf(row[i] / divisor);
+                    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+                    ((int8_t *)cache)[to + i] = (int8_t)q;
+                }
+                scales[slots[t] * num_kv_heads + h] = scale;
+            }
+        }
+    }
+}
+
+int pdserve_store_kv(const void *key, const void *value, int64_t in_bf16, int64_t key_stride, int64_t value_stride,
+                     void *key_cache, void *value_cache, int64_t kv_kind, float *key_scales, float *value_scales,
+                     const int64_t *slots, int64_t num_tokens, int64_t num_slots, int64_t num_kv_heads,
+                     int64_t head_dim)
+{
+    const int known_kind = kv_kind == KV_FLOAT32 || kv_kind == KV_BF16 || (kv_kind == KV_INT8 && key_scales && value_scales);
+    if (!known_kind || head_dim < 1 || head_dim > MAX_HEAD_DIM) {
+        return -2;
+    }
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0 || slots[t] >= num_slots) {
+            return -3;
+        }
+    }
+    store_rows((enum kv_kind)kv_kind, in_bf16 != 0, key, key_stride, key_cache, key_scales, slots, num_tokens,
+               num_kv_heads, head_dim);
+    store_rows((enum kv_kind)kv_kind, in_bf16 != 0, value, value_stride, value_cache, value_scales, slots,
+               num_tokens, num_kv_heads, head_dim);
+    return 0;
 }

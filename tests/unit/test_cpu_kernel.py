@@ -1,4 +1,5 @@
-"""The C paged-attention kernel against a plain torch reference, its work split, and the fallback without a compiler."""
+"""The C paged-attention kernel against a plain torch reference, its work split (OpenMP on torch's runtime, or a
+Python pool), and the fallbacks without OpenMP or without a compiler."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import native
 from engine.attention import cpu_kernel, select_backend
 from engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
-from engine.kv_cache import QuantizedKV, dequantize_int8, quantize_int8
+from engine.attention.backend import write_to_cache
+from engine.kv_cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
 
 
 def _reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],
@@ -59,10 +62,12 @@ SHAPES = [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 24, 5), (2, 2, 16, 4)]
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES)
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("openmp", [True, False])
 def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_dim: int, block_size: int,
-                                            num_threads: int) -> None:
-    kernel = load_paged_attention_kernel(num_threads)
+                                            num_threads: int, openmp: bool) -> None:
+    kernel = load_paged_attention_kernel(num_threads, openmp=openmp)
     assert kernel is not None, "this machine has a C compiler: the kernel must build"
+    assert kernel.openmp == openmp, "torch here runs on libgomp: the OpenMP build must succeed"
     torch.manual_seed(0)
     key_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
     value_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
@@ -75,8 +80,9 @@ def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
 
 
-def test_kernel_leaves_rows_outside_its_plan_untouched() -> None:
-    kernel = load_paged_attention_kernel(2)
+@pytest.mark.parametrize("openmp", [True, False])
+def test_kernel_leaves_rows_outside_its_plan_untouched(openmp: bool) -> None:
+    kernel = load_paged_attention_kernel(2, openmp=openmp)
     assert kernel is not None
     torch.manual_seed(0)
     cache = torch.randn(8, 4, 1, 16)
@@ -89,6 +95,24 @@ def test_kernel_leaves_rows_outside_its_plan_untouched() -> None:
     assert not torch.isnan(out[1:3]).any() and not torch.equal(out[1:3], torch.full((2, 2, 16), 7.0))
 
 
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_a_strided_query_in_place(query_dtype: torch.dtype) -> None:
+    kernel = load_paged_attention_kernel(2)
+    assert kernel is not None
+    torch.manual_seed(0)
+    cache = torch.randn(200, 16, 3, 64)
+    lens, tables, query_lens = _scattered_batch(16, seed=1)
+    # The queries as the model hands them over: the first 9 heads of the fused q/k/v output's 15.
+    fused = torch.randn(sum(query_lens), 15, 64).to(query_dtype)
+    strided = fused[:, :9]
+    assert not strided.is_contiguous()
+    out = _run(kernel, strided, cache, cache, tables, lens, query_lens)
+    assert torch.equal(out, _run(kernel, strided.contiguous(), cache, cache, tables, lens, query_lens))
+    with pytest.raises(ValueError, match="query"):
+        # head_dim strided: (rows, head_dim, heads) seen as (rows, heads, head_dim)
+        _run(kernel, strided.transpose(1, 2).contiguous().transpose(1, 2), cache, cache, tables, lens, query_lens)
+
+
 def test_plan_rejects_a_query_longer_than_its_context() -> None:
     kernel = load_paged_attention_kernel(1)
     assert kernel is not None
@@ -97,14 +121,14 @@ def test_plan_rejects_a_query_longer_than_its_context() -> None:
 
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES[:3])
-@pytest.mark.parametrize("num_threads", [1, 3])
+@pytest.mark.parametrize(("num_threads", "openmp"), [(1, True), (3, True), (3, False)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 def test_compact_kv_kernels_match_reference_attention_over_the_dequantized_cache(
-    num_kv_heads: int, group: int, head_dim: int, block_size: int, num_threads: int, kv_dtype: torch.dtype,
-    query_dtype: torch.dtype,
+    num_kv_heads: int, group: int, head_dim: int, block_size: int, num_threads: int, openmp: bool,
+    kv_dtype: torch.dtype, query_dtype: torch.dtype,
 ) -> None:
-    kernel = load_paged_attention_kernel(num_threads)
+    kernel = load_paged_attention_kernel(num_threads, openmp=openmp)
     assert kernel is not None
     torch.manual_seed(0)
     lens, tables, query_lens = _scattered_batch(block_size, seed=0)
@@ -144,7 +168,7 @@ def test_kernel_rejects_int8_kv_without_scales() -> None:
 
 
 def test_split_balances_work_across_threads_and_keeps_small_work_on_one() -> None:
-    library = cpu_kernel._load_library()
+    library = cpu_kernel._load_library(True)
     assert library is not None
     work = [1000, 2000, 500, 3000, 100]
     assert PagedAttentionKernel(library, 1).split(work) == ((0, 5),)
@@ -158,13 +182,92 @@ def test_split_balances_work_across_threads_and_keeps_small_work_on_one() -> Non
 
 
 def test_plan_items_are_sequences_times_kv_heads_weighted_by_passes() -> None:
-    library = cpu_kernel._load_library()
+    library = cpu_kernel._load_library(True)
     assert library is not None
     kernel = PagedAttentionKernel(library, 2)
     # Costs per item: 3000 x ceil(1 * 3 / 4) = 3000 (three items), then 1000 x ceil(5 * 3 / 4) = 4000 (three items).
     plan = kernel.plan([0, 1], [1, 5], [3000, 1000], [[1], [2]], 3, 3)
     assert plan.item_ranges == ((0, 4), (4, 6))
     assert plan.query_rows.tolist() == [0, 1] and plan.query_lens.tolist() == [1, 5]
+
+
+def test_openmp_build_shares_the_libgomp_torch_loaded() -> None:
+    kernel = load_paged_attention_kernel(2)
+    assert kernel is not None and kernel.openmp
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        libgomps = {line.split()[-1] for line in maps if Path(line.split()[-1]).name.startswith("libgomp")}
+    # One runtime in the process: the kernel's parallel regions run on torch's OpenMP threads.
+    assert libgomps == {str(native._loaded_library("libgomp"))}
+    assert Path(next(iter(libgomps))).parent == Path(torch.__file__).parent / "lib"
+
+
+def test_without_openmp_the_kernel_splits_its_work_over_a_python_pool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(cpu_kernel, "torch_openmp_flags", lambda: None)  # a torch on no libgomp
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernel._load_library.cache_clear()
+    try:
+        kernel = load_paged_attention_kernel(2)
+        assert kernel is not None and not kernel.openmp and kernel._pool is not None
+        torch.manual_seed(0)
+        cache = torch.randn(140, 16, 3, 64)
+        # 3 x (800 + 700 + 600) units of work: two ranges, one of them on the pool's thread.
+        lens, query_lens = [800, 700, 600], [1, 1, 1]
+        tables = [list(range(1, 51)), list(range(51, 95)), list(range(95, 133))]
+        assert len(kernel.plan([0, 1, 2], query_lens, lens, tables, 3, 3).item_ranges) == 2
+        query = torch.randn(3, 9, 64)
+        out = _run(kernel, query, cache, cache, tables, lens, query_lens)
+        expected = _reference(query, cache, cache, tables, lens, query_lens)
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+    finally:
+        monkeypatch.undo()
+        cpu_kernel._load_library.cache_clear()
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_kv_write_matches_the_torch_write_bit_for_bit(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    kernel = load_paged_attention_kernel(1)
+    assert kernel is not None
+    torch.manual_seed(0)
+    num_kv_heads, head_dim, block_size = 3, 64, 16
+    # Keys and values as the model hands them over: column slices of the fused q/k/v output.
+    qkv = (torch.randn(7, 9 + 2 * num_kv_heads, head_dim) * 3).to(model_dtype)
+    qkv[2, 9] = 0  # an all-zero row: int8 keeps scale 0
+    qkv[3, 9 + num_kv_heads, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 63.5, -63.5])  # ties at 127
+    key, value = qkv[:, 9 : 9 + num_kv_heads], qkv[:, 9 + num_kv_heads :]
+    slots = torch.tensor([5, 17, 40, 41, 0, 63, 22])
+
+    def empty_cache() -> tuple[object, object]:
+        caches = KVCache(1, 4, block_size, num_kv_heads, head_dim, kv_dtype, torch.device("cpu")).layers()[0]
+        return caches
+
+    expected_k, expected_v = empty_cache()
+    write_to_cache(key, value, expected_k, expected_v, slots)
+    got_k, got_v = empty_cache()
+    kernel.store(key, value, got_k, got_v, slots)
+
+    for expected, got in ((expected_k, got_k), (expected_v, got_v)):
+        if kv_dtype == torch.int8:
+            assert torch.equal(got.data, expected.data) and torch.equal(got.scales, expected.scales)
+            assert got.data.abs().sum() > 0
+        else:
+            assert torch.equal(got, expected) and got.abs().sum() > 0
+
+
+def test_kv_write_rejects_a_slot_outside_the_pool_and_writes_nothing() -> None:
+    kernel = load_paged_attention_kernel(1)
+    assert kernel is not None
+    cache = torch.zeros(2, 4, 1, 8)
+    new = torch.ones(2, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernel.store(new, new, cache, cache, torch.tensor([3, 8]))
+    assert not cache.any()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernel.store(new, new, cache, cache, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="key_cache"):
+        kernel.store(new, new, cache.half(), cache.half(), torch.tensor([0, 1]))
 
 
 def test_without_a_compiler_auto_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -271,6 +271,21 @@ def test_bfloat16_logits_are_upcast_before_sampling_and_logprobs() -> None:
     assert torch.equal(out.top_logprobs, torch.log_softmax(upcast, dim=-1).topk(3, dim=-1).values)
 
 
+def test_plain_greedy_bfloat16_batch_picks_the_float32_argmax_ties_to_lowest_id() -> None:
+    # Coarse values: bfloat16 keeps many exact ties, across the whole 49,152-token vocabulary.
+    logits = (torch.randn(6, 49152, generator=seeded(7)) * 2).round().to(torch.bfloat16)
+    logits[1, [5, 9, 40000]] = 100.0  # a three-way tie at the top
+    logits[2, 49151] = 100.0  # the last id
+    greedy = SamplingParams(temperature=0.0)
+
+    out = Sampler(seed=0)(logits, [greedy] * 6, [None] * 6)
+
+    assert out.token_ids.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert out.token_ids[1] == 5 and out.token_ids[2] == 49151
+    assert out.token_ids.dtype == torch.int64
+    assert out.logprobs is None and out.top_token_ids is None and out.top_logprobs is None
+
+
 def test_mismatched_params_or_generators_are_rejected() -> None:
     logits = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
