@@ -45,6 +45,8 @@ from engine.parallel.sharding import TensorParallelShard, install_all_reduce, kv
 from engine.parallel.step_codec import HEADER_LEN, Command, StepInputs, decode_step, encode_step
 
 logger = logging.getLogger(__name__)
+# A follower's exit status when a collective failed under it (another rank died or timed out).
+COLLECTIVE_FAILED_EXIT = 4
 
 # How long rank 0 waits for every rank to load its shard and report ready.
 STARTUP_TIMEOUT_S = 600.0
@@ -165,20 +167,25 @@ class TensorParallelWorkers:
         except TensorParallelError as exc:
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
-                for rank, process in enumerate(self._processes, start=1):
-                    if not process.is_alive():
-                        raise TensorParallelError(
-                            f"tensor-parallel rank {rank} died (exit code {process.exitcode}): {exc}"
-                        ) from exc
+                dead = self._dead_ranks()
+                if dead:
+                    raise TensorParallelError(f"{dead}: {exc}") from exc
                 time.sleep(0.05)
             raise
 
     def check_alive(self) -> None:
         if self.group is None:
             raise TensorParallelError("the tensor-parallel ranks were shut down (or never joined)")
-        for rank, process in enumerate(self._processes, start=1):
-            if not process.is_alive():
-                raise TensorParallelError(f"tensor-parallel rank {rank} died (exit code {process.exitcode})")
+        dead = self._dead_ranks()
+        if dead:
+            raise TensorParallelError(dead)
+
+    def _dead_ranks(self) -> str:
+        """Which ranks died ("" when none): first those that died on their own, then those that exited
+        because a collective with them failed (``COLLECTIVE_FAILED_EXIT``)."""
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self._processes, start=1) if not p.is_alive()]
+        dead.sort(key=lambda item: item[1] == COLLECTIVE_FAILED_EXIT)
+        return "; ".join(f"tensor-parallel rank {rank} died (exit code {code})" for rank, code in dead)
 
     def command(self, header: list[int]) -> None:
         """Broadcast a command header; call with ``lock`` held."""
@@ -271,7 +278,7 @@ def _follower_main(rank: int, spec: RankSpec, pipe: multiprocessing.connection.C
         follower.run()
     except TensorParallelError as exc:
         logger.error("%s", exc)
-        os._exit(4)
+        os._exit(COLLECTIVE_FAILED_EXIT)
 
 
 class _Follower:
