@@ -115,10 +115,14 @@ def load_model(
     device: torch.device,
     quantization: str | None = None,
     quantization_group_size: int = 32,
+    quantize_lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """The checkpoint at ``path`` as a ready pdserve model: built in ``dtype`` on ``device``, weights
-    loaded, projections packed with ``quantization``'s linear method, in eval mode."""
-    from engine.layers.linear import linear_method
+    loaded, projections packed with ``quantization``'s linear method, in eval mode.
+
+    Under quantization the LM head is INT8 too unless ``quantize_lm_head`` is False
+    (engine/layers/linear.py's ``lm_head_method``; BENCHMARKS.md issue 11 has its effect)."""
+    from engine.layers.linear import linear_method, lm_head_method
     from engine.models import model_class
 
     cls = model_class(hf_config)
@@ -131,7 +135,9 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, path, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
-    model.pack_weights(linear_method(quantization, quantization_group_size))
+    model.pack_weights(
+        linear_method(quantization, quantization_group_size), lm_head_method(quantization, quantize_lm_head)
+    )
     return model.eval()
 
 

@@ -26,14 +26,18 @@ _BUILD_TIMEOUT_S = 120
 _build_lock = threading.Lock()
 
 
-def compile_kernel(source: Path) -> Path:
-    """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be."""
+def compile_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be.
+
+    ``extra_flags`` follow ``CFLAGS`` (e.g. ``-fopenmp``, or ``-mno-avx512vnni`` for a test of a fallback path).
+    """
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (set CC, or install gcc)")
     # The kernels' shared header (vector.h) is part of every build.
     text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(text + " ".join((compiler, *CFLAGS)).encode() + _cpu_identity()).hexdigest()[:16]
+    flags = (*CFLAGS, *extra_flags)
+    key = hashlib.sha256(text + " ".join((compiler, *flags)).encode() + _cpu_identity()).hexdigest()[:16]
     directory = default_cache_dir() / "kernels"
     target = directory / f"{source.stem}-{key}.so"
     with _build_lock:
@@ -46,7 +50,7 @@ def compile_kernel(source: Path) -> Path:
         try:
             try:
                 result = subprocess.run(
-                    [compiler, *CFLAGS, "-I", str(source.parent), "-o", temp_name, str(source)],
+                    [compiler, *flags, "-I", str(source.parent), "-o", temp_name, str(source)],
                     capture_output=True,
                     text=True,
                     timeout=_BUILD_TIMEOUT_S,
