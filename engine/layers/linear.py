@@ -50,11 +50,12 @@ from engine.layers.quant_kernels import (
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
 # Above these many rows the quantized methods dequantize to bf16 and use the
-# matrix units; at or below them aten's weight-only kernels win (the crossovers
-# measured at 1-2,048 rows: BENCHMARKS.md, issue 11).
-INT8_KERNEL_MAX_ROWS = 32
-INT4_KERNEL_MAX_ROWS = 64
-LM_HEAD_KERNEL_MAX_ROWS = 64
+# bf16 GEMM; at or below them pdserve's int8 kernels win (on an AVX512-VNNI CPU
+# without AMX the crossover is 256-512 rows at the default model's shapes,
+# 1 thread: BENCHMARKS.md, issue 11, third session).
+INT8_KERNEL_MAX_ROWS = 256
+INT4_KERNEL_MAX_ROWS = 256
+LM_HEAD_KERNEL_MAX_ROWS = 256
 # The quantized methods' activations, scales and dequantized weights: bf16 runs
 # on the AMX/AVX512-BF16 units (6.5x float32 at 2,048 rows, issue 11), and
 # aten's int kernels with float32 activations are 10-100x slower than with bf16
