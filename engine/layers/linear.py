@@ -28,6 +28,7 @@ dequantized copy is kept, so the memory saving holds).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from engine.config import INT4_GROUP_SIZES
 from engine.layers.quant_kernels import (
     QBLOCK,
     TILE,
+    BoundGemm,
     QuantKernels,
     load_quant_kernels,
     pack_int4,
@@ -128,8 +130,8 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         kernels = layer._quant_kernels
         if kernels is not None and x.shape[0] <= self.kernel_max_rows:
-            out = kernels.int8_gemm(_kernel_input(layer, x), layer.qweight, layer.scales, layer.out_features)
-            out = out.to(x.dtype)
+            gemm = _bound(layer, lambda: kernels.bind_int8(layer.qweight, layer.scales, layer.out_features))
+            out = _kernel_output(gemm(_kernel_input(gemm, x)), x)
         else:
             weight = self._dequantize(layer, _GEMM_DTYPE)
             out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
@@ -178,9 +180,11 @@ class Int4LinearMethod(LinearMethod):
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         kernels = layer._quant_kernels
         if kernels is not None and x.shape[0] <= self.kernel_max_rows:
-            out = kernels.int4_gemm(
-                _kernel_input(layer, x), layer.qweight, layer.scales, layer.minimums, self.group_size, layer.out_features
-            ).to(x.dtype)
+            gemm = _bound(
+                layer,
+                lambda: kernels.bind_int4(layer.qweight, layer.scales, layer.minimums, self.group_size, layer.out_features),
+            )
+            out = _kernel_output(gemm(_kernel_input(gemm, x)), x)
         else:
             weight = self._dequantize(layer, _GEMM_DTYPE)
             out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
@@ -220,12 +224,27 @@ def _set_quantized_layer(layer: PackedLinear, in_features: int, out_features: in
     layer._quant_kernels = load_quant_kernels() if layer.qweight.device.type == "cpu" else None
 
 
-def _kernel_input(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+def _bound(layer: PackedLinear, bind: Callable[[], BoundGemm]) -> BoundGemm:
+    """The layer's weight bound to its kernel, bound again if its buffers were replaced since."""
+    gemm = layer._bound_gemm
+    if gemm is None or gemm.tensors[0] is not layer.qweight:
+        gemm = layer._bound_gemm = bind()
+    return gemm
+
+
+def _kernel_input(gemm: BoundGemm, x: torch.Tensor) -> torch.Tensor:
     """x as the kernel reads it: contiguous float32 or bf16, columns padded to the tiles' width."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
+    if x.dtype not in _KERNEL_DTYPES:
         x = x.to(_GEMM_DTYPE)
-    padding = layer.qweight.shape[1] * QBLOCK - x.shape[1]
+    padding = gemm.in_features - x.shape[1]
     return nn.functional.pad(x, (0, padding)) if padding else x.contiguous()
+
+
+def _kernel_output(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
@@ -255,6 +274,7 @@ class PackedLinear(nn.Module):
         self._mkl_weight: torch.Tensor | None = None
         self._onednn_weight: torch.Tensor | None = None
         self._quant_kernels: QuantKernels | None = None
+        self._bound_gemm: BoundGemm | None = None
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, sum out)

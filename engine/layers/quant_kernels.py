@@ -15,6 +15,7 @@ import ctypes
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,50 +88,95 @@ def unpack_rows(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 class QuantKernels:
-    """The compiled INT8/INT4 kernels; the caller passes tensors in ``pack_*``'s layouts (checked by shape)."""
+    """The compiled INT8/INT4 kernels; the caller passes tensors in ``pack_*``'s layouts (checked by shape).
+
+    ``bind_int8`` / ``bind_int4`` check a weight once and return the product by it
+    as a callable: at batch 1 a projection costs tens of microseconds, so the
+    per-call Python work is kept to the activation's checks and one ctypes call.
+    """
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._int8 = library.pdserve_int8_gemm
         self._int4 = library.pdserve_int4_gemm
         self.has_vnni = bool(library.pdserve_quant_has_vnni())
 
-    def int8_gemm(self, x: torch.Tensor, tiles: torch.Tensor, row_scales: torch.Tensor, out_features: int) -> torch.Tensor:
-        """x (rows, in) float32/bf16 @ W.T -> (rows, out) in x's dtype; W = (tiles - 128) * row_scales[:, None]."""
-        rows, in_features = _check_activation(x, tiles.shape[1] * QBLOCK)
-        if row_scales.dtype != torch.float32 or row_scales.numel() != tiles.shape[0] * TILE:
+    def bind_int8(self, tiles: torch.Tensor, row_scales: torch.Tensor, out_features: int) -> BoundGemm:
+        """x (rows, in) float32/bf16 -> x @ W.T (rows, out) in x's dtype; W = (tiles - 128) * row_scales[:, None]."""
+        _check_tiles(tiles, out_features, 8)
+        if row_scales.dtype != torch.float32 or row_scales.shape != (tiles.shape[0] * TILE,):
             raise ValueError("row_scales must be float32, one per padded output row")
-        out = x.new_empty(rows, out_features)
-        status = self._int8(
-            out.data_ptr(), x.data_ptr(), tiles.data_ptr(), row_scales.data_ptr(),
-            rows, out_features, in_features, int(x.dtype == torch.bfloat16), _threads(tiles),
-        )
-        if status != 0:
-            raise MemoryError("the INT8 kernel could not allocate its quantized activation")
-        return out
+        return BoundGemm(self._int8, (tiles, row_scales), (), out_features, tiles.shape[1] * QBLOCK)
 
-    def int4_gemm(
+    def bind_int4(
         self,
-        x: torch.Tensor,
         tiles: torch.Tensor,
         scales: torch.Tensor,  # (tiles, groups, 16) float16
         minimums: torch.Tensor,  # (tiles, groups, 16) float16
         group_size: int,
         out_features: int,
-    ) -> torch.Tensor:
-        """x (rows, in) float32/bf16 @ W.T -> (rows, out) in x's dtype; W = scale * q + minimum per group."""
-        rows, in_features = _check_activation(x, tiles.shape[1] * QBLOCK)
-        groups = in_features // group_size
+    ) -> BoundGemm:
+        """x (rows, in) float32/bf16 -> x @ W.T (rows, out) in x's dtype; W = scale * q + minimum per group."""
+        _check_tiles(tiles, out_features, 4)
+        in_features = tiles.shape[1] * QBLOCK
+        if group_size % QBLOCK or in_features % group_size:
+            raise ValueError(f"group_size must be a multiple of {QBLOCK} dividing {in_features}, got {group_size}")
+        shape = (tiles.shape[0], in_features // group_size, TILE)
         for name, tensor in (("scales", scales), ("minimums", minimums)):
-            if tensor.dtype != torch.float16 or tensor.shape != (tiles.shape[0], groups, TILE):
-                raise ValueError(f"{name} must be float16 of shape {(tiles.shape[0], groups, TILE)}")
-        out = x.new_empty(rows, out_features)
-        status = self._int4(
-            out.data_ptr(), x.data_ptr(), tiles.data_ptr(), scales.data_ptr(), minimums.data_ptr(), group_size,
-            rows, out_features, in_features, int(x.dtype == torch.bfloat16), _threads(tiles),
+            if tensor.dtype != torch.float16 or tensor.shape != shape or not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous float16 of shape {shape}")
+        return BoundGemm(self._int4, (tiles, scales, minimums), (group_size,), out_features, in_features)
+
+    def int8_gemm(self, x: torch.Tensor, tiles: torch.Tensor, row_scales: torch.Tensor, out_features: int) -> torch.Tensor:
+        """``bind_int8``'s product, for one call."""
+        return self.bind_int8(tiles, row_scales, out_features)(x)
+
+    def int4_gemm(
+        self,
+        x: torch.Tensor,
+        tiles: torch.Tensor,
+        scales: torch.Tensor,
+        minimums: torch.Tensor,
+        group_size: int,
+        out_features: int,
+    ) -> torch.Tensor:
+        """``bind_int4``'s product, for one call."""
+        return self.bind_int4(tiles, scales, minimums, group_size, out_features)(x)
+
+
+class BoundGemm:
+    """The product by one checked weight; keeps the weight's tensors alive (the C side holds their pointers)."""
+
+    def __init__(
+        self, function: Any, tensors: tuple[torch.Tensor, ...], options: tuple[int, ...], out_features: int,
+        in_features: int,
+    ) -> None:
+        self.tensors = tensors
+        self.out_features, self.in_features = out_features, in_features
+        self._function = function
+        self._weight_args = (*(t.data_ptr() for t in tensors), *options)
+        self._parallel = tensors[0].numel() >= _PARALLEL_MIN_BYTES
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
+        _check_activation(x, self.in_features)
+        rows = x.shape[0]
+        out = torch.empty((rows, self.out_features), dtype=x.dtype)
+        # Small weights stay on one thread; others follow torch's current thread count.
+        threads = torch.get_num_threads() if self._parallel else 1
+        status = self._function(
+            out.data_ptr(), x.data_ptr(), *self._weight_args,
+            rows, self.out_features, self.in_features, x.dtype == torch.bfloat16, threads,
         )
         if status != 0:
-            raise MemoryError("the INT4 kernel could not allocate its quantized activation")
+            raise MemoryError("the quantized kernel could not allocate its int8 activation")
         return out
+
+
+def _check_tiles(tiles: torch.Tensor, out_features: int, chunks: int) -> None:
+    if (
+        tiles.device.type != "cpu" or tiles.dtype != torch.uint8 or not tiles.is_contiguous() or tiles.dim() != 5
+        or tiles.shape[0] != -(-out_features // TILE) or tiles.shape[2:] != (chunks, TILE, 4)
+    ):
+        raise ValueError(f"tiles must be contiguous CPU uint8 of shape (tiles, blocks, {chunks}, 16, 4) for {out_features} outputs")
 
 
 def _check_activation(x: torch.Tensor, in_features: int) -> tuple[int, int]:
@@ -140,10 +186,6 @@ def _check_activation(x: torch.Tensor, in_features: int) -> tuple[int, int]:
     if x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must be (rows, {in_features}), got {tuple(x.shape)}")
     return x.shape[0], x.shape[1]
-
-
-def _threads(tiles: torch.Tensor) -> int:
-    return torch.get_num_threads() if tiles.numel() >= _PARALLEL_MIN_BYTES else 1
 
 
 def load_quant_kernels(extra_flags: tuple[str, ...] = ()) -> QuantKernels | None:

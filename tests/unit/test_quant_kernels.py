@@ -177,5 +177,5 @@ def test_inputs_the_kernel_cannot_read_raise_value_errors_naming_them() -> None:
     with pytest.raises(ValueError, match="row_scales must be float32"):
         KERNELS.int8_gemm(torch.randn(1, 64), tiles, row_scales.double(), 16)
     q4, scale, minimum = _int4_case(16, 64, 32)
-    with pytest.raises(ValueError, match=r"scales must be float16 of shape \(1, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"scales must be contiguous float16 of shape \(1, 2, 16\)"):
         KERNELS.int4_gemm(torch.randn(1, 64), qk.pack_int4(q4), qk.pack_rows(scale.float()), qk.pack_rows(minimum), 32, 16)
