@@ -111,6 +111,12 @@ static void quantize_row(const void *x, int is_bf16, int64_t k, int8_t *xq, floa
 static int quantize_rows(const void *x, int is_bf16, int64_t rows, int64_t k, QuantizedRows *out)
 {
     const int64_t blocks = k / QBLOCK;
+    if (rows <= 0) {
+        out->xq = NULL;
+        out->d = NULL;
+        out->sums = NULL;
+        return 0;
+    }
     out->xq = malloc((size_t)(rows * k));
     out->d = malloc((size_t)(rows * blocks) * sizeof(float));
     out->sums = malloc((size_t)(rows * blocks) * sizeof(int32_t));

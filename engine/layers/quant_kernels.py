@@ -160,6 +160,8 @@ class BoundGemm:
         _check_activation(x, self.in_features)
         rows = x.shape[0]
         out = torch.empty((rows, self.out_features), dtype=x.dtype)
+        if rows == 0:
+            return out
         # Small weights stay on one thread; others follow torch's current thread count.
         threads = torch.get_num_threads() if self._parallel else 1
         status = self._function(

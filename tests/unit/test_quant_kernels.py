@@ -123,6 +123,11 @@ def test_threads_split_the_rows_without_changing_a_bit() -> None:
     assert torch.equal(one, two)
 
 
+def test_no_rows_give_an_empty_result() -> None:
+    q, scales = _int8_case(32, 64)
+    assert KERNELS.int8_gemm(torch.randn(0, 64), qk.pack_int8(q), scales, 32).shape == (0, 32)
+
+
 def test_a_zero_activation_block_gives_exact_zeros_and_no_nan() -> None:
     q, scales = _int8_case(32, 64)
     row_scales = scales.clone()
