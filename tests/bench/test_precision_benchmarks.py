@@ -196,6 +196,9 @@ def test_scored_logprobs_match_transformers_window_by_window(llama_checkpoint: P
         for t in range(w.first_scored, w.end):
             expected.append(logprobs[t - w.begin - 1, token_ids[t]].item())
     assert scored.logprobs == pytest.approx(expected, abs=1e-4)
+    # Scoring a few windows at a time (--windows-at-once) changes memory and time, not the figures.
+    grouped = accuracy.score_text(llm, token_ids, windows, top_n=3, windows_at_once=2)
+    assert grouped.logprobs == pytest.approx(scored.logprobs, abs=1e-5) and len(grouped.tops) == len(scored.tops)
 
 
 def test_weight_bytes_count_a_tied_head_once_and_skip_the_rotary_tables() -> None:
