@@ -39,14 +39,18 @@ class ScoredText:
     wall_s: float
 
 
-def score_text(llm: Any, token_ids: Seq[int], windows: Seq[Window], top_n: int) -> ScoredText:
-    """All windows submitted at once; ``max_tokens=1`` because only the prompt's logprobs matter."""
+def score_text(
+    llm: Any, token_ids: Seq[int], windows: Seq[Window], top_n: int, windows_at_once: int | None = None
+) -> ScoredText:
+    """Windows submitted ``windows_at_once`` at a time (all by default); ``max_tokens=1`` because only the
+    prompt's logprobs matter. The figures do not depend on the grouping, only memory and time do."""
     from engine import SamplingParams
 
     params = SamplingParams(prompt_logprobs=top_n, max_tokens=1, temperature=0.0)
     prompts = [list(token_ids[w.begin : w.end]) for w in windows]
+    group = windows_at_once or len(prompts)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = [out for i in range(0, len(prompts), group) for out in llm.generate(prompts[i : i + group], params)]
     wall_s = time.perf_counter() - start
     logprobs: list[float] = []
     tops: list[TopList] = []
@@ -87,6 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prefill chunk: every chunk after a window's first attends to its context as the KV cache holds it "
         "(a compact KV dtype's rounding shows only there, as it does in decode)",
     )
+    parser.add_argument(
+        "--windows-at-once", type=int, default=None,
+        help="windows scored together (default: all); fewer keep the KV pool small on a machine short of memory",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
     if args.top_n < 1:
@@ -109,14 +117,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{sum(w.num_scored for w in windows)} scored; KL over the top {args.top_n}",
         flush=True,
     )
-    # A pool that holds every window at once: no preemption, so no prompt position is recomputed.
-    num_kv_blocks = len(windows) * (-(-args.window // BLOCK_SIZE) + 1)
+    # A pool that holds every window in flight at once: no preemption, so no prompt position is recomputed.
+    num_kv_blocks = min(len(windows), args.windows_at_once or len(windows)) * (-(-args.window // BLOCK_SIZE) + 1)
     scored: dict[PrecisionSetting, ScoredText] = {}
     failures: dict[PrecisionSetting, str] = {}
     for setting in args.settings:
         try:
             scored[setting] = with_llm(
-                setting, lambda llm: score_text(llm, token_ids, windows, args.top_n), model=args.model,
+                setting, lambda llm: score_text(llm, token_ids, windows, args.top_n, args.windows_at_once),
+                model=args.model,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             )
             print(f"[{setting.name}] scored in {scored[setting].wall_s:.1f} s", flush=True)

@@ -14,15 +14,17 @@ per-kernel, not per-step. Candidates:
 - ``fp32 mkl``: the float32 method (MKL packed GEMM), what the engine runs today;
 - ``fp32 F.linear``; ``bf16 F.linear`` (oneDNN; AMX where present);
 - ``bf16 onednn packed``: ``mkldnn._linear_pointwise`` on a weight prepacked by ``mkldnn._reorder_linear_weight``;
-- ``int8 kernel`` / ``int4 kernel``: aten's weight-only ``_weight_int8pack_mm`` /
-  ``_weight_int4pack_mm_for_cpu`` with bf16 activations (the methods convert
-  float32 ones: with float32 activations these kernels ran 10-100x slower at
-  8 rows and up in a first run, BENCHMARKS.md);
+- ``int8 kernel`` / ``int4 kernel``: pdserve's own kernels (engine/kernels/quant_gemv.c:
+  int8 activations per block of 32, AVX512-VNNI), what the quantized methods run up to
+  ``kernel_max_rows``; INT4 at group 32, the default;
+- ``aten int8`` / ``aten int4``: aten's weight-only ``_weight_int8pack_mm`` /
+  ``_weight_int4pack_mm_for_cpu`` with bf16 activations, which the methods ran before
+  (group 32, the weights packed here in aten's layouts);
 - ``int8 deq+bf16`` / ``int4 deq+bf16``: the quantized methods' multi-row path,
   dequantizing the weight to bf16 for the call and running ``F.linear``.
 
 The LM head is only ever computed for sampled rows (at most max_num_seqs), so it
-is not timed at 2,048 rows; the aten int kernels are not timed at 2,048 rows
+is not timed at 2,048 rows; the int kernels are not timed at 2,048 rows
 either unless ``--slow`` is given (they take tens of ms there; issue 11's table).
 """
 
@@ -36,6 +38,7 @@ from torch import nn
 
 from benchmarks.decode_step import _alternate
 from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
+from engine.layers.quant_kernels import unpack_int4, unpack_int8, unpack_rows
 
 SHAPES = {
     "q/k/v": (576, 960),
@@ -52,9 +55,17 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> d
     fp32 = PackedLinear([linear])
     weight_bf16 = linear.weight.detach().to(torch.bfloat16)
     onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, rows)
-    int8, int4 = PackedLinear([linear], Int8LinearMethod()), PackedLinear([linear], Int4LinearMethod(64))
+    int8, int4 = PackedLinear([linear], Int8LinearMethod()), PackedLinear([linear], Int4LinearMethod(32))
     x = torch.randn(rows, in_features)
     x_bf16 = x.to(torch.bfloat16)
+    kernels = int8._quant_kernels
+    # aten's layouts of the same weights: int8 (out, in) with bf16 scales; int4 packed with (groups, out, 2) scale/zero.
+    q8 = unpack_int8(int8.qweight, out_features)[:, :in_features].contiguous()
+    scales8 = int8.scales[:out_features].to(torch.bfloat16)
+    q4 = unpack_int4(int4.qweight, out_features).to(torch.int32)
+    aten_int4 = torch._convert_weight_to_int4pack_for_cpu(q4, 2)
+    scale4, minimum4 = unpack_rows(int4.scales, out_features).float(), unpack_rows(int4.minimums, out_features).float()
+    aten_scales_zeros = torch.stack([scale4.t(), (minimum4 + 8 * scale4).t()], dim=-1).to(torch.bfloat16).contiguous()
     candidates = {
         "fp32 mkl": lambda: fp32(x),
         "fp32 F.linear": lambda: nn.functional.linear(x, linear.weight),
@@ -62,11 +73,16 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> d
         "bf16 onednn packed": lambda: torch.ops.mkldnn._linear_pointwise(x_bf16, onednn_weight, None, "none", [], ""),
     }
     if rows < 2048 or slow:
+        if kernels is not None:
+            candidates |= {
+                "int8 kernel": lambda: kernels.int8_gemm(x_bf16, int8.qweight, int8.scales, out_features),
+                "int4 kernel": lambda: kernels.int4_gemm(
+                    x_bf16, int4.qweight, int4.scales, int4.minimums, 32, out_features
+                ),
+            }
         candidates |= {
-            "int8 kernel": lambda: torch._weight_int8pack_mm(x_bf16, int8.qweight, int8.scales),
-            "int4 kernel": lambda: torch._weight_int4pack_mm_for_cpu(
-                x_bf16, int4.qweight, 64, int4.scales_and_zeros
-            ),
+            "aten int8": lambda: torch._weight_int8pack_mm(x_bf16, q8, scales8),
+            "aten int4": lambda: torch._weight_int4pack_mm_for_cpu(x_bf16, aten_int4, 32, aten_scales_zeros),
         }
     candidates |= {
         "int8 deq+bf16": lambda: _force(int8, x_bf16),

@@ -1,9 +1,11 @@
 """Precision settings the issue-11 benchmarks compare: weight dtype, weight quantization, KV cache dtype.
 
-A setting is written ``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]`` on the command line,
+A setting is written ``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD]]]`` on the command line,
 an empty part or ``-`` meaning "not set" (no quantization, the KV cache in the
-model's dtype): ``float32``, ``bfloat16``, ``bfloat16:int8``, ``bfloat16:int4:int8``,
-``bfloat16::int8`` (bf16 weights, int8 KV). Parts that are not set are not passed
+model's dtype, the engine's LM head default): ``float32``, ``bfloat16``, ``bfloat16:int8``,
+``bfloat16:int4:int8``, ``bfloat16::int8`` (bf16 weights, int8 KV), ``bfloat16:int4::float``
+(INT4 layers with the LM head left in bf16; ``int8`` asks for the quantized head, the default
+under quantization). Parts that are not set are not passed
 to ``LLM`` at all, so a setting the engine of this checkout does not know yet
 fails at construction, and the benchmarks report it as unsupported instead of crashing.
 """
@@ -18,6 +20,7 @@ from typing import Any, Callable, TypeVar
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+LM_HEADS = ("float", "int8")
 REFERENCE = "float32"
 
 T = TypeVar("T")
@@ -30,11 +33,12 @@ class PrecisionSetting:
     dtype: str
     quantization: str | None = None
     kv_cache_dtype: str | None = None
+    lm_head: str | None = None
 
     @property
     def name(self) -> str:
         """The command-line spelling, with trailing unset parts dropped."""
-        parts = [self.dtype, self.quantization or "", self.kv_cache_dtype or ""]
+        parts = [self.dtype, self.quantization or "", self.kv_cache_dtype or "", self.lm_head or ""]
         while parts and not parts[-1]:
             parts.pop()
         return ":".join(parts)
@@ -44,7 +48,7 @@ class PrecisionSetting:
         """The same weights with the KV cache in the model's dtype: what int8 KV is judged against."""
         if self.kv_cache_dtype in (None, "auto"):
             return None
-        return PrecisionSetting(self.dtype, self.quantization)
+        return PrecisionSetting(self.dtype, self.quantization, lm_head=self.lm_head)
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"dtype": self.dtype}
@@ -52,16 +56,18 @@ class PrecisionSetting:
             kwargs["quantization"] = self.quantization
         if self.kv_cache_dtype is not None:
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.lm_head is not None:
+            kwargs["quantize_lm_head"] = self.lm_head == "int8"
         return kwargs
 
 
 def parse_setting(text: str) -> PrecisionSetting:
-    """``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]``; raises ``ValueError`` naming the bad part."""
+    """``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD]]]``; raises ``ValueError`` naming the bad part."""
     parts = [part.strip() for part in text.split(":")]
-    if len(parts) > 3:
-        raise ValueError(f"setting {text!r}: expected DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]")
-    parts += [""] * (3 - len(parts))
-    dtype, quantization, kv_cache_dtype = (None if part in ("", "-") else part for part in parts)
+    if len(parts) > 4:
+        raise ValueError(f"setting {text!r}: expected DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD]]]")
+    parts += [""] * (4 - len(parts))
+    dtype, quantization, kv_cache_dtype, lm_head = (None if part in ("", "-") else part for part in parts)
     if dtype not in DTYPES:
         raise ValueError(f"setting {text!r}: dtype must be one of {DTYPES}, got {dtype!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -70,7 +76,9 @@ def parse_setting(text: str) -> PrecisionSetting:
         raise ValueError(
             f"setting {text!r}: kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
         )
-    return PrecisionSetting(dtype, quantization, kv_cache_dtype)
+    if lm_head is not None and lm_head not in LM_HEADS:
+        raise ValueError(f"setting {text!r}: lm_head must be one of {LM_HEADS}, got {lm_head!r}")
+    return PrecisionSetting(dtype, quantization, kv_cache_dtype, lm_head)
 
 
 def parse_settings(texts: list[str]) -> list[PrecisionSetting]:

@@ -69,6 +69,8 @@ class ModelConfig:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; engine/attention/backend.py says what auto picks
     quantization: str | None = None  # one of QUANTIZATIONS, applied at load to any float checkpoint
     quantization_group_size: int = 32  # input columns per INT4 scale/zero; must divide every projection's in_features
+    # Under quantization, the LM head in INT8 too (llama.cpp's GGUF keeps it in Q8_0; vLLM leaves it unquantized).
+    quantize_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

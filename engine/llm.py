@@ -43,6 +43,7 @@ class LLM:
         kv_memory_fraction: float | None = None,
         quantization: str | None = None,
         quantization_group_size: int = 32,
+        quantize_lm_head: bool = True,
         kv_cache_dtype: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
@@ -57,6 +58,7 @@ class LLM:
                 attention_backend=attention_backend,
                 quantization=quantization,
                 quantization_group_size=quantization_group_size,
+                quantize_lm_head=quantize_lm_head,
             ),
             cache=CacheConfig(
                 block_size=block_size,

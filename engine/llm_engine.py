@@ -94,7 +94,7 @@ class LLMEngine:
         tp = self.tensor_parallel_size
         self.model = load_model(
             self.model_path, hf_config, self.max_model_len, self.dtype, self.device,
-            model_cfg.quantization, model_cfg.quantization_group_size,
+            model_cfg.quantization, model_cfg.quantization_group_size, model_cfg.quantize_lm_head,
             shard=TensorParallelShard(0, tp) if tp > 1 else None,
         )
         self.tokenizer = _load_tokenizer(self.model_path)

@@ -116,12 +116,16 @@ def load_model(
     device: torch.device,
     quantization: str | None = None,
     quantization_group_size: int = 32,
+    quantize_lm_head: bool = True,
     shard: TensorParallelShard | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint at ``path`` as a ready pdserve model: built in ``dtype`` on ``device``, weights
     loaded, sliced to ``shard``'s part (tensor parallelism), projections packed with
-    ``quantization``'s linear method, in eval mode."""
-    from engine.layers.linear import linear_method
+    ``quantization``'s linear method, in eval mode.
+
+    Under quantization the LM head is INT8 too unless ``quantize_lm_head`` is False
+    (engine/layers/linear.py's ``lm_head_method``; BENCHMARKS.md issue 11 has its effect)."""
+    from engine.layers.linear import linear_method, lm_head_method
     from engine.models import model_class
 
     cls = model_class(hf_config)
@@ -137,7 +141,9 @@ def load_model(
     if shard is not None:
         # Before packing: PackedLinear fuses (and the linear method processes) only this rank's slices.
         shard.shard(model)
-    model.pack_weights(linear_method(quantization, quantization_group_size))
+    model.pack_weights(
+        linear_method(quantization, quantization_group_size), lm_head_method(quantization, quantize_lm_head)
+    )
     return model.eval()
 
 

@@ -34,7 +34,8 @@ _build_lock = threading.Lock()
 def compile_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be.
 
-    ``extra_flags`` go after the source (link flags such as ``torch_openmp_flags()``) and into the build's key.
+    ``extra_flags`` go after the source (link flags such as ``torch_openmp_flags()``; ``-fopenmp``;
+    ``-mno-avx512vnni`` for a test of a fallback path) and into the build's key.
     """
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

@@ -12,41 +12,57 @@ then ``apply``):
   bf16/fp16 it is ``F.linear`` (oneDNN, on the AMX tile units where the CPU
   has them; BENCHMARKS.md, issue 11).
 - ``Int8LinearMethod``: weight-only INT8, one symmetric scale per output channel.
-- ``Int4LinearMethod``: weight-only INT4, asymmetric, one scale and zero per
-  ``group_size`` input columns of each output channel.
+- ``Int4LinearMethod``: weight-only INT4, asymmetric, a float16 scale and
+  minimum per ``group_size`` input columns of each output channel (Q4_1's form).
 
-The quantized methods dispatch by row count: up to ``kernel_max_rows`` rows
-(decode batches) aten's weight-only kernels read the small weights directly,
-with bf16 activations whatever the model dtype; above it the weights are
-dequantized to bf16 for this call only and
-multiplied on the matrix units (no dequantized copy is kept, so the memory
-saving holds).
+The quantized methods keep their weights in the layout of pdserve's own CPU
+kernels (engine/layers/quant_kernels.py, engine/kernels/quant_gemv.c) and
+dispatch by row count: up to ``kernel_max_rows`` rows (decode batches) the
+kernel reads the small weights directly, the activation quantized to int8 per
+block of 32 (llama.cpp's Q8 approach; AVX512-VNNI dot products); above it, and
+wherever the kernel cannot run (GPU, no C compiler), the weights are
+dequantized to bf16 for this call only and multiplied by ``F.linear`` (no
+dequantized copy is kept, so the memory saving holds).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine.config import INT4_GROUP_SIZES
+from engine.layers.quant_kernels import (
+    QBLOCK,
+    TILE,
+    BoundGemm,
+    QuantKernels,
+    load_quant_kernels,
+    pack_int4,
+    pack_int8,
+    pack_rows,
+    padded,
+    unpack_int4,
+    unpack_int8,
+    unpack_rows,
+)
 
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
 # Above these many rows the quantized methods dequantize to bf16 and use the
-# matrix units; at or below them aten's weight-only kernels win (the crossovers
-# measured at 1-2,048 rows: BENCHMARKS.md, issue 11).
-INT8_KERNEL_MAX_ROWS = 32
-INT4_KERNEL_MAX_ROWS = 64
+# bf16 GEMM; at or below them pdserve's int8 kernels win (on an AVX512-VNNI CPU
+# without AMX the crossover is 256-512 rows at the default model's shapes,
+# 1 thread: BENCHMARKS.md, issue 11, third session).
+INT8_KERNEL_MAX_ROWS = 256
+INT4_KERNEL_MAX_ROWS = 256
+LM_HEAD_KERNEL_MAX_ROWS = 256
 # The quantized methods' activations, scales and dequantized weights: bf16 runs
 # on the AMX/AVX512-BF16 units (6.5x float32 at 2,048 rows, issue 11), and
 # aten's int kernels with float32 activations are 10-100x slower than with bf16
 # at 8 rows and up (BENCHMARKS.md, issue 11).
 _GEMM_DTYPE = torch.bfloat16
-# aten's CPU int4 packing: its inner_k_tiles argument, and the output rows it packs together.
-_INT4_INNER_K_TILES = 2
-_INT4_PACK_ROWS = 64
 
 
 class LinearMethod(ABC):
@@ -88,40 +104,58 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class Int8LinearMethod(LinearMethod):
-    """Weight-only INT8: ``W ≈ qweight * scales[:, None]``, qweight int8 in [-127, 127], one scale per output row."""
+    """Weight-only INT8: ``W ≈ q * scales[:, None]``, q in [-127, 127], one float32 scale per output row.
+
+    Kept in the CPU kernel's tiles (engine/layers/quant_kernels.py): ``qweight``
+    (out / 16, in / 32, 8, 16, 4) uint8 holding q + 128, rows padded to 16 and
+    columns to 32 with zeros; ``scales`` (padded out,) float32.
+    """
 
     def __init__(self, kernel_max_rows: int = INT8_KERNEL_MAX_ROWS) -> None:
         self.kernel_max_rows = kernel_max_rows
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         weight = layer.weight.detach().to(torch.float32)  # (out, in)
+        out_features, in_features = weight.shape
         scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # (out,)
-        qweight = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        q = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        q = nn.functional.pad(q, (0, padded(in_features, QBLOCK) - in_features))  # zero columns: no effect
         del layer.weight
-        layer.register_buffer("qweight", qweight)  # (out, in) int8
-        # The aten kernel wants the scales in the activations' dtype, always bf16 (see _GEMM_DTYPE).
-        layer.register_buffer("scales", scales.to(_GEMM_DTYPE))  # (out,)
-        layer._mkl_weight = None
+        layer.register_buffer("qweight", pack_int8(q.cpu()).to(q.device))
+        row_scales = scales.new_zeros(padded(out_features, TILE))
+        row_scales[:out_features] = scales
+        layer.register_buffer("scales", row_scales)
+        _set_quantized_layer(layer, in_features, out_features)
 
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel_max_rows and x.device.type == "cpu":
-            out = torch._weight_int8pack_mm(x.to(_GEMM_DTYPE), layer.qweight, layer.scales).to(x.dtype)
+        kernels = layer._quant_kernels
+        if kernels is not None and x.shape[0] <= self.kernel_max_rows:
+            gemm = _bound(layer, lambda: kernels.bind_int8(layer.qweight, layer.scales, layer.out_features))
+            out = _kernel_output(gemm(_kernel_input(gemm, x)), x)
         else:
-            weight = layer.qweight.to(_GEMM_DTYPE) * layer.scales.to(_GEMM_DTYPE)[:, None]
+            weight = self._dequantize(layer, _GEMM_DTYPE)
             out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
         return out if layer.bias is None else out.add_(layer.bias)
 
     @staticmethod
     def dequantize(layer: PackedLinear) -> torch.Tensor:
         """The float32 weight the method multiplies by: (out, in)."""
-        return layer.qweight.to(torch.float32) * layer.scales.to(torch.float32)[:, None]
+        return Int8LinearMethod._dequantize(layer, torch.float32)
+
+    @staticmethod
+    def _dequantize(layer: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_int8(layer.qweight, layer.out_features)[:, : layer.in_features]
+        return q.to(dtype).mul_(layer.scales[: layer.out_features, None].to(dtype))
 
 
 class Int4LinearMethod(LinearMethod):
-    """Weight-only INT4, group-wise: ``W ≈ (q - 8) * scale + zero`` per ``group_size`` input columns, q in [0, 15].
+    """Weight-only INT4, group-wise: ``W ≈ scale * q + minimum`` per ``group_size`` input columns, q in [0, 15].
 
-    The weights are kept in aten's CPU int4 packing (two values a byte) with
-    scales and zeros as (in / group_size, out, 2) in bf16.
+    Q4_1's form (a float16 scale and minimum per group; at group 32 the blocks
+    of the default model's GGUF come back exactly). Kept in the CPU kernel's
+    tiles (engine/layers/quant_kernels.py): ``qweight`` (out / 16, in / 32, 4,
+    16, 4) uint8, two values a byte, rows padded to 16; ``scales`` and
+    ``minimums`` (out / 16, in / group_size, 16) float16.
     """
 
     def __init__(self, group_size: int, kernel_max_rows: int = INT4_KERNEL_MAX_ROWS) -> None:
@@ -131,31 +165,26 @@ class Int4LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         out_features, in_features = layer.weight.shape
         check_int4_group_size(in_features, self.group_size)
-        if out_features % _INT4_PACK_ROWS:
-            raise ValueError(
-                f"quantization='int4' needs out_features divisible by {_INT4_PACK_ROWS} (aten's CPU packing), "
-                f"got out_features={out_features}"
-            )
-        if layer.weight.device.type != "cpu":
-            raise ValueError(f"quantization='int4' needs device 'cpu' (got {layer.weight.device.type})")
         weight = layer.weight.detach().to(torch.float32).view(out_features, in_features // self.group_size, self.group_size)
         low, high = weight.amin(dim=2), weight.amax(dim=2)  # (out, groups)
-        scale = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
-        zero = low + 8.0 * scale  # the value of q = 8
-        q = torch.round((weight - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+        # Rounded to float16 first, so that q is chosen for the scale and minimum that are kept.
+        scale = _to_float16("scale", ((high - low) / 15.0).clamp(min=_FLOAT16_SMALLEST))
+        minimum = _to_float16("minimum", low)
+        q = torch.round((weight - minimum.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
         del layer.weight
-        packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), _INT4_INNER_K_TILES)
-        layer.register_buffer("qweight", packed)  # (out, in / 2) uint8
-        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1)  # (groups, out, 2)
-        layer.register_buffer("scales_and_zeros", scales_and_zeros.to(_GEMM_DTYPE).contiguous())
-        layer.in_features, layer.out_features = in_features, out_features
-        layer._mkl_weight = None
+        layer.register_buffer("qweight", pack_int4(q.to(torch.uint8).view(out_features, in_features).cpu()).to(q.device))
+        layer.register_buffer("scales", pack_rows(scale))
+        layer.register_buffer("minimums", pack_rows(minimum))
+        _set_quantized_layer(layer, in_features, out_features)
 
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel_max_rows:
-            out = torch._weight_int4pack_mm_for_cpu(
-                x.to(_GEMM_DTYPE), layer.qweight, self.group_size, layer.scales_and_zeros
-            ).to(x.dtype)
+        kernels = layer._quant_kernels
+        if kernels is not None and x.shape[0] <= self.kernel_max_rows:
+            gemm = _bound(
+                layer,
+                lambda: kernels.bind_int4(layer.qweight, layer.scales, layer.minimums, self.group_size, layer.out_features),
+            )
+            out = _kernel_output(gemm(_kernel_input(gemm, x)), x)
         else:
             weight = self._dequantize(layer, _GEMM_DTYPE)
             out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
@@ -167,16 +196,55 @@ class Int4LinearMethod(LinearMethod):
 
     def _dequantize(self, layer: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
         out_features, in_features = layer.out_features, layer.in_features
-        # aten's CPU packing: per block of 64 output rows, byte [k, j] holds row j
-        # (low nibble) and row j + 32 (high nibble) of input column k.
-        blocks = layer.qweight.view(out_features // _INT4_PACK_ROWS, in_features, _INT4_PACK_ROWS // 2)
-        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).transpose(1, 2).reshape(out_features, in_features)
         groups = in_features // self.group_size
-        scale = layer.scales_and_zeros[..., 0].t().to(dtype)[..., None]  # (out, groups, 1)
-        offset = layer.scales_and_zeros[..., 1].t().to(dtype)[..., None] - 8.0 * scale  # the value of q = 0
-        # In place on the fresh contiguous copy: two passes over the weight after the unpacking.
-        weight = q.view(out_features, groups, self.group_size).to(dtype).mul_(scale).add_(offset)
-        return weight.view(out_features, in_features)
+        scale = unpack_rows(layer.scales, out_features).to(dtype)[..., None]  # (out, groups, 1)
+        minimum = unpack_rows(layer.minimums, out_features).to(dtype)[..., None]
+        q = unpack_int4(layer.qweight, out_features).view(out_features, groups, self.group_size)
+        # In place on the fresh copy: two passes over the weight after the unpacking.
+        return q.to(dtype).mul_(scale).add_(minimum).view(out_features, in_features)
+
+
+# The smallest positive float16 (a subnormal): the scale of a constant group.
+_FLOAT16_SMALLEST = 2.0**-24
+
+
+def _to_float16(name: str, values: torch.Tensor) -> torch.Tensor:
+    if not bool(values.abs().le(torch.finfo(torch.float16).max).all()):
+        raise ValueError(
+            f"quantization='int4' keeps each group's {name} in float16; this checkpoint has a {name} of magnitude "
+            f"{float(values.abs().max()):.3g}, above float16's {torch.finfo(torch.float16).max:.0f}"
+        )
+    return values.to(torch.float16)
+
+
+def _set_quantized_layer(layer: PackedLinear, in_features: int, out_features: int) -> None:
+    layer.in_features, layer.out_features = in_features, out_features
+    layer._mkl_weight = None
+    # The C kernels serve CPU layers; elsewhere (or without a compiler) the methods dequantize.
+    layer._quant_kernels = load_quant_kernels() if layer.qweight.device.type == "cpu" else None
+
+
+def _bound(layer: PackedLinear, bind: Callable[[], BoundGemm]) -> BoundGemm:
+    """The layer's weight bound to its kernel, bound again if its buffers were replaced since."""
+    gemm = layer._bound_gemm
+    if gemm is None or gemm.tensors[0] is not layer.qweight:
+        gemm = layer._bound_gemm = bind()
+    return gemm
+
+
+def _kernel_input(gemm: BoundGemm, x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: contiguous float32 or bf16, columns padded to the tiles' width."""
+    if x.dtype not in _KERNEL_DTYPES:
+        x = x.to(_GEMM_DTYPE)
+    padding = gemm.in_features - x.shape[1]
+    return nn.functional.pad(x, (0, padding)) if padding else x.contiguous()
+
+
+def _kernel_output(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
@@ -205,6 +273,8 @@ class PackedLinear(nn.Module):
         self.method = method or UnquantizedLinearMethod()
         self._mkl_weight: torch.Tensor | None = None
         self._onednn_weight: torch.Tensor | None = None
+        self._quant_kernels: QuantKernels | None = None
+        self._bound_gemm: BoundGemm | None = None
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, sum out)
@@ -248,7 +318,7 @@ def check_int4_group_size(in_features: int, group_size: int) -> None:
 
 
 def linear_method(quantization: str | None, group_size: int) -> LinearMethod:
-    """The method for the model's projections (the LM head stays unquantized, as in vLLM)."""
+    """The method for the model's decoder projections."""
     if quantization is None:
         return UnquantizedLinearMethod()
     if quantization == "int8":
@@ -256,3 +326,12 @@ def linear_method(quantization: str | None, group_size: int) -> LinearMethod:
     if quantization == "int4":
         return Int4LinearMethod(group_size)
     raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
+
+
+def lm_head_method(quantization: str | None, quantize_lm_head: bool = True) -> LinearMethod:
+    """The method for the LM head: INT8 per output channel under quantization='int8'/'int4' (as llama.cpp's
+    GGUF files keep it in Q8_0), unquantized otherwise or with ``quantize_lm_head=False`` (vLLM's choice)."""
+    if quantization is None or not quantize_lm_head:
+        return UnquantizedLinearMethod()
+    linear_method(quantization, INT4_GROUP_SIZES[0])  # the same error for an unknown setting
+    return Int8LinearMethod(kernel_max_rows=LM_HEAD_KERNEL_MAX_ROWS)

@@ -165,15 +165,16 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_weights(self, method: LinearMethod | None = None) -> None:
+    def pack_weights(self, method: LinearMethod | None = None, lm_head_method: LinearMethod | None = None) -> None:
         """Fuse the loaded projections that share an input (see the module docstring); call once, after loading.
 
         On CPU in bf16 the norms (with the residual adds) and the MLP's activation
         also switch to fused C kernels (engine/layers/fused_ops.py).
 
-        ``method`` (default: unquantized) serves the decoder's projections; the LM
-        head stays unquantized in the model dtype, as in vLLM (a tied head is the
-        embedding's tensor, which a quantized copy would only add to).
+        ``method`` (default: unquantized) serves the decoder's projections and
+        ``lm_head_method`` (default: unquantized, as in vLLM) the LM head. An
+        unquantized tied head is the embedding's tensor; a quantized head is a
+        copy beside it (the embedding lookup keeps the floats).
         """
         method = method or UnquantizedLinearMethod()
         if hasattr(self, "lm_head_packed"):
@@ -183,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.pack_weights(method)
                 layer.mlp.pack_weights(method)
             # A tied head stays the embedding's tensor (PackedLinear does not copy a single matrix).
-            self.lm_head_packed = PackedLinear([self.lm_head])
+            self.lm_head_packed = PackedLinear([self.lm_head], lm_head_method)
             del self.lm_head
         weight = self.model.norm.weight
         fused = load_fused_ops(weight.device, weight.dtype)

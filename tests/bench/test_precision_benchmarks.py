@@ -121,6 +121,9 @@ def test_settings_parse_with_unset_parts_and_float32_first() -> None:
     assert parse_setting("bfloat16:int4:int8") == PrecisionSetting("bfloat16", "int4", "int8")
     assert parse_setting("bfloat16::int8") == PrecisionSetting("bfloat16", None, "int8")
     assert parse_setting("float32:-:auto") == PrecisionSetting("float32", None, "auto")
+    head = parse_setting("bfloat16:int4::float")
+    assert head == PrecisionSetting("bfloat16", "int4", None, "float") and head.name == "bfloat16:int4::float"
+    assert head.llm_kwargs() == {"dtype": "bfloat16", "quantization": "int4", "quantize_lm_head": False}
     assert PrecisionSetting("bfloat16", None, "int8").name == "bfloat16::int8"
     assert PrecisionSetting("bfloat16", "int8").name == "bfloat16:int8"
     assert PrecisionSetting("bfloat16", "int4", "int8").base == PrecisionSetting("bfloat16", "int4")
@@ -132,7 +135,8 @@ def test_settings_parse_with_unset_parts_and_float32_first() -> None:
     ("fp8", "dtype must be one of"),
     ("bfloat16:int2", "quantization must be one of"),
     ("bfloat16:int8:fp8", "kv_cache_dtype must be one of"),
-    ("bfloat16:int8:int8:x", "expected DTYPE"),
+    ("bfloat16:int8:int8:x", "lm_head must be one of"),
+    ("bfloat16:int8:int8:float:x", "expected DTYPE"),
 ])
 def test_bad_settings_are_refused_naming_the_part(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=f"setting '{text}': {message}"):
@@ -192,6 +196,9 @@ def test_scored_logprobs_match_transformers_window_by_window(llama_checkpoint: P
         for t in range(w.first_scored, w.end):
             expected.append(logprobs[t - w.begin - 1, token_ids[t]].item())
     assert scored.logprobs == pytest.approx(expected, abs=1e-4)
+    # Scoring a few windows at a time (--windows-at-once) changes memory and time, not the figures.
+    grouped = accuracy.score_text(llm, token_ids, windows, top_n=3, windows_at_once=2)
+    assert grouped.logprobs == pytest.approx(scored.logprobs, abs=1e-5) and len(grouped.tops) == len(scored.tops)
 
 
 def test_weight_bytes_count_a_tied_head_once_and_skip_the_rotary_tables() -> None:

@@ -72,17 +72,19 @@ def test_cuda_logit_adjustments_and_prompt_logprobs_equal_the_cpu_engine(llama_c
     assert [len(out.token_ids) for out in (results["cpu"][0], results["cpu"][2])] == [7, 7]
 
 
-def test_cuda_int8_weights_agree_with_float32_and_int4_is_refused(llama_checkpoint: Path) -> None:
-    # On CUDA, INT8 projections dequantize to bf16 per call (aten's weight-only kernels are used on CPU only).
+def test_cuda_int8_and_int4_weights_agree_with_float32(llama_checkpoint: Path) -> None:
+    # On CUDA, quantized projections dequantize to bf16 per call (the int8 kernels are CPU only).
     prompts = random_prompts([40, 95, 160, 300], seed=33)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
     top1 = {}
-    for quantization in (None, "int8"):
+    for quantization in (None, "int8", "int4"):
         llm = LLM(model=str(llama_checkpoint), dtype="float32", device="cuda", num_kv_blocks=256,
-                  attention_backend="sdpa", quantization=quantization)
+                  attention_backend="sdpa", quantization=quantization, quantization_group_size=32)
         top1[quantization] = [e.top[0][0] for out in llm.generate(prompts, params) for e in out.prompt_logprobs]
-    agree = sum(a == b for a, b in zip(top1[None], top1["int8"])) / len(top1[None])
-    assert agree >= 0.85  # 0.91 on CPU (tests/integration/test_quantized_generation.py)
-    with pytest.raises(ValueError, match="quantization='int4' needs device 'cpu'"):
-        LLM(model=str(llama_checkpoint), dtype="float32", device="cuda", num_kv_blocks=16, quantization="int4",
-            quantization_group_size=32)
+
+    def agree(quantization: str) -> float:
+        return sum(a == b for a, b in zip(top1[None], top1[quantization])) / len(top1[None])
+
+    # CPU figures (tests/integration/test_quantized_generation.py): INT8 0.89-0.92, INT4 g32 0.29-0.32.
+    assert agree("int8") >= 0.85
+    assert agree("int4") >= 0.24

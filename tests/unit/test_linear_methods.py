@@ -1,4 +1,7 @@
-"""The linear methods: float32 unchanged, INT8/INT4 weight-only against a float64 reference, memory, errors."""
+"""The linear methods: float32 unchanged, INT8/INT4 weight-only against a float64 reference, memory, errors.
+
+The quantized kernels themselves (layout, exact integer arithmetic, the portable
+build) are tested in tests/unit/test_quant_kernels.py."""
 
 from __future__ import annotations
 
@@ -14,12 +17,16 @@ from engine.layers.linear import (
     Int8LinearMethod,
     PackedLinear,
     linear_method,
+    lm_head_method,
 )
+from engine.layers.quant_kernels import unpack_int8
 
 # Row counts on both sides of the kernel/dequantize dispatch, decode and prefill sizes.
-ROWS = (1, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 256)
-# The shapes of the tiny test checkpoints' q/k/v and down projections, and the default model's gate/up.
-SHAPES = [(64, [64, 32, 32]), (160, [64]), (576, [1536, 1536])]
+ROWS = tuple(sorted({1, 5, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 256}))
+# The shapes of the tiny test checkpoints' q/k/v and down projections, the default model's gate/up,
+# and odd ones: output rows not a multiple of the kernels' 16, inputs not a multiple of 32 (INT8 only).
+SHAPES = [(64, [64, 32, 32]), (160, [64]), (576, [1536, 1536]), (96, [40, 3])]
+INT8_ONLY_SHAPES = [(72, [24])]
 
 
 def _linears(in_features: int, outs: list[int], bias: bool, dtype: torch.dtype) -> list[nn.Linear]:
@@ -53,16 +60,17 @@ def test_the_float32_method_is_the_mkl_packed_gemm_bit_for_bit() -> None:
             assert torch.equal(packed(x), torch.ops.mkl._mkl_linear(x, reordered, weight, bias, rows))
 
 
-@pytest.mark.parametrize(("in_features", "outs"), SHAPES)
+@pytest.mark.parametrize(("in_features", "outs"), SHAPES + INT8_ONLY_SHAPES)
 def test_int8_weights_are_within_half_a_step_of_the_checkpoints(in_features: int, outs: list[int]) -> None:
     linears = _linears(in_features, outs, False, torch.float32)
     weight = torch.cat([l.weight.detach() for l in linears])
     layer = PackedLinear(linears, Int8LinearMethod())
-    assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == weight.shape
-    assert int(layer.qweight.abs().max()) == 127
-    step = weight.abs().amax(dim=1, keepdim=True) / 127  # the float32 scale, before rounding to bf16
-    # Half a step of rounding, plus the bf16 rounding of the scale (2**-9 relative) times |q| <= 127.
-    assert bool(((Int8LinearMethod.dequantize(layer) - weight).abs() <= step * (0.5 + 127 * 2**-8)).all())
+    q = unpack_int8(layer.qweight, weight.shape[0])
+    assert layer.qweight.dtype == torch.uint8 and q.shape == (weight.shape[0], -(-in_features // 32) * 32)
+    assert int(q[:, :in_features].abs().max()) == 127 and not bool(q[:, in_features:].any())
+    step = weight.abs().amax(dim=1, keepdim=True) / 127  # the float32 scale, kept as is
+    # Half a step of rounding, plus float32 rounding.
+    assert bool(((Int8LinearMethod.dequantize(layer) - weight).abs() <= step * (0.5 + 2**-16)).all())
 
 
 @pytest.mark.parametrize(("in_features", "outs"), SHAPES)
@@ -74,20 +82,31 @@ def test_int4_weights_are_within_half_a_step_of_the_checkpoints(in_features: int
     groups = weight.view(weight.shape[0], -1, 32)
     step = ((groups.amax(dim=2) - groups.amin(dim=2)) / 15).repeat_interleave(32, dim=1)
     magnitude = groups.abs().amax(dim=2).repeat_interleave(32, dim=1)
-    # Half a step of rounding, plus bf16 rounding of the scale (times |q - 8| <= 8) and of the zero.
-    bound = step * (0.5 + 8 * 2**-8) + (magnitude + 8 * step) * 2**-8
+    # Half a step of rounding (q is chosen for the float16 scale and minimum that are kept), plus
+    # what the float16 scale's rounding (2**-11 relative, times q <= 15) can push a clamped q off.
+    bound = step * (0.5 + 16 * 2**-11) + magnitude * 2**-11
     assert bool(((method.dequantize(layer) - weight).abs() <= bound).all())
+
+
+def _activation_steps(x: torch.Tensor) -> torch.Tensor:
+    """Half the kernels' int8 step of each activation element: max |x| / 254 over its block of 32 columns."""
+    rows, columns = x.shape
+    padded = nn.functional.pad(x.to(torch.float64), (0, -columns % 32)).view(rows, -1, 32)
+    return (padded.abs().amax(dim=2, keepdim=True) / 254).expand(-1, -1, 32).reshape(rows, -1)[:, :columns]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method_name", ["int8", "int4"])
-@pytest.mark.parametrize(("in_features", "outs"), SHAPES)
+@pytest.mark.parametrize(("in_features", "outs"), SHAPES + INT8_ONLY_SHAPES)
 def test_quantized_methods_match_a_float64_product_at_every_dispatched_row_count(
     in_features: int, outs: list[int], method_name: str, dtype: torch.dtype
 ) -> None:
+    if method_name == "int4" and in_features % 32:
+        pytest.skip("INT4 groups divide in_features")
     linears = _linears(in_features, outs, True, dtype)
     method = Int8LinearMethod() if method_name == "int8" else Int4LinearMethod(32)
     layer = PackedLinear(linears, method)
+    assert layer._quant_kernels is not None, "the CPU kernels build on this machine"
     weight = method.dequantize(layer).to(torch.float64)  # what the method multiplies by
     bias = layer.bias.to(torch.float64)
     with torch.inference_mode():
@@ -97,10 +116,26 @@ def test_quantized_methods_match_a_float64_product_at_every_dispatched_row_count
             assert out.dtype == dtype and out.shape == (rows, sum(outs))
             x64 = x.to(torch.float64)
             expected = x64 @ weight.t() + bias
-            # bf16 activations (and, above the kernel's rows, a bf16 weight) round to 2**-9
-            # relative each; the output rounds once more in bf16.
-            bound = (x64.abs() @ weight.abs().t()) * 2**-7 + expected.abs() * 2**-8 + 1e-6
+            # Up to kernel_max_rows the kernel quantizes the activation to int8 per block of 32
+            # (half a step per element) and sums in float32; above it bf16 activations and a bf16
+            # weight round to 2**-9 relative each. The output rounds once more in bf16.
+            if rows <= method.kernel_max_rows:
+                bound = (_activation_steps(x) * (1 + 2**-10)) @ weight.abs().t() + (x64.abs() @ weight.abs().t()) * 2**-18
+            else:
+                bound = (x64.abs() @ weight.abs().t()) * 2**-7
+            bound += expected.abs() * (2**-8 if dtype == torch.bfloat16 else 2**-22) + 1e-6
             assert bool(((out.to(torch.float64) - expected).abs() <= bound).all()), f"{rows} rows"
+
+
+def test_the_lm_head_is_int8_under_quantization_unless_asked_otherwise() -> None:
+    head = _linears(64, [200], False, torch.bfloat16)
+    assert isinstance(lm_head_method("int4"), Int8LinearMethod)
+    assert isinstance(lm_head_method("int8"), Int8LinearMethod)
+    assert isinstance(PackedLinear(head, lm_head_method("int4")).method, Int8LinearMethod)
+    assert not isinstance(lm_head_method("int4", quantize_lm_head=False), Int8LinearMethod)
+    assert not isinstance(lm_head_method(None), Int8LinearMethod)
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'fp8'"):
+        lm_head_method("fp8")
 
 
 def test_weight_memory_of_each_method_in_bytes() -> None:
@@ -108,10 +143,10 @@ def test_weight_memory_of_each_method_in_bytes() -> None:
     out_features, in_features = 3072, 576
     bias_bytes = out_features * 4
     int8 = PackedLinear(linears, Int8LinearMethod())
-    # int8 values and one bf16 scale per output channel.
-    assert int8.weight_bytes() == out_features * in_features + out_features * 2 + bias_bytes
+    # int8 values and one float32 scale per output channel.
+    assert int8.weight_bytes() == out_features * in_features + out_features * 4 + bias_bytes
     int4 = PackedLinear(linears, Int4LinearMethod(64))
-    # Two values a byte, and a bf16 scale and zero per 64 inputs of each output channel.
+    # Two values a byte, and a float16 scale and minimum per 64 inputs of each output channel.
     assert int4.weight_bytes() == out_features * in_features // 2 + (in_features // 64) * out_features * 2 * 2 + bias_bytes
     bf16 = PackedLinear([l.to(torch.bfloat16) for l in linears])
     # The weight, its oneDNN prepacked copy (where the CPU has bf16), and the bias.
@@ -127,7 +162,9 @@ def test_settings_the_checkpoint_cannot_serve_raise_value_errors_naming_the_fiel
         ModelConfig(quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="quantization_group_size=64 cannot serve a projection with in_features=160"):
         PackedLinear(_linears(160, [64], False, torch.float32), Int4LinearMethod(64))
-    with pytest.raises(ValueError, match="out_features divisible by 64 .* got out_features=96"):
-        PackedLinear(_linears(64, [96], False, torch.float32), Int4LinearMethod(32))
+    huge = _linears(64, [16], False, torch.float32)
+    huge[0].weight.data[0, :32] = torch.linspace(0, 2e6, 32)
+    with pytest.raises(ValueError, match="keeps each group's scale in float16; .* magnitude 1.33e"):
+        PackedLinear(huge, Int4LinearMethod(32))
     with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'fp8'"):
         linear_method("fp8", 64)

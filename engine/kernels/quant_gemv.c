@@ -1,0 +1,367 @@
+/*
+ * INT4 and INT8 weight GEMV / small GEMM for CPUs (decode batches): out = x @ W.T, x of `rows` rows.
+ *
+ * The activation is quantized on the fly to int8 in blocks of 32 (llama.cpp's Q8 approach):
+ * d = max|x| / 127 and xq = round(x / d) per block, so that the products are int8 dot products
+ * (AVX512-VNNI `vpdpbusd`: 64 multiply-adds an instruction), with one float step per block.
+ *
+ * Weight layout (both kinds): output rows in tiles of 16, one 32-bit lane per row. For each tile and
+ * each block of 32 input columns the 16 rows' bytes are stored so that one 64-byte load feeds one
+ * `vpdpbusd` with a broadcast 4 bytes of the activation:
+ *   INT8: 8 chunks of (16 rows x 4 columns) bytes, value w + 128 (unsigned, in [1, 255]).
+ *   INT4: 4 chunks of (16 rows x 4 bytes); byte i of row r in chunk c holds column c*8 + i in its
+ *         low nibble and column c*8 + 4 + i in its high nibble, q in [0, 15].
+ * Scales: INT8 one float32 per output row ([tile][16]); INT4 a float16 scale and a float16 minimum
+ * per group of input columns ([tile][group][16] each), W = scale * q + minimum.
+ *
+ * Per block b of an activation row (scale d_b, integer sum s_b of its xq):
+ *   INT8: acc += d_b * (sum(wu * xq) - 128 * s_b); out = acc * row_scale
+ *   INT4: acc += (scale_g * d_b) * sum(q * xq) + minimum_g * (d_b * s_b)
+ * Without VNNI (or AVX-512 BW) the same integer sums are computed in portable C.
+ *
+ * Work is split over tiles of output rows with OpenMP (when built with it) on `threads` threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define QBLOCK 32
+#define TILE 16
+/* Activation rows sharing one pass over a weight tile (their accumulators stay in registers). */
+#define ROW_GROUP 4
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PDSERVE_VNNI 1
+#else
+#define PDSERVE_VNNI 0
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    int8_t *xq;       /* (rows, k) */
+    float *d;         /* (rows, k / 32) */
+    int32_t *sums;    /* (rows, k / 32) */
+} QuantizedRows;
+
+static float bf16_to_f32(uint16_t bits)
+{
+    union { uint32_t u; float f; } v = { .u = (uint32_t)bits << 16 };
+    return v.f;
+}
+
+static uint16_t f32_to_bf16(float f)
+{
+    union { float f; uint32_t u; } v = { .f = f };
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+#if !PDSERVE_VNNI
+static float f16_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) {
+        /* Zero or subnormal: mantissa * 2^-24. */
+        v.f = (float)mantissa * 5.9604644775390625e-8f;
+        v.u |= sign;
+        return v.f;
+    }
+    if (exponent == 31) {
+        v.u = sign | 0x7F800000u | (mantissa << 13);
+        return v.f;
+    }
+    v.u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    return v.f;
+}
+#endif
+
+/* One activation row (float32 or bf16, k elements, k % 32 == 0) quantized per block of 32. */
+static void quantize_row(const void *x, int is_bf16, int64_t k, int8_t *xq, float *d, int32_t *sums)
+{
+    for (int64_t b = 0; b < k / QBLOCK; ++b) {
+        float values[QBLOCK];
+        for (int i = 0; i < QBLOCK; ++i) {
+            const int64_t at = b * QBLOCK + i;
+            values[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+        }
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; ++i) {
+            amax = fmaxf(amax, fabsf(values[i]));
+        }
+        const float scale = amax / 127.0f;
+        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QBLOCK; ++i) {
+            /* Round half to even, as torch.round does. */
+            const int32_t q = (int32_t)nearbyintf(values[i] * inverse);
+            xq[b * QBLOCK + i] = (int8_t)q;
+            sum += q;
+        }
+        d[b] = scale;
+        sums[b] = sum;
+    }
+}
+
+static int quantize_rows(const void *x, int is_bf16, int64_t rows, int64_t k, QuantizedRows *out)
+{
+    const int64_t blocks = k / QBLOCK;
+    if (rows <= 0) {
+        out->xq = NULL;
+        out->d = NULL;
+        out->sums = NULL;
+        return 0;
+    }
+    out->xq = malloc((size_t)(rows * k));
+    out->d = malloc((size_t)(rows * blocks) * sizeof(float));
+    out->sums = malloc((size_t)(rows * blocks) * sizeof(int32_t));
+    if (out->xq == NULL || out->d == NULL || out->sums == NULL) {
+        return -1;
+    }
+    const size_t element = is_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; ++r) {
+        quantize_row((const char *)x + (size_t)(r * k) * element, is_bf16, k, out->xq + r * k, out->d + r * blocks,
+                     out->sums + r * blocks);
+    }
+    return 0;
+}
+
+static void free_rows(QuantizedRows *rows)
+{
+    free(rows->xq);
+    free(rows->d);
+    free(rows->sums);
+}
+
+/* Sixteen results of a tile for one activation row into out (row-major, `n` outputs a row). */
+static void store_tile(void *out, int is_bf16, int64_t row, int64_t n, int64_t first, const float *values)
+{
+    const int64_t count = n - first < TILE ? n - first : TILE;
+    for (int64_t i = 0; i < count; ++i) {
+        if (is_bf16) {
+            ((uint16_t *)out)[row * n + first + i] = f32_to_bf16(values[i]);
+        } else {
+            ((float *)out)[row * n + first + i] = values[i];
+        }
+    }
+}
+
+#if PDSERVE_VNNI
+
+ALWAYS_INLINE __m512i broadcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* INT8: `count` (<= ROW_GROUP) activation rows from `row0` against tile t. */
+ALWAYS_INLINE void int8_tile(const uint8_t *tile, const float *row_scales, const QuantizedRows *x, int64_t row0,
+                             int count, int64_t k, float *results)
+{
+    const int64_t blocks = k / QBLOCK;
+    __m512 acc[ROW_GROUP];
+    for (int r = 0; r < ROW_GROUP; ++r) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *w = tile + b * QBLOCK * TILE;
+        __m512i chunks[8];
+        for (int c = 0; c < 8; ++c) {
+            chunks[c] = _mm512_loadu_si512((const void *)(w + c * 64));
+        }
+        for (int r = 0; r < ROW_GROUP; ++r) {
+            if (r >= count) {
+                break;
+            }
+            const int8_t *xq = x->xq + (row0 + r) * k + b * QBLOCK;
+            __m512i isum = _mm512_setzero_si512();
+            for (int c = 0; c < 8; ++c) {
+                isum = _mm512_dpbusd_epi32(isum, chunks[c], broadcast4(xq + c * 4));
+            }
+            const int64_t at = (row0 + r) * blocks + b;
+            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * x->sums[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(x->d[at]), acc[r]);
+        }
+    }
+    const __m512 scales = _mm512_loadu_ps(row_scales);
+    for (int r = 0; r < count; ++r) {
+        _mm512_storeu_ps(results + r * TILE, _mm512_mul_ps(acc[r], scales));
+    }
+}
+
+/* INT4: `count` (<= ROW_GROUP) activation rows from `row0` against tile t. */
+ALWAYS_INLINE void int4_tile(const uint8_t *tile, const uint16_t *scales, const uint16_t *minimums,
+                             int64_t group_size, const QuantizedRows *x, int64_t row0, int count, int64_t k,
+                             float *results)
+{
+    const int64_t blocks = k / QBLOCK, blocks_per_group = group_size / QBLOCK;
+    __m512 acc[ROW_GROUP];
+    for (int r = 0; r < ROW_GROUP; ++r) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    const __m512i low_mask = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *w = tile + b * (QBLOCK / 2) * TILE;
+        __m512i low[4], high[4];
+        for (int c = 0; c < 4; ++c) {
+            const __m512i bytes = _mm512_loadu_si512((const void *)(w + c * 64));
+            low[c] = _mm512_and_si512(bytes, low_mask);
+            high[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
+        }
+        const int64_t g = b / blocks_per_group;
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * TILE)));
+        const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(minimums + g * TILE)));
+        for (int r = 0; r < ROW_GROUP; ++r) {
+            if (r >= count) {
+                break;
+            }
+            const int8_t *xq = x->xq + (row0 + r) * k + b * QBLOCK;
+            __m512i isum = _mm512_setzero_si512();
+            for (int c = 0; c < 4; ++c) {
+                isum = _mm512_dpbusd_epi32(isum, low[c], broadcast4(xq + c * 8));
+                isum = _mm512_dpbusd_epi32(isum, high[c], broadcast4(xq + c * 8 + 4));
+            }
+            const int64_t at = (row0 + r) * blocks + b;
+            const float d = x->d[at];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(d)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(d * (float)x->sums[at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < count; ++r) {
+        _mm512_storeu_ps(results + r * TILE, acc[r]);
+    }
+}
+
+#else /* portable C: the same integer sums and float steps, lane by lane */
+
+static void int8_tile(const uint8_t *tile, const float *row_scales, const QuantizedRows *x, int64_t row0, int count,
+                      int64_t k, float *results)
+{
+    const int64_t blocks = k / QBLOCK;
+    for (int r = 0; r < count; ++r) {
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *w = tile + b * QBLOCK * TILE;
+            const int8_t *xq = x->xq + (row0 + r) * k + b * QBLOCK;
+            const int64_t at = (row0 + r) * blocks + b;
+            for (int lane = 0; lane < TILE; ++lane) {
+                int32_t isum = 0;
+                for (int c = 0; c < 8; ++c) {
+                    for (int i = 0; i < 4; ++i) {
+                        isum += (int32_t)w[c * 64 + lane * 4 + i] * (int32_t)xq[c * 4 + i];
+                    }
+                }
+                isum -= 128 * x->sums[at];
+                acc[lane] = fmaf((float)isum, x->d[at], acc[lane]);
+            }
+        }
+        for (int lane = 0; lane < TILE; ++lane) {
+            results[r * TILE + lane] = acc[lane] * row_scales[lane];
+        }
+    }
+}
+
+static void int4_tile(const uint8_t *tile, const uint16_t *scales, const uint16_t *minimums, int64_t group_size,
+                      const QuantizedRows *x, int64_t row0, int count, int64_t k, float *results)
+{
+    const int64_t blocks = k / QBLOCK, blocks_per_group = group_size / QBLOCK;
+    for (int r = 0; r < count; ++r) {
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *w = tile + b * (QBLOCK / 2) * TILE;
+            const int8_t *xq = x->xq + (row0 + r) * k + b * QBLOCK;
+            const int64_t at = (row0 + r) * blocks + b, g = b / blocks_per_group;
+            const float d = x->d[at];
+            for (int lane = 0; lane < TILE; ++lane) {
+                int32_t isum = 0;
+                for (int c = 0; c < 4; ++c) {
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t byte = w[c * 64 + lane * 4 + i];
+                        isum += (int32_t)(byte & 15) * (int32_t)xq[c * 8 + i];
+                        isum += (int32_t)(byte >> 4) * (int32_t)xq[c * 8 + 4 + i];
+                    }
+                }
+                const float scale = f16_to_f32(scales[g * TILE + lane]), minimum = f16_to_f32(minimums[g * TILE + lane]);
+                acc[lane] = fmaf((float)isum, scale * d, acc[lane]);
+                acc[lane] = fmaf(minimum, d * (float)x->sums[at], acc[lane]);
+            }
+        }
+        for (int lane = 0; lane < TILE; ++lane) {
+            results[r * TILE + lane] = acc[lane];
+        }
+    }
+}
+
+#endif
+
+/* Whether this build uses AVX512-VNNI (1) or the portable path (0). */
+int64_t pdserve_quant_has_vnni(void)
+{
+    return PDSERVE_VNNI;
+}
+
+/*
+ * out (rows, n) = x (rows, k) @ W.T for INT8 tiles (see the header). Returns 0, or -1 when out of memory.
+ * qweight: (ceil(n / 16) tiles) x (k / 32 blocks) x 512 bytes; row_scales: ceil(n / 16) * 16 floats.
+ */
+int64_t pdserve_int8_gemm(void *out, const void *x, const uint8_t *qweight, const float *row_scales, int64_t rows,
+                          int64_t n, int64_t k, int64_t is_bf16, int64_t threads)
+{
+    QuantizedRows quantized;
+    if (quantize_rows(x, (int)is_bf16, rows, k, &quantized) != 0) {
+        free_rows(&quantized);
+        return -1;
+    }
+    const int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; ++t) {
+        float results[ROW_GROUP * TILE];
+        const uint8_t *tile = qweight + t * k * TILE;
+        for (int64_t row0 = 0; row0 < rows; row0 += ROW_GROUP) {
+            const int count = rows - row0 < ROW_GROUP ? (int)(rows - row0) : ROW_GROUP;
+            int8_tile(tile, row_scales + t * TILE, &quantized, row0, count, k, results);
+            for (int r = 0; r < count; ++r) {
+                store_tile(out, (int)is_bf16, row0 + r, n, t * TILE, results + r * TILE);
+            }
+        }
+    }
+    free_rows(&quantized);
+    return 0;
+}
+
+/*
+ * out (rows, n) = x (rows, k) @ W.T for INT4 tiles (see the header). Returns 0, or -1 when out of memory.
+ * qweight: tiles x (k / 32 blocks) x 256 bytes; scales, minimums: tiles x (k / group_size) x 16 float16.
+ */
+int64_t pdserve_int4_gemm(void *out, const void *x, const uint8_t *qweight, const uint16_t *scales,
+                          const uint16_t *minimums, int64_t group_size, int64_t rows, int64_t n, int64_t k,
+                          int64_t is_bf16, int64_t threads)
+{
+    QuantizedRows quantized;
+    if (quantize_rows(x, (int)is_bf16, rows, k, &quantized) != 0) {
+        free_rows(&quantized);
+        return -1;
+    }
+    const int64_t tiles = (n + TILE - 1) / TILE, groups = k / group_size;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; ++t) {
+        float results[ROW_GROUP * TILE];
+        const uint8_t *tile = qweight + t * (k / 2) * TILE;
+        for (int64_t row0 = 0; row0 < rows; row0 += ROW_GROUP) {
+            const int count = rows - row0 < ROW_GROUP ? (int)(rows - row0) : ROW_GROUP;
+            int4_tile(tile, scales + t * groups * TILE, minimums + t * groups * TILE, group_size, &quantized, row0,
+                      count, k, results);
+            for (int r = 0; r < count; ++r) {
+                store_tile(out, (int)is_bf16, row0 + r, n, t * TILE, results + r * TILE);
+            }
+        }
+    }
+    free_rows(&quantized);
+    return 0;
+}
