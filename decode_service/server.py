@@ -103,24 +103,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.inbox.release(entry)
                 if request.kv_pushed:
                     self.inbox.discard(handoff.request_id)  # an unclaimed push (the request failed first)
-        num_sent, text_sent, logprobs_sent = len(first.token_ids), len(first.text), len(first.logprobs or [])
+        # The first output holds what the prefill worker already sent: stream what comes after it.
+        previous = first
         try:
             async for output in stream:
-                response = worker_pb2.DecodeResponse(
-                    token_ids=output.token_ids[num_sent:],
-                    text=output.text[text_sent:],
-                    finish_reason=finish_reason_to_proto(output.finish_reason),
-                )
-                if output.logprobs:
-                    response.logprobs.extend(logprobs_to_proto(output.logprobs[logprobs_sent:]))
-                if output.spec_decode_stats is not None:
-                    stats = output.spec_decode_stats
-                    response.spec_decode_drafts = stats.num_drafts
-                    response.spec_decode_draft_tokens = stats.num_draft_tokens
-                    response.spec_decode_accepted_tokens = stats.num_accepted_tokens
-                num_sent, text_sent = len(output.token_ids), len(output.text)
-                logprobs_sent = len(output.logprobs or [])
-                yield response
+                yield _new_tokens(output, previous)
+                previous = output
         finally:
             # Closing the stream now (not at garbage collection) aborts an unfinished
             # request at once when the RPC is cancelled.
