@@ -339,8 +339,10 @@ async def test_a_worker_whose_engine_died_exits_and_is_restarted(up: Up, model: 
                 failures.append(code)
         if up.count(r"^decode-1 exited"):
             break
-    # Only the requests on decode-1 when its engine died fail, with UNAVAILABLE; then it exits.
-    assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}
+    # Requests on decode-1 when its engine died: those it had streamed nothing of yet are retried on
+    # decode-0 (their KV is still leased on the prefill worker) and came back exact above; the others
+    # fail with UNAVAILABLE, nothing else. Then decode-1 exits and is restarted.
+    assert set(failures) <= {grpc.StatusCode.UNAVAILABLE}
     up.wait_for(r"^decode-1 exited with status 3 \(its engine thread died\); restarting it in ", 10)
     up.wait_for(r"^decode-1 is back on ", 90)
     await _all_exact(up, model, seed=130)
