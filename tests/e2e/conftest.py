@@ -73,3 +73,14 @@ async def load(address: str, role: str) -> worker_pb2.LoadReport:
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         stub_class = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         return await stub_class(channel).Load(worker_pb2.LoadRequest(), timeout=5)
+
+
+async def stream_outcome(call: grpc.aio.UnaryStreamCall) -> grpc.StatusCode:
+    """How a streaming call ended: OK, or its error's code. read() throughout: grpc.aio forbids mixing
+    it with iteration on one call."""
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK

@@ -29,6 +29,7 @@ from service_common.security import TlsConfig, bearer_metadata, open_channel
 from service_common.server import LIVENESS_SERVICE, channel_options
 from tests.conftest import Oracle, random_prompts
 from tests.deploy.manifests import KUBERNETES_DIR
+from tests.e2e.conftest import stream_outcome
 from tests.support.netns import Host, Hosts, cannot_create_reason, stop
 from tests.support.waiting import wait_until
 
@@ -260,15 +261,7 @@ async def test_a_killed_decode_host_fails_its_streams_fast_and_its_restart_takes
         assert await _routed_to(cross_host, "decode", "decode-0") >= 1
         victim.processes[-1].kill()  # SIGKILL: no drain, no deregistration
 
-        async def outcome(call: grpc.aio.UnaryStreamCall) -> grpc.StatusCode:
-            try:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-            except grpc.aio.AioRpcError as error:
-                return error.code()
-            return grpc.StatusCode.OK
-
-        codes = await asyncio.wait_for(asyncio.gather(*(outcome(c) for c in calls)), 100)
+        codes = await asyncio.wait_for(asyncio.gather(*(stream_outcome(c) for c in calls)), 100)
     assert grpc.StatusCode.UNAVAILABLE in codes and set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK}
     # The surviving decode host serves new requests, exactly.
     for prompt in prompts:

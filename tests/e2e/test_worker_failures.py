@@ -11,7 +11,7 @@ import pytest
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from service_common.server import channel_options
 from tests.conftest import random_prompts
-from tests.e2e.conftest import cluster_config, generate
+from tests.e2e.conftest import cluster_config, generate, stream_outcome
 from tests.support.waiting import wait_until
 
 
@@ -31,16 +31,7 @@ async def test_killed_decode_worker_fails_its_streams_with_unavailable_and_traff
             await call.read()
         cluster.kill("decode-0")
 
-        async def outcome(call: grpc.aio.UnaryStreamCall) -> grpc.StatusCode:
-            # read() throughout: grpc.aio forbids mixing it with iteration on one call.
-            try:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-            except grpc.aio.AioRpcError as error:
-                return error.code()
-            return grpc.StatusCode.OK
-
-        codes = await asyncio.gather(*(outcome(c) for c in calls))
+        codes = await asyncio.gather(*(stream_outcome(c) for c in calls))
     # The streams on the dead worker end with UNAVAILABLE (a hang would end in
     # DEADLINE_EXCEEDED after 60 s and fail here); the others finish normally.
     assert grpc.StatusCode.UNAVAILABLE in codes
