@@ -144,6 +144,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             prefill.address, request_id, error.details())
                 prefill.healthy = False
                 failed.add(prefill.address)
+                self.metrics.retried("prefill")
 
     async def _relay(
         self,
@@ -232,6 +233,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         # Nothing came from it yet: another decode worker pulls the KV the prefill worker holds.
                         log.warning("decode worker %s failed for %s (%s); retrying on another worker",
                                     decode.address, request_id, error.details())
+                        self.metrics.retried("decode")
                         decode, decode_request.kv_pushed = None, False
                     finally:
                         if not finished:

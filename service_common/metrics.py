@@ -93,12 +93,24 @@ class GatewayMetrics:
             "Where requests were prefilled (remote: a prefill worker; local: their decode worker), and why",
             ["route", "reason"], registry=self.registry,
         )
+        # A worker that failed before sending anything is replaced by another; without this count
+        # a cluster that keeps losing workers looks healthy from the request outcomes alone.
+        self.worker_retries = Counter(
+            "pdserve_gateway_worker_retries",
+            "Requests moved to another worker after theirs failed before sending anything, by that worker's role",
+            ["role"], registry=self.registry,
+        )
+        for role in ("prefill", "decode"):
+            self.worker_retries.labels(role)  # exported from the start, at 0
 
     def routed(self, role: str, worker_id: str) -> None:
         self.routing_decisions.labels(role, worker_id).inc()
 
     def prefill_routed(self, route: str, reason: str) -> None:
         self.prefill_routes.labels(route, reason).inc()
+
+    def retried(self, role: str) -> None:
+        self.worker_retries.labels(role).inc()
 
     @contextlib.contextmanager
     def track(self, deadline_passed: Callable[[], bool]) -> Iterator[RequestTracker]:

@@ -204,6 +204,10 @@ async def test_prefill_worker_dying_mid_push_leaves_nothing_on_the_decode_worker
     responses = await generation
     assert _tokens(responses) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
     (survivor,) = [p for p in cluster.prefills if p is not victim]
+    assert cluster.gateway is not None
+    registry = cluster.gateway.servicer.metrics.registry
+    assert [registry.get_sample_value("pdserve_gateway_worker_retries_total", {"role": role})
+            for role in ("prefill", "decode")] == [1.0, 0.0]
     # The retry on the other prefill worker pushed to the same decode worker, which took that push.
     assert survivor.servicer.pusher.num_pushed == 1
     assert cluster.decode.servicer.kv_pushes == 1
