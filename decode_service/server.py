@@ -11,6 +11,7 @@ import time
 import grpc
 import torch
 
+from decode_service.push_landing import EngineLanding
 from engine.kv_handoff import KVFetch, KVHandoff
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -18,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
-from kv_transfer.push_inbox import PushedKV, PushInbox
+from kv_transfer.push_inbox import PushInbox
 from kv_transfer.sharded import FETCHER
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
@@ -40,8 +41,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     once it has them, only the blocks it does not already cache are fetched,
     written in between two steps, and decoding goes on. When the prefill worker
     pushed the KV here while it prefilled (PushKV, ``DecodeRequest.kv_pushed``),
-    the blocks come from the push inbox instead, and are pulled only when the
-    pushed copy is not there.
+    it is already in blocks reserved for it (``kv_transfer.push_inbox``): the
+    request adopts them, and pulls only what the push did not leave there.
     """
 
     FAILURE_POLICIES = ("recompute", "fail")
@@ -68,7 +69,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_receive_seconds = 0.0
         self.kv_transfers = 0
         self.kv_pushes = 0
-        self.inbox = PushInbox(transfer, transfer.push_inbox_bytes, transfer.push_ttl_s)
+        self.inbox = PushInbox(transfer, EngineLanding(self.engine), transfer.push_inbox_bytes, transfer.push_ttl_s)
 
     @grpc_errors
     @with_request_id(lambda request: request.request_id or request.handoff.request_id)
@@ -86,23 +87,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
-        pushed: list[PushedKV] = []  # what the push inbox handed this request, freed once landed
-        if request.kv_pushed:
-            receive_kv = functools.partial(self._receive_pushed, handoff, stub, pushed, request_id)
-        else:
-            receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
+        pushed = self.inbox.take(handoff) if request.kv_pushed else None
+        reservation = None
+        if pushed is not None:
+            # From here on the request owns the blocks the push wrote (the engine frees them with it).
+            reservation, pushed.reservation = pushed.reservation, None
+            self.inbox.release(pushed)
+        elif request.kv_pushed:
+            log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
+                        handoff.request_id)
+        receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id,
+                                       pushed=reservation is not None)
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
-            stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv)
+            stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv, reservation)
             try:
                 # Once the KV landed (or will be recomputed), the prefill worker's copy is no longer needed.
                 first = await anext(stream)
             finally:
                 self._release_lease(handoff, stub)
-                for entry in pushed:
-                    self.inbox.release(entry)
-                if request.kv_pushed:
-                    self.inbox.discard(handoff.request_id)  # an unclaimed push (the request failed first)
         # The first output holds what the prefill worker already sent: stream what comes after it.
         previous = first
         try:
@@ -142,9 +145,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await stream.aclose()
 
     async def _receive_kv(
-        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int, request_id: str = ""
+        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int, request_id: str = "",
+        pushed: bool = False,
     ) -> torch.Tensor | KVFetch | None:
         """The handoff's blocks from ``first_block`` on; None (recompute here) when they cannot be had.
+
+        ``pushed``: the request adopted blocks its push wrote; whatever they did not
+        cover (``first_block`` before the handoff's end) is fetched as from any handoff.
 
         A tensor-parallel engine gets a ``KVFetch``: rank 0's heads, fetched here, and how
         its other ranks fetch theirs (each straight from the prefill worker, when it lands).
@@ -155,6 +162,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if request_id and self.runtime.engine.accepts_draft_kv(handoff):
             draft = asyncio.ensure_future(self._receive_draft_kv(handoff, stub, request_id))
         try:
+            if pushed:
+                # Moved while the prefill ran; counted as one transfer, as a pull is.
+                self.kv_pushes += 1
+                num_pushed = handoff.num_blocks * handoff.layout.bytes_per_block
+                self._count_received(handoff.transport, num_pushed, 0.0)
             return await self._fetch(handoff, first_block, stub)
         except (grpc.aio.AioRpcError, KVTransferError) as error:
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
@@ -183,32 +195,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except (grpc.aio.AioRpcError, KVTransferError, ValueError) as error:
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             log.warning("draft KV transfer for %s failed (%s); the draft recomputes it", handoff.request_id, detail)
-
-    async def _receive_pushed(
-        self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, pushed: list[PushedKV], request_id: str,
-        first_block: int,
-    ) -> torch.Tensor | None:
-        """The handoff's blocks from ``first_block`` on, out of what was pushed here; pulled when that is gone.
-
-        A draft section this engine's draft can use is fetched (it is never pushed) and landed first."""
-        started = time.perf_counter()
-        entry = self.inbox.take(handoff)
-        if entry is None:
-            log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
-                        handoff.request_id)
-            return await self._receive_kv(handoff, stub, first_block, request_id=request_id)
-        pushed.append(entry)
-        if self.runtime.engine.accepts_draft_kv(handoff):
-            await self._receive_draft_kv(handoff, stub, request_id)
-        blocks = entry.blocks[:, :, first_block:]
-        seconds = time.perf_counter() - started
-        num_bytes = blocks.numel() * blocks.element_size()
-        self.kv_pushes += 1
-        self.kv_transfers += 1
-        self.kv_receive_seconds += seconds
-        self.kv_bytes_received += num_bytes
-        self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
-        return blocks
 
     @grpc_errors
     async def PushKV(  # noqa: N802 - the gRPC method name
@@ -243,15 +229,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return torch.empty(handoff.layout.tensor_shape(0, num_heads), dtype=handoff.layout.torch_dtype)
         started = time.perf_counter()
         blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub, heads)
-        seconds, num_bytes = time.perf_counter() - started, blocks.numel() * blocks.element_size()
-        self.kv_receive_seconds += seconds
-        self.kv_bytes_received += num_bytes
-        self.kv_transfers += 1
-        self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
+        self._count_received(handoff.transport, blocks.numel() * blocks.element_size(), time.perf_counter() - started)
         if heads is not None:
             # Counted above: rank 0's part only; the other ranks' parts move when the KV lands.
             return KVFetch(handoff, blocks, FETCHER, self.transfer)
         return blocks
+
+    def _count_received(self, transport: str, num_bytes: int, seconds: float) -> None:
+        self.kv_receive_seconds += seconds
+        self.kv_bytes_received += num_bytes
+        self.kv_transfers += 1
+        self.runtime.metrics.kv_received(transport, num_bytes, seconds)
 
     def _receiver(self, transport: str) -> KVReceiver:
         if transport not in self._receivers:

@@ -20,7 +20,7 @@ import torch
 
 from engine.block_manager import BlockEvent
 from engine.errors import EngineDeadError
-from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVSlot
+from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVReservation, KVSlot
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -148,18 +148,27 @@ class AsyncEngine:
         params: SamplingParams,
         handoff: KVHandoff,
         receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]],
+        reservation: KVReservation | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Join a request prefilled elsewhere and yield its outputs.
 
         The request waits in the scheduler (WAITING_FOR_REMOTE_KVS) until it has
         blocks; then ``receive_kv(first_block)`` fetches the handoff's blocks from
         ``first_block`` on (None: they cannot be had, and the prompt is recomputed
-        here), and they land between two steps. The first output is the state at
+        here), and they land between two steps. ``reservation``: blocks that hold
+        its pushed KV already (the request owns them from this call on; see
+        ``LLMEngine.add_remote_request``). The first output is the state at
         landing: the handed-off first token and its text.
         """
-        stream = self._open_stream(request_id)
+        try:
+            stream = self._open_stream(request_id)
+        except BaseException:
+            if reservation is not None:
+                self.submit(lambda engine: engine.free_kv_reservation(reservation))
+            raise
         await self._start(
-            request_id, lambda engine: engine.add_remote_request(request_id, prompt_token_ids, params, handoff)
+            request_id,
+            lambda engine: engine.add_remote_request(request_id, prompt_token_ids, params, handoff, reservation),
         )
         async for output in self._drain(request_id, stream, receive_kv):
             yield output

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Sequence as Seq
 
 from engine.hashing import BlockHash
+from engine.kv_handoff import KVReservation
 from engine.sequence import Sequence
 
 
@@ -160,25 +162,64 @@ class BlockManager:
     def allocate_imported(self, seq: Sequence, block_hashes: Seq[BlockHash], num_tokens: int) -> list[int]:
         """Blocks for ``num_tokens`` tokens whose KV arrives from another worker.
 
-        Leading blocks already cached here (by hash) are reused; returns the
-        indices, within the block table, of the blocks whose data must be copied in.
-        The caller must have checked ``can_import``.
+        Leading blocks already cached here (by hash) are reused, and the blocks of
+        ``seq.kv_reservation`` (pushed KV, already written) are adopted where they
+        follow those; reserved blocks the prefix cache made redundant are freed.
+        Returns the indices, within the block table, of the blocks whose data must
+        still be copied in: from the first block neither cached nor pushed to the
+        end (pushed blocks after a gap are written again), none when the push
+        covers the rest. The caller must have checked ``can_import``.
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
+        reservation, seq.kv_reservation = seq.kv_reservation, None
+        num_blocks = seq.num_blocks_for(num_tokens)
         reused = self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
+        first_pushed = num_blocks if reservation is None else reservation.first_block
+        if reservation is not None and reservation.end_block != num_blocks:
+            raise RuntimeError(f"the reservation of {seq.request_id} ends at block {reservation.end_block}, "
+                               f"not at its last block {num_blocks}")
         for block_id in reused:
             self._touch(block_id)
         seq.block_table = list(reused)
-        seq.num_computed_tokens = len(reused) * self.block_size
         self._num_registered[seq.request_id] = len(reused)
-        self._grow(seq, num_tokens - seq.num_computed_tokens)
+        for index in range(len(reused), num_blocks):
+            if index >= first_pushed:
+                # Held with ref count 1 since ``reserve``: the sequence takes that reference over.
+                seq.block_table.append(reservation.block_ids[index - first_pushed])
+            else:
+                seq.block_table.append(self._take_free_block())
+        if reservation is not None:
+            self._release(reservation.block_ids[: max(0, len(reused) - first_pushed)])
         seq.num_computed_tokens = num_tokens
-        return list(range(len(reused), len(seq.block_table)))
+        if first_pushed > len(reused):
+            return list(range(len(reused), num_blocks))
+        return []
 
     def can_import(self, seq: Sequence, block_hashes: Seq[BlockHash], num_tokens: int) -> bool:
         reused = self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
-        return self.can_allocate(seq, num_tokens - len(reused) * self.block_size, reused)
+        reservation = seq.kv_reservation
+        num_blocks = seq.num_blocks_for(num_tokens)
+        first_pushed = num_blocks if reservation is None else reservation.first_block
+        needed = max(0, first_pushed - len(reused))
+        reused_from_free = sum(1 for b in reused if self._blocks[b].ref_count == 0)
+        return needed + reused_from_free <= len(self._free)
+
+    # ---- blocks for KV that arrives before its sequence -------------------------------
+
+    def can_reserve(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def reserve(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` blocks held for pushed KV (ref count 1, in no block table) until a sequence
+        adopts them (``allocate_imported``) or ``free_reserved`` gives them back."""
+        if not self.can_reserve(num_blocks):
+            raise RuntimeError(f"not enough free KV blocks to reserve {num_blocks}")
+        return [self._take_free_block() for _ in range(num_blocks)]
+
+    def free_reserved(self, reservation: KVReservation) -> None:
+        """Give back reserved blocks nobody adopted; they hold nothing cached."""
+        self._release(reservation.block_ids)
 
     # ---- prefix cache --------------------------------------------------------------
 
@@ -216,13 +257,11 @@ class BlockManager:
         """Release every block of ``seq``; cached ones stay reusable until evicted."""
         # Tail blocks first, so a sequence's later blocks are evicted before the
         # prefix blocks that other requests are more likely to share.
-        for block_id in reversed(seq.block_table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+        self._release(reversed(seq.block_table))
+        if seq.kv_reservation is not None:
+            # Ended before it was allocated: its pushed KV is of no use.
+            self._release(seq.kv_reservation.block_ids)
+            seq.kv_reservation = None
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_draft_computed_tokens = 0
@@ -244,6 +283,17 @@ class BlockManager:
                 self._free.move_to_end(block_id, last=False)
 
     # ---- internals -----------------------------------------------------------------
+
+    def _release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; a block nobody holds goes back to the free queue
+        (to its front when it caches nothing: reused before any cached block)."""
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def _touch(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -150,29 +150,31 @@ class KVCache:
             return blocks
         return pack_int8(blocks, scales)
 
-    def import_blocks(self, block_ids: Seq[int], blocks: torch.Tensor) -> None:
-        """Write ``blocks`` (as returned by ``export_blocks`` of a cache of any KV dtype) into the given block ids.
+    def import_blocks(self, block_ids: Seq[int], blocks: torch.Tensor, layers: slice = slice(None)) -> None:
+        """Write ``blocks`` (as returned by ``export_blocks`` of a cache of any KV dtype) into the given block ids
+        of ``layers``.
 
         Blocks of this cache's own dtype are copied bit for bit; others are
         converted (int8 dequantized, floats cast, int8 quantized anew).
         """
-        head_dim = self.data.shape[-1]
+        data = self.data[layers]
+        head_dim = data.shape[-1]
         wire_head_dim = head_dim + (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
-        expected = (*self.data.shape[:2], len(block_ids), *self.data.shape[3:5], wire_head_dim)
+        expected = (*data.shape[:2], len(block_ids), *data.shape[3:5], wire_head_dim)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"imported KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        blocks = blocks.to(device=self.data.device)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=data.device)
+        blocks = blocks.to(device=data.device)
         if self.scales is None:
             values = blocks if blocks.dtype != torch.int8 else wire_to_float(blocks)
-            self.data.index_copy_(2, index, values.to(dtype=self.data.dtype))
+            data.index_copy_(2, index, values.to(dtype=data.dtype))
             return
         if blocks.dtype == torch.int8:
-            data, scales = unpack_int8(blocks)
+            values, scales = unpack_int8(blocks)
         else:
-            data, scales = quantize_int8(blocks)
-        self.data.index_copy_(2, index, data)
-        self.scales.index_copy_(2, index, scales)
+            values, scales = quantize_int8(blocks)
+        data.index_copy_(2, index, values)
+        self.scales[layers].index_copy_(2, index, scales)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

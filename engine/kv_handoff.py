@@ -252,6 +252,24 @@ class KVFetch:
 
 
 @dataclass(frozen=True)
+class KVReservation:
+    """Blocks a decode engine holds for a request's pushed KV before the request itself arrives.
+
+    Block ``i`` of the handoff (``i >= first_block``) is written into
+    ``block_ids[i - first_block]`` as its pieces arrive; the request adopts the
+    blocks when it is allocated, so its KV needs no copy then. The blocks before
+    ``first_block`` were not pushed (the decode engine caches them).
+    """
+
+    first_block: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.block_ids)
+
+
+@dataclass(frozen=True)
 class KVSlot:
     """Blocks allocated on a decode engine for a request waiting for remote KV.
 

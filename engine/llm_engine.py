@@ -21,7 +21,7 @@ from engine.default_model import DEFAULT_MODEL_ID
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.hashing import BlockHash
 from engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
-from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVSlot
+from engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVReservation, KVSlot
 from engine.kv_leases import LeaseTable
 from engine.kv_push import LayerPusher
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
@@ -146,6 +146,8 @@ class LLMEngine:
             draft_kv_cache=self._handoff_draft.kv_cache if self._handoff_draft is not None else None,
         )
         self._requests: dict[str, Sequence] = {}
+        # Reservations of pushed KV a piece of which failed to be written (see write_reserved_kv).
+        self._unwritten_reservations: set[KVReservation] = set()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
 
@@ -354,14 +356,39 @@ class LLMEngine:
     # ---- requests prefilled elsewhere (decode side of a handoff) ----------------------------
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           handoff: KVHandoff) -> str:
+                           handoff: KVHandoff, reservation: KVReservation | None = None) -> str:
         """Queue a request whose prompt KV is on its way from another engine (WAITING_FOR_REMOTE_KVS).
 
         It gets blocks as soon as it is first in line and they fit (``drain_kv_slots``
         says where its KV goes), is never scheduled before ``receive_kv``, and an
-        abort frees its blocks like any other request's. Raises ``ValueError``
+        abort frees its blocks like any other request's. ``reservation``: blocks
+        that already hold its pushed KV (``reserve_kv_blocks``), now the request's:
+        it adopts them, and they are freed if it is rejected. Raises ``ValueError``
         naming the field when ``handoff`` cannot be served here.
         """
+        try:
+            seq = self._remote_sequence(request_id, prompt_token_ids, params, handoff)
+            if reservation is not None and reservation.end_block != handoff.num_blocks:
+                raise ValueError(f"the KV reservation ends at block {reservation.end_block}, "
+                                 f"handoff.num_blocks is {handoff.num_blocks}")
+        except BaseException:
+            if reservation is not None:
+                self.free_kv_reservation(reservation)
+            raise
+        if reservation in self._unwritten_reservations:
+            # A piece of it could not be written: its blocks are no use, the request fetches its KV instead.
+            self.free_kv_reservation(reservation)
+            reservation = None
+        seq.kv_reservation = reservation
+        self._register(seq)
+        detokenizer = self._detokenizers.get(seq.request_id)
+        if detokenizer is not None:
+            detokenizer.add(seq.output_token_ids)
+        self.scheduler.add_remote(seq)
+        return seq.request_id
+
+    def _remote_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         handoff: KVHandoff) -> Sequence:
         if handoff.model_id != self.model_id:
             raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {self.model_id!r}")
         if handoff.layout.block_size != self.block_size:
@@ -376,12 +403,46 @@ class LLMEngine:
         seq.num_cached_tokens = 0
         # Nothing of the prompt is computed here: only the first token is left to run.
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self._register(seq)
-        detokenizer = self._detokenizers.get(request_id)
-        if detokenizer is not None:
-            detokenizer.add(seq.output_token_ids)
-        self.scheduler.add_remote(seq)
-        return request_id
+        return seq
+
+    # ---- KV pushed here before its request arrives ------------------------------------
+
+    def reserve_kv_blocks(self, layout: KVLayout, first_block: int, end_block: int) -> KVReservation | None:
+        """Blocks for a push of blocks ``first_block``..``end_block`` in ``layout``, held until a request adopts them
+        (``add_remote_request``) or ``free_kv_reservation``; None when the pool has no room for them now.
+        Raises ``ValueError`` naming the field when KV of ``layout`` cannot be written here."""
+        own = self.kv_layout
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(layout, name) != getattr(own, name):
+                raise ValueError(f"layout.{name} {getattr(layout, name)} != this worker's {getattr(own, name)}")
+        if self.parallel is not None:
+            raise ValueError("this engine is tensor-parallel: each rank fetches its own heads, a push cannot land")
+        if not 0 <= first_block < end_block:
+            raise ValueError(f"first_block {first_block} must be below end_block {end_block}")
+        num_blocks = end_block - first_block
+        if not self.block_manager.can_reserve(num_blocks):
+            return None
+        return KVReservation(first_block, tuple(self.block_manager.reserve(num_blocks)))
+
+    def write_reserved_kv(self, reservation: KVReservation, layer: int, first_block: int, blocks: torch.Tensor) -> None:
+        """Write layer ``layer`` of the handoff's blocks ``first_block``.. ((1, 2, n, ...), any KV dtype) into
+        the reserved blocks that hold them."""
+        start = first_block - reservation.first_block
+        block_ids = reservation.block_ids[start : start + blocks.shape[2]]
+        if start < 0 or len(block_ids) != blocks.shape[2]:
+            raise ValueError(f"blocks {first_block}+{blocks.shape[2]} are outside the reservation of blocks "
+                             f"{reservation.first_block}..{reservation.end_block}")
+        try:
+            self.kv_cache.import_blocks(block_ids, blocks, slice(layer, layer + 1))
+        except BaseException:
+            # Never a request decoding from half-written blocks: add_remote_request refuses them.
+            self._unwritten_reservations.add(reservation)
+            raise
+
+    def free_kv_reservation(self, reservation: KVReservation) -> None:
+        """Give back the blocks of a push no request adopted."""
+        self._unwritten_reservations.discard(reservation)
+        self.block_manager.free_reserved(reservation)
 
     def drain_kv_slots(self) -> list[KVSlot]:
         """Remote requests that got their blocks since the last call: fetch their KV from ``first_block`` on."""

@@ -7,7 +7,7 @@ import enum
 import torch
 
 from engine.hashing import BlockHash, hash_block
-from engine.kv_handoff import KVHoldParams
+from engine.kv_handoff import KVHoldParams, KVReservation
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -61,6 +61,8 @@ class Sequence:
         self._block_hashes: list[BlockHash] = list(block_hashes)
         # Set on a prefill engine: when the request finishes, its blocks go to the lease table.
         self.kv_hold: KVHoldParams | None = None
+        # Set on a decode engine: blocks that already hold the pushed KV, adopted when the request is allocated.
+        self.kv_reservation: KVReservation | None = None
         # Speculative decoding: the proposal for the next step (scheduled as extra
         # query tokens, never part of ``token_ids`` until verified), and counters.
         self.spec_token_ids: list[int] = []

@@ -1,15 +1,19 @@
-"""The decode side of a push: KV that prefill workers pushed here, held until the request's Decode takes it.
+"""The decode side of a push: KV that prefill workers pushed here, written into blocks reserved for it.
 
 ``PushInbox.receive`` is the body of the decode worker's PushKV handler: it
-checks the header, allocates the whole tensor (grpc) or maps the sender's
+checks the header, reserves the decode engine's blocks for the pushed range
+through the ``PushLanding`` the service hands it, maps the sender's
 shared-memory segment (shm, unlinked at once so that no name outlives the
-push), writes or records each piece, and confirms once the stream half-closes
-with every block of every layer there. A stream that breaks (the prefill worker
-died, the request was cancelled) or does not cover every block drops what it
-brought. ``take`` hands a complete push to the request's Decode and forgets it;
-a push nobody takes within ``ttl_s`` is dropped. ``max_bytes`` bounds what the
-inbox holds: past it a push is refused with RESOURCE_EXHAUSTED (the request is
-then pulled).
+push), writes each piece into the reserved blocks as it arrives, and confirms
+once the stream half-closes with every block of every layer there. So when the
+request's Decode comes, its KV is already where the engine reads it: the
+request adopts the blocks, nothing is copied then. A stream that breaks (the
+prefill worker died, the request was cancelled) or does not cover every block
+frees what it reserved. ``take`` hands a complete push (its reservation) to
+the request's Decode and forgets it; a push nobody takes within ``ttl_s`` is
+dropped. ``max_bytes`` bounds what the inbox holds: past it, or when the
+engine has no free blocks for it, a push is refused with RESOURCE_EXHAUSTED
+(the request is then pulled).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
+from typing import Protocol
 
 import grpc
 import torch
 
-from kv_transfer.buffers import byte_view, empty_blocks
+from engine.kv_handoff import KVReservation
+from kv_transfer.buffers import byte_view
 from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import KVHandoff, KVLayout, layout_from_proto
 from kv_transfer.pusher import PUSH_TRANSPORTS
@@ -42,16 +48,41 @@ class PushRejected(Exception):
         self.code = code
 
 
+class PushLanding(Protocol):
+    """Where pushed KV lands: blocks of the decode engine, reserved before the request arrives.
+
+    The service implements it over its engine; the inbox never touches the engine itself.
+    ``write`` and ``free`` return at once and take effect in call order, before
+    anything the service asks of the engine afterwards (the request's Decode).
+    """
+
+    async def reserve(self, layout: KVLayout, first_block: int, end_block: int) -> KVReservation | None:
+        """Blocks for blocks ``first_block``..``end_block`` of a push in ``layout``; None when there is no room now.
+        Raises ``ValueError`` naming the field when KV of ``layout`` cannot land here."""
+        ...
+
+    def write(self, reservation: KVReservation, layer: int, first_block: int, blocks: torch.Tensor) -> None:
+        """Layer ``layer`` of blocks ``first_block``..: (1, 2, n, block_size, num_kv_heads, row_size), which
+        must stay unchanged until it is written."""
+        ...
+
+    def free(self, reservation: KVReservation) -> None:
+        ...
+
+
 @dataclass
 class PushedKV:
-    """One request's pushed KV: the whole (num_layers, 2, num_blocks, ...) tensor and which pieces arrived."""
+    """One request's pushed KV: the blocks reserved for it and which (layer, block) pieces arrived."""
 
     request_id: str
     layout: KVLayout
     num_blocks: int
-    blocks: torch.Tensor
+    reservation: KVReservation | None  # None once freed or handed to the request
     received: torch.Tensor  # (num_layers, num_blocks) bool
     segment: SharedMemory | None = None
+    shm_blocks: torch.Tensor | None = None  # shm: the sender's whole tensor, mapped
+    piece: torch.Tensor | None = None  # grpc: the piece being received, (1, 2, n, ...)
+    piece_at: tuple[int, int] = (0, 0)  # grpc: its (layer, first_block)
     complete: bool = False
     next_offset: int = 0  # grpc: where the piece being received continues (0: between pieces)
     started: float = field(default_factory=time.perf_counter)
@@ -62,12 +93,13 @@ class PushedKV:
         return self.num_blocks * self.layout.bytes_per_block
 
     def release(self) -> SharedMemory | None:
-        """Free the tensor and unmap the segment; the segment when a view of it is still alive (unmap it later)."""
+        """Unmap the segment; the segment when a view of it is still alive (a write not done yet: unmap it later)."""
         if self.expiry is not None:
             self.expiry.cancel()
             self.expiry = None
         segment, self.segment = self.segment, None
-        self.blocks = self.received = torch.empty(0)
+        self.shm_blocks = self.piece = None
+        self.received = torch.empty(0)
         if segment is not None and not _try_close(segment):
             return segment
         return None
@@ -76,12 +108,15 @@ class PushedKV:
 class PushInbox:
     """Pushed KV by request id, bounded in bytes and in time."""
 
-    def __init__(self, config: TransferConfig, max_bytes: int = 2 << 30, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, config: TransferConfig, landing: PushLanding, max_bytes: int = 2 << 30, ttl_s: float = 30.0
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.config = config
+        self.landing = landing
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._entries: dict[str, PushedKV] = {}
@@ -102,14 +137,14 @@ class PushInbox:
             first = await anext(messages, None)
             if not isinstance(first, worker_pb2.KVPushMessage) or not first.HasField("header"):
                 raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
-            entry = self._open(first.header)
+            entry = await self._open(first.header)
             async for message in messages:
                 if not isinstance(message, worker_pb2.KVPushMessage) or not message.HasField("piece"):
                     raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "a KV push has one header, then pieces")
                 if self._entries.get(entry.request_id) is not entry:
                     raise PushRejected(grpc.StatusCode.ABORTED,
                                        f"the KV push of {entry.request_id!r} was dropped here (its request ended)")
-                _write(entry, message.piece)
+                _write(entry, message.piece, self.landing)
             if self._entries.get(entry.request_id) is not entry:
                 raise PushRejected(grpc.StatusCode.ABORTED,
                                    f"the KV push of {entry.request_id!r} was dropped here (its request ended)")
@@ -134,6 +169,7 @@ class PushInbox:
     def take(self, handoff: KVHandoff) -> PushedKV | None:
         """The complete push of ``handoff``'s request, now the caller's to ``release``; None if there is none.
 
+        Its ``reservation`` is the caller's too: hand it to the engine with the request, or ``landing.free`` it.
         A push whose layout or size disagrees with the handoff is dropped, and None returned.
         """
         entry = self._entries.get(handoff.request_id)
@@ -143,7 +179,7 @@ class PushInbox:
         if entry.layout != handoff.layout or entry.num_blocks != handoff.num_blocks:
             log.warning("pushed KV of %s (%s, %d blocks) does not match its handoff (%s, %d blocks); dropped",
                         handoff.request_id, entry.layout, entry.num_blocks, handoff.layout, handoff.num_blocks)
-            self.release(entry)
+            self._drop(entry)
             return None
         return entry
 
@@ -165,7 +201,7 @@ class PushInbox:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _open(self, header: worker_pb2.KVPushHeader) -> PushedKV:
+    async def _open(self, header: worker_pb2.KVPushHeader) -> PushedKV:
         if not header.request_id:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "header.request_id must be set")
         if header.transport not in PUSH_TRANSPORTS:
@@ -190,15 +226,28 @@ class PushInbox:
                 f"pushed KV would hold {self.num_bytes + size} bytes here, over the limit of {self.max_bytes}; "
                 "pull it instead",
             )
-        segment = None
-        if header.transport == "shm":
-            segment = _attach(header.shm_segment, size)
-            blocks = torch.frombuffer(segment.buf, dtype=torch.uint8, count=size)
-            blocks = blocks.view(layout.torch_dtype).view(layout.tensor_shape(header.num_blocks))
-        else:
-            blocks = empty_blocks(layout, header.num_blocks)
+        segment = _attach(header.shm_segment, size) if header.transport == "shm" else None
+        try:
+            reservation = await self.landing.reserve(layout, 0, header.num_blocks)
+            if reservation is None:
+                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"no {header.num_blocks} free KV blocks here for the push; pull it instead")
+        except BaseException as error:
+            if segment is not None:
+                segment.close()
+            if isinstance(error, ValueError):
+                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, f"header.layout: {error}") from error
+            raise
+        shm_blocks = None
+        if segment is not None:
+            shm_blocks = torch.frombuffer(segment.buf, dtype=torch.uint8, count=size)
+            shm_blocks = shm_blocks.view(layout.torch_dtype).view(layout.tensor_shape(header.num_blocks))
         received = torch.zeros(layout.num_layers, header.num_blocks, dtype=torch.bool)
-        entry = PushedKV(header.request_id, layout, header.num_blocks, blocks, received, segment)
+        entry = PushedKV(header.request_id, layout, header.num_blocks, reservation, received, segment, shm_blocks)
+        previous = self._entries.get(header.request_id)
+        if previous is not None:
+            # Another push of the same request was opened while this one reserved: the newer replaces the older.
+            self._drop(previous)
         self._entries[entry.request_id] = entry
         self.num_bytes += size
         return entry
@@ -220,6 +269,9 @@ class PushInbox:
     def _drop(self, entry: PushedKV | None) -> None:
         if entry is not None:
             self._forget(entry)
+            reservation, entry.reservation = entry.reservation, None
+            if reservation is not None:
+                self.landing.free(reservation)
             self.release(entry)
 
 
@@ -247,8 +299,8 @@ def _attach(name: str, size: int) -> SharedMemory:
     return segment
 
 
-def _write(entry: PushedKV, piece: worker_pb2.KVPushPiece) -> None:
-    """Record ``piece`` (grpc: write its bytes) in ``entry``; PushRejected when it does not fit the header."""
+def _write(entry: PushedKV, piece: worker_pb2.KVPushPiece, landing: PushLanding) -> None:
+    """Land ``piece`` of ``entry`` (grpc: once its last bytes are here); PushRejected when it does not fit the header."""
     layout = entry.layout
     end_block = piece.first_block + piece.num_blocks
     expected_total = piece.num_blocks * layout.bytes_per_block // layout.num_layers
@@ -270,21 +322,28 @@ def _write(entry: PushedKV, piece: worker_pb2.KVPushPiece) -> None:
                            f"KV push piece data at offset {piece.offset}, expected {entry.next_offset}")
     if entry.segment is not None and piece.data:
         raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "an shm KV push piece carries no data")
-    if entry.segment is None:
+    assert entry.reservation is not None, "a push being received holds its reservation"
+    if entry.shm_blocks is not None:
+        blocks = entry.shm_blocks[piece.layer : piece.layer + 1, :, piece.first_block : end_block]
+    else:
         if not piece.data:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "a grpc KV push piece carries no data")
-        # The piece is (1, 2, n, ...): its K half, then its V half, each contiguous here.
-        half = piece.total_bytes // 2
-        offset, data = piece.offset, memoryview(piece.data)
-        while data.nbytes:
-            kv = 0 if offset < half else 1
-            target = byte_view(entry.blocks[piece.layer, kv, piece.first_block : end_block])
-            start = offset - kv * half
-            size = min(data.nbytes, half - start)
-            target[start : start + size] = data[:size]
-            offset, data = offset + size, data[size:]
-        if offset < piece.total_bytes:
-            entry.next_offset = offset
+        if piece.offset == 0:
+            shape = layout.tensor_shape(piece.num_blocks)
+            entry.piece = torch.empty((1, *shape[1:]), dtype=layout.torch_dtype)
+            entry.piece_at = (piece.layer, piece.first_block)
+        elif entry.piece is None or entry.piece_at != (piece.layer, piece.first_block) or (
+            entry.piece.shape[2] != piece.num_blocks
+        ):
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               "KV push piece data continues a different piece than the one being received")
+        # The piece is (1, 2, n, ...) on the wire as here: its K half, then its V half.
+        end = piece.offset + len(piece.data)
+        byte_view(entry.piece)[piece.offset : end] = piece.data
+        if end < piece.total_bytes:
+            entry.next_offset = end
             return  # more of this piece follows
         entry.next_offset = 0
+        blocks, entry.piece = entry.piece, None
+    landing.write(entry.reservation, piece.layer, piece.first_block, blocks)
     entry.received[piece.layer, piece.first_block : end_block] = True

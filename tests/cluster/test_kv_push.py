@@ -109,6 +109,43 @@ async def _wait_for_push_started(cluster: InProcessCluster) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+async def test_pushed_kv_is_written_into_blocks_reserved_while_the_prefill_runs_and_the_claim_copies_none(
+    transport: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(kv_transport=transport))
+    engine = cluster.prefill.runtime.engine
+    hold = _HoldPrefillAtLayer(engine.kv_pusher.sink, layer=1)
+    engine.kv_pusher.sink = hold
+    decode_engine = cluster.decode.runtime.engine
+    claimed_blocks: list[int] = []
+    receive_kv = decode_engine.receive_kv
+
+    def recording_receive_kv(request_id, first_block, blocks):  # noqa: ANN001, ANN202 - wraps the engine's
+        claimed_blocks.append(blocks.shape[2])
+        return receive_kv(request_id, first_block, blocks)
+
+    decode_engine.receive_kv = recording_receive_kv
+    prompt = random_prompts([200], seed=136)[0]
+    num_blocks = -(-len(prompt) // decode_engine.block_size)
+    generation = asyncio.create_task(cluster.generate(_request(prompt)))
+    try:
+        assert await asyncio.to_thread(hold.reached.wait, 30)
+        await _wait_for_push_started(cluster)
+        # Mid-prefill, the decode engine already holds a block for every block of the prompt.
+        free = await cluster.decode.runtime.async_engine.call(lambda e: e.block_manager.num_free_blocks)
+        assert decode_engine.block_manager.num_blocks - free == num_blocks
+    finally:
+        hold.release.set()
+    responses = await generation
+    assert _tokens(responses) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    # The request adopted those blocks: its KV landed with no block left to copy.
+    assert claimed_blocks == [0]
+    assert cluster.decode.servicer.kv_pushes == 1
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
 async def test_client_cancel_during_the_push_frees_everything_on_both_sides(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.hashing import hash_prompt_blocks
-from engine.kv_handoff import KVSlot
+from engine.kv_handoff import KVReservation, KVSlot
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -133,3 +133,67 @@ def test_requests_waiting_for_kv_count_against_max_num_seqs() -> None:
     scheduler.finish(r, "abort")
     fake_step(scheduler)
     assert scheduler.drain_kv_slots() == [KVSlot("t", 0)]
+
+
+def test_pushed_kv_in_reserved_blocks_is_adopted_and_nothing_is_left_to_fill() -> None:
+    scheduler = _scheduler(num_blocks=8)
+    manager = scheduler.block_manager
+    reservation = KVReservation(0, tuple(manager.reserve(3)))
+    assert reservation.block_ids == (0, 1, 2) and manager.num_free_blocks == 5
+    r = _remote("r", 10)
+    r.kv_reservation = reservation
+    scheduler.add_remote(r)
+    # The slot starts past the last block: the KV is in place, nothing is fetched or copied.
+    assert scheduler.drain_kv_slots() == [KVSlot("r", 3)]
+    assert r.block_table == [0, 1, 2] and r.kv_reservation is None
+    assert [manager.ref_count(b) for b in range(3)] == [1, 1, 1] and manager.num_free_blocks == 5
+    scheduler.finish(r, "stop")
+    assert manager.num_free_blocks == 8
+
+
+def test_reserved_blocks_the_prefix_cache_makes_redundant_go_back_to_the_front_of_the_free_queue() -> None:
+    scheduler = _scheduler(num_blocks=8)
+    manager = scheduler.block_manager
+    a = _local("a", 9)  # caches blocks 0 and 1 (tokens 0-7); block 2 holds the partial rest
+    scheduler.add(a)
+    fake_step(scheduler)
+    scheduler.finish(a, "stop")
+    assert manager.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    reservation = KVReservation(0, tuple(manager.reserve(3)))
+    assert reservation.block_ids == (2, 3, 4)
+    r = _remote("r", 10)  # the same first 8 tokens
+    r.kv_reservation = reservation
+    scheduler.add_remote(r)
+    assert scheduler.drain_kv_slots() == [KVSlot("r", 3)]
+    # Cached blocks for positions 0-1, the pushed copy of position 2; the pushed 0-1 are freed.
+    assert r.block_table == [0, 1, 4]
+    assert manager.free_block_ids() == [3, 2, 5, 6, 7]
+
+
+def test_pushed_blocks_after_an_uncached_gap_are_fetched_again_from_the_gap() -> None:
+    scheduler = _scheduler(num_blocks=8)
+    manager = scheduler.block_manager
+    # The push started at block 2 (the sender expected blocks 0-1 cached here), but they are not.
+    reservation = KVReservation(2, tuple(manager.reserve(1)))
+    r = _remote("r", 10)
+    r.kv_reservation = reservation
+    scheduler.add_remote(r)
+    assert scheduler.drain_kv_slots() == [KVSlot("r", 0)]
+    assert r.block_table == [1, 2, 0] and manager.num_free_blocks == 5
+
+
+def test_abort_before_allocation_frees_the_reserved_blocks() -> None:
+    scheduler = _scheduler(num_blocks=4)
+    manager = scheduler.block_manager
+    a = _local("a", 11)
+    scheduler.add(a)
+    fake_step(scheduler)  # a holds 3 blocks
+    reservation = KVReservation(2, tuple(manager.reserve(1)))  # the last of r's 3 blocks
+    r = _remote("r", 10, first_token=100)
+    r.kv_reservation = reservation
+    scheduler.add_remote(r)  # queued: a is ahead in line for blocks
+    assert scheduler.drain_kv_slots() == [] and manager.num_free_blocks == 0
+    scheduler.finish(r, "abort")
+    assert r.kv_reservation is None and manager.num_free_blocks == 1
+    scheduler.finish(a, "stop")
+    assert manager.num_free_blocks == 4
