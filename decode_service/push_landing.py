@@ -10,10 +10,12 @@ Decode that follows its confirmation adds the request.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import torch
 
 from engine.async_engine import AsyncEngine
+from engine.errors import EngineDeadError
 from engine.kv_handoff import KVLayout, KVReservation
 
 
@@ -40,6 +42,13 @@ class EngineLanding:
     def free(self, reservation: KVReservation) -> None:
         if self.engine.is_alive:  # a dead engine's blocks are gone with it
             self.engine.submit(lambda engine: engine.free_kv_reservation(reservation))
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        try:
+            # Behind every write queued so far: commands run in order.
+            self.engine.submit(lambda engine: fn())
+        except EngineDeadError:
+            fn()  # no write will ever run
 
     def _free_unclaimed(self, call: asyncio.Future[KVReservation | None]) -> None:
         if not call.cancelled() and call.exception() is None and call.result() is not None:

@@ -209,7 +209,8 @@ class KVHoldParams:
     to the engine's lease table for ``lease_s`` seconds and its output carries
     the ``KVHandoff`` built from these fields and the sequence. With ``push``
     the engine also hands each layer's blocks to its ``LayerPusher``'s sink as
-    the prefill writes them (``engine.kv_push``).
+    the prefill writes them (``engine.kv_push``), from block ``push_first_block``
+    on (the decode side caches the ones before it).
     """
 
     transport: str
@@ -218,6 +219,7 @@ class KVHoldParams:
     epoch: int
     lease_s: float
     push: bool = False
+    push_first_block: int = 0
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -232,6 +234,7 @@ class KVHoldParams:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
         if not isinstance(self.push, bool):
             raise ValueError(f"push must be a bool, got {type(self.push).__name__}")
+        _check_range("push_first_block", self.push_first_block, 0, _UINT32_MAX)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ first token is sampled only the last layer's piece is still on its way.
 Which blocks a step pushes: after a chunk that does not end the prompt, the
 full blocks it completed (a partial block is written again by the next chunk);
 after the chunk that ends it, every block up to the end, the partial last one
-too. Blocks found in the prefix cache go with the first chunk. A preempted
-request starts over from block 0, and its recomputed pieces replace the earlier
-ones at the receiver. The engine imports no transport: the sink does the rest.
+too. Blocks found in the prefix cache go with the first chunk. Blocks before
+the hold's ``push_first_block`` are never pushed (the receiver caches them). A
+preempted request starts over from that block, and its recomputed pieces
+replace the earlier ones at the receiver. The engine imports no transport: the
+sink does the rest.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class LayerPusher:
         self._kv_cache = kv_cache
         self._block_size = block_size
         self._pushed: dict[str, int] = {}  # request id -> blocks pushed through every layer
+        self._first: dict[str, int] = {}  # request id -> the first block it pushes
         self._plan: list[_Planned] = []
         for index, layer in enumerate(layers):
             layer.register_forward_hook(self._hook(index))
@@ -78,7 +81,7 @@ class LayerPusher:
             return
         for request_id in scheduler_output.preempted:
             if request_id in self._pushed:
-                self._pushed[request_id] = 0  # recomputed: push it all again
+                self._pushed[request_id] = self._first[request_id]  # recomputed: push it all again
         for item in scheduler_output.scheduled:
             seq = item.seq
             hold = seq.kv_hold
@@ -89,7 +92,11 @@ class LayerPusher:
                 end_block = -(-seq.num_prompt_tokens // self._block_size)
             else:
                 end_block = end_token // self._block_size
-            first_block = self._pushed.setdefault(seq.request_id, 0)
+            if seq.request_id not in self._pushed:
+                # Never past the last block: the receiver needs the one holding the last prompt token.
+                last_block = (seq.num_prompt_tokens - 1) // self._block_size
+                self._first[seq.request_id] = self._pushed[seq.request_id] = min(hold.push_first_block, last_block)
+            first_block = self._pushed[seq.request_id]
             if end_block > first_block:
                 block_ids = tuple(seq.block_table[first_block:end_block])
                 self._plan.append(_Planned(seq.request_id, block_ids, first_block, end_block))
@@ -102,6 +109,7 @@ class LayerPusher:
 
     def end(self, request_id: str, complete: bool) -> None:
         """The request finished (``complete``) or was aborted: tell the sink, if it pushed."""
+        self._first.pop(request_id, None)
         if self._pushed.pop(request_id, None) is None or self.sink is None:
             return
         self._plan = [planned for planned in self._plan if planned.request_id != request_id]

@@ -15,7 +15,7 @@ from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from gateway.openai_protocol import DEFAULT_MAX_N
 from gateway.disaggregation import DisaggregationPolicy
-from gateway.prefill_route import choose_route, learn, stream_local_prefill
+from gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from gateway.workers import WorkerHandle, WorkerPool
@@ -80,8 +80,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                      token_ids, context.time_remaining())
                 else:
                     push_to = self._push_target(request, route.decode)
+                    push_cached = await self._push_cached_tokens(route, push_to, token_ids)
                     prefill, prefill_response = await self._prefill(request, request_id, token_ids, context,
-                                                                    route.prefill, push_to)
+                                                                    route.prefill, push_to, push_cached)
                     responses = self._relay(request, request_id, token_ids, prefill, prefill_response, context,
                                             push_to)
                 async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
@@ -99,11 +100,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context: grpc.aio.ServicerContext,
         choice: PrefillChoice | None = None,
         push_to: WorkerHandle | None = None,
+        push_cached_tokens: int = 0,
     ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
         """Prefill on the best worker (``choice``, when routing chose it already); when one is unreachable
         (crashed, partitioned), on the next best.
 
-        ``push_to``: the decode worker the prefill worker pushes the KV to while it computes it.
+        ``push_to``: the decode worker the prefill worker pushes the KV to while it computes it;
+        ``push_cached_tokens``: what that worker caches of the prompt (not pushed).
         """
         prefill_request = worker_pb2.PrefillRequest(
             request_id=request_id,
@@ -123,6 +126,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # A colocated worker finds the prompt in its own prefix cache: nothing to push.
             pushing = push_to is not None and push_to.address != prefill.address
             prefill_request.push_address = push_to.address if pushing else ""
+            prefill_request.push_cached_tokens = push_cached_tokens if pushing else 0
             try:
                 # Count the work this adds there: the tokens its cache does not already hold
                 # (all of them when the prompt's logprobs are asked for: those skip the cache).
@@ -243,6 +247,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # Client cancel, deadline or a failed decode: stop the decode
                 # worker's request and free the prefill worker's pinned blocks.
                 self._release_prefill(prefill, request_id)
+
+    async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:
+        """What ``push_to`` caches of the prompt, by the prefix index (auto routing looked it up already)."""
+        if push_to is None:
+            return 0
+        if route.inputs is not None and route.decode is push_to:
+            return route.inputs.local_cached_tokens
+        hashes = route.prefill.block_hashes if route.prefill is not None else ()
+        return await self.router.decode_cached_tokens(push_to, token_ids, hashes)
 
     def _push_target(
         self, request: generation_pb2.GenerateRequest, chosen: WorkerHandle | None = None

@@ -19,9 +19,10 @@ engine has no free blocks for it, a push is refused with RESOURCE_EXHAUSTED
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from typing import Protocol
@@ -63,10 +64,14 @@ class PushLanding(Protocol):
 
     def write(self, reservation: KVReservation, layer: int, first_block: int, blocks: torch.Tensor) -> None:
         """Layer ``layer`` of blocks ``first_block``..: (1, 2, n, block_size, num_kv_heads, row_size), which
-        must stay unchanged until it is written."""
+        must stay unchanged (and mapped) until it is written."""
         ...
 
     def free(self, reservation: KVReservation) -> None:
+        ...
+
+    def after_writes(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every write asked for so far is done (or will never be): what unmaps a segment."""
         ...
 
 
@@ -77,6 +82,7 @@ class PushedKV:
     request_id: str
     layout: KVLayout
     num_blocks: int
+    first_block: int  # the blocks before it were not pushed
     reservation: KVReservation | None  # None once freed or handed to the request
     received: torch.Tensor  # (num_layers, num_blocks) bool
     segment: SharedMemory | None = None
@@ -90,19 +96,17 @@ class PushedKV:
 
     @property
     def num_bytes(self) -> int:
-        return self.num_blocks * self.layout.bytes_per_block
+        return (self.num_blocks - self.first_block) * self.layout.bytes_per_block
 
     def release(self) -> SharedMemory | None:
-        """Unmap the segment; the segment when a view of it is still alive (a write not done yet: unmap it later)."""
+        """Forget the pieces; the segment, for the caller to unmap once no write reads it any more."""
         if self.expiry is not None:
             self.expiry.cancel()
             self.expiry = None
         segment, self.segment = self.segment, None
         self.shm_blocks = self.piece = None
         self.received = torch.empty(0)
-        if segment is not None and not _try_close(segment):
-            return segment
-        return None
+        return segment
 
 
 class PushInbox:
@@ -122,8 +126,6 @@ class PushInbox:
         self._entries: dict[str, PushedKV] = {}
         self.num_bytes = 0
         self.num_expired = 0
-        # Segments whose KV was still viewed when released (being landed): unmapped at the next chance.
-        self._lingering: list[SharedMemory] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -188,16 +190,15 @@ class PushInbox:
         self._drop(self._entries.get(request_id))
 
     def release(self, entry: PushedKV) -> None:
-        """Free a push ``take`` handed out, once its KV has landed."""
-        self._close_lingering()
+        """Free a push ``take`` handed out."""
         segment = entry.release()
         if segment is not None:
-            self._lingering.append(segment)
+            # A write of a piece may still be queued: it reads the segment, which must stay mapped until then.
+            self.landing.after_writes(functools.partial(_try_close, segment))
 
     def close(self) -> None:
         for entry in list(self._entries.values()):
             self._drop(entry)
-        self._close_lingering()
 
     # ---- internals ----------------------------------------------------------------
 
@@ -213,9 +214,11 @@ class PushInbox:
             layout = layout_from_proto(header.layout)
             if header.num_blocks < 1:
                 raise ValueError(f"header.num_blocks must be at least 1, got {header.num_blocks}")
+            if header.first_block >= header.num_blocks:
+                raise ValueError(f"header.first_block {header.first_block} must be below num_blocks {header.num_blocks}")
         except ValueError as error:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
-        size = header.num_blocks * layout.bytes_per_block
+        size = (header.num_blocks - header.first_block) * layout.bytes_per_block
         previous = self._entries.get(header.request_id)
         if previous is not None:
             # A retried prefill pushes again: the newer push replaces the older.
@@ -226,12 +229,15 @@ class PushInbox:
                 f"pushed KV would hold {self.num_bytes + size} bytes here, over the limit of {self.max_bytes}; "
                 "pull it instead",
             )
-        segment = _attach(header.shm_segment, size) if header.transport == "shm" else None
+        # The sender's segment holds the whole tensor, the unpushed blocks' room left unwritten.
+        segment_size = header.num_blocks * layout.bytes_per_block
+        segment = _attach(header.shm_segment, segment_size) if header.transport == "shm" else None
         try:
-            reservation = await self.landing.reserve(layout, 0, header.num_blocks)
+            reservation = await self.landing.reserve(layout, header.first_block, header.num_blocks)
             if reservation is None:
                 raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"no {header.num_blocks} free KV blocks here for the push; pull it instead")
+                                   f"no {header.num_blocks - header.first_block} free KV blocks here for the push; "
+                                   "pull it instead")
         except BaseException as error:
             if segment is not None:
                 segment.close()
@@ -240,10 +246,12 @@ class PushInbox:
             raise
         shm_blocks = None
         if segment is not None:
-            shm_blocks = torch.frombuffer(segment.buf, dtype=torch.uint8, count=size)
+            shm_blocks = torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment_size)
             shm_blocks = shm_blocks.view(layout.torch_dtype).view(layout.tensor_shape(header.num_blocks))
         received = torch.zeros(layout.num_layers, header.num_blocks, dtype=torch.bool)
-        entry = PushedKV(header.request_id, layout, header.num_blocks, reservation, received, segment, shm_blocks)
+        received[:, : header.first_block] = True  # not pushed: cached here
+        entry = PushedKV(header.request_id, layout, header.num_blocks, header.first_block, reservation, received,
+                         segment, shm_blocks)
         previous = self._entries.get(header.request_id)
         if previous is not None:
             # Another push of the same request was opened while this one reserved: the newer replaces the older.
@@ -251,9 +259,6 @@ class PushInbox:
         self._entries[entry.request_id] = entry
         self.num_bytes += size
         return entry
-
-    def _close_lingering(self) -> None:
-        self._lingering = [segment for segment in self._lingering if not _try_close(segment)]
 
     def _expire(self, entry: PushedKV) -> None:
         if self._entries.get(entry.request_id) is entry:
@@ -276,6 +281,7 @@ class PushInbox:
 
 
 def _try_close(segment: SharedMemory) -> bool:
+    """Unmap ``segment``; False when a view of it is still exported (it is unmapped when collected)."""
     try:
         segment.close()
     except BufferError:
@@ -307,6 +313,7 @@ def _write(entry: PushedKV, piece: worker_pb2.KVPushPiece, landing: PushLanding)
     if (
         piece.layer >= layout.num_layers
         or piece.num_blocks < 1
+        or piece.first_block < entry.first_block
         or end_block > entry.num_blocks
         or piece.total_bytes != expected_total
         or piece.offset + len(piece.data) > piece.total_bytes

@@ -60,6 +60,7 @@ class _Push:
     closed: bool = False  # no more writes: the segment is (being) unmapped
     opened: bool = False  # the stream is opened with the first piece, not while the request queues
     queued_bytes: int = 0
+    first_block: int = 0  # the blocks before it are not pushed (the decode worker caches them)
 
 
 class KVPusher:
@@ -88,15 +89,19 @@ class KVPusher:
 
     # ---- event loop ---------------------------------------------------------------
 
-    def start(self, request_id: str, address: str, transport: str, layout: KVLayout, num_blocks: int) -> None:
-        """Open a push of ``num_blocks`` blocks of ``request_id`` to ``address``; before the engine has the request.
+    def start(
+        self, request_id: str, address: str, transport: str, layout: KVLayout, num_blocks: int, first_block: int = 0
+    ) -> None:
+        """Open a push of blocks ``first_block``..``num_blocks`` of ``request_id`` to ``address``; before the
+        engine has the request (whose hold must say the same ``push_first_block``).
 
         ``ValueError`` for a transport that is not pushed; a failure to set the
         push up (no room in /dev/shm) is logged and leaves the request to a pull.
         """
         if transport not in PUSH_TRANSPORTS:
             raise ValueError(f"KV push supports {', '.join(PUSH_TRANSPORTS)}, not {transport!r}")
-        push = _Push(request_id, address, transport, layout, num_blocks, asyncio.get_running_loop())
+        push = _Push(request_id, address, transport, layout, num_blocks, asyncio.get_running_loop(),
+                     first_block=first_block)
         try:
             if transport == "shm":
                 self._create_segment(push)
@@ -202,7 +207,7 @@ class KVPusher:
         except asyncio.CancelledError:
             call.cancel()
             raise
-        expected = push.num_blocks * push.layout.bytes_per_block
+        expected = (push.num_blocks - push.first_block) * push.layout.bytes_per_block
         if response.num_blocks != push.num_blocks or response.total_bytes != expected:
             log.warning("KV push of %s: the decode worker holds %d blocks (%d bytes), expected %d (%d)",
                         push.request_id, response.num_blocks, response.total_bytes, push.num_blocks, expected)
@@ -215,6 +220,7 @@ class KVPusher:
         header = worker_pb2.KVPushHeader(
             request_id=push.request_id, layout=layout_to_proto(push.layout), num_blocks=push.num_blocks,
             transport=push.transport, shm_segment=push.segment.name if push.segment is not None else "",
+            first_block=push.first_block,
         )
         yield worker_pb2.KVPushMessage(header=header)
         step = self.config.chunk_bytes

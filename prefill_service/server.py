@@ -65,6 +65,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             request.push_address and transport in PUSH_TRANSPORTS and params.max_tokens > 1 and prompt
             and request.push_address != self.runtime.address and self.runtime.engine.tensor_parallel_size == 1
         )
+        layout = self.runtime.engine.kv_layout
+        num_blocks = -(-len(prompt) // layout.block_size)
+        # The blocks the decode worker caches are not pushed; never the last (it holds the last prompt token).
+        first_block = min(request.push_cached_tokens // layout.block_size, max(num_blocks - 1, 0)) if push else 0
         hold = KVHoldParams(
             transport=transport,
             address=self.runtime.address,
@@ -72,6 +76,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             epoch=self.runtime.epoch,
             lease_s=self.lease_s,
             push=push,
+            push_first_block=first_block,
         )
         final = None
         # The first token only, checked against the client's max_tokens; cancelling
@@ -79,9 +84,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             with self.runtime.admit(len(prompt)):
                 if push:
-                    layout = self.runtime.engine.kv_layout
-                    num_blocks = -(-len(prompt) // layout.block_size)
-                    self.pusher.start(request.request_id, request.push_address, transport, layout, num_blocks)
+                    self.pusher.start(request.request_id, request.push_address, transport, layout, num_blocks,
+                                      first_block)
                 async for output in self.engine.generate(
                     prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params
                 ):

@@ -146,6 +146,38 @@ async def test_pushed_kv_is_written_into_blocks_reserved_while_the_prefill_runs_
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+async def test_blocks_the_decode_worker_caches_are_not_pushed(
+    transport: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(
+        llama_checkpoint, ClusterOptions(num_kv_blocks=128, redis=True, kv_transport=transport)
+    )
+    assert cluster.gateway is not None
+    router = cluster.gateway.servicer.router
+    (decode_handle,) = router.pool.healthy("decode")
+    block_size = cluster.decode.runtime.engine.block_size
+    layout = cluster.decode.runtime.engine.kv_layout
+    first, second = random_prompts([100, 60], seed=137)
+    second = first[:96] + second  # shares the first 6 blocks of 16 tokens
+    oracle = Oracle(llama_checkpoint)
+    assert _tokens(await cluster.generate(_request(first))) == oracle.generate(first, MAX_TOKENS)
+    # The decode worker cached the first prompt's 6 full blocks, and the index says so.
+    await wait_until(lambda: router.decode_cached_tokens(decode_handle, second), "the decode worker's blocks indexed",
+                     until=lambda cached: cached == 96)
+    bytes_before = cluster.decode.servicer.kv_bytes_received
+    assert _tokens(await cluster.generate(_request(second))) == oracle.generate(second, MAX_TOKENS)
+    # Of the second prompt's 10 blocks, only the 4 past the cached prefix travelled.
+    num_blocks = -(-len(second) // block_size)
+    assert num_blocks == 10
+    assert cluster.decode.servicer.kv_bytes_received - bytes_before == 4 * layout.bytes_per_block
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (2, 2, 0)
+    assert cluster.prefill.servicer.pusher.num_pushed == 2
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
 async def test_client_cancel_during_the_push_frees_everything_on_both_sides(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:

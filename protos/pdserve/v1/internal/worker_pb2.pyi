@@ -54,18 +54,20 @@ class KVHandoff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., draft_model_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport", "push_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport", "push_address", "push_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PUSH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     transport: str
     push_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., push_address: _Optional[str] = ...) -> None: ...
+    push_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., push_address: _Optional[str] = ..., push_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "text", "logprobs", "finish_reason", "cached_prompt_tokens", "handoff", "prompt_logprobs", "kv_pushed")
@@ -170,18 +172,20 @@ class KVPushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., piece: _Optional[_Union[KVPushPiece, _Mapping]] = ...) -> None: ...
 
 class KVPushHeader(_message.Message):
-    __slots__ = ("request_id", "layout", "num_blocks", "transport", "shm_segment")
+    __slots__ = ("request_id", "layout", "num_blocks", "transport", "shm_segment", "first_block")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: KVLayout
     num_blocks: int
     transport: str
     shm_segment: str
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., shm_segment: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., shm_segment: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class KVPushPiece(_message.Message):
     __slots__ = ("layer", "first_block", "num_blocks", "offset", "total_bytes", "data")
