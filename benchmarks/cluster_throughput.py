@@ -1,6 +1,7 @@
 """The disaggregated cluster against the in-process engine, on the offline benchmark's workload.
 
-    python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc] [--json out.json]
+    python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc]
+                                            [--probes 4] [--probe-len 1000] [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
@@ -10,6 +11,14 @@ time from first to second token, and the decode worker's own time to have the
 KV (``--kv-push``, the default: taking what the prefill worker pushed while it
 ran; ``--no-kv-push``: fetching it after the first token). Greedy, float32, EOS ignored; the cluster's tokens are compared
 with the in-process ones.
+
+The handoff under this load (issue 13): a workload like it (other prompts, so
+nothing is cached) is then sent, and ``--probes`` requests of ``--probe-len`` random tokens go in while it runs,
+one every ``--probe-interval-s``. For them: the first-to-second token gap, the
+ITL (mean gap between later tokens), their ratio, and the handoff's cost as the
+client sees it (gap - ITL: what the second token waits for beyond a decode
+step), next to what the transport alone takes to move the same bytes between
+two idle processes (``benchmarks.kv_transfer``, measured before any worker starts).
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
 
 import grpc
 
+from benchmarks import kv_transfer
 from benchmarks.pdserve_runner import PdserveSettings, run_pdserve
 from benchmarks.workload import make_warmup_workload, make_workload
 from pdserve.launcher import ClusterConfig, LocalCluster
@@ -57,6 +68,39 @@ async def _drive(endpoint: str, prompts: list[list[int]], output_len: int) -> tu
         return results, time.perf_counter() - started
 
 
+async def _probe(stub: generation_pb2_grpc.GenerationStub, prompt: list[int], output_len: int,
+                 delay_s: float) -> dict[str, float]:
+    await asyncio.sleep(delay_s)
+    params = generation_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    stamps: list[float] = []  # one per token: when the response carrying it arrived
+    async for response in stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params),
+                                        timeout=600):
+        stamps.extend([time.perf_counter()] * len(response.token_ids))
+    gap = stamps[1] - stamps[0]
+    # Later tokens may arrive several to a response: the mean over the stream, not per pair.
+    itl = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
+    return {"gap": gap, "itl": itl, "ratio": gap / itl, "handoff": gap - itl}
+
+
+async def _drive_with_probes(endpoint: str, prompts: list[list[int]], output_len: int, probes: list[list[int]],
+                             probe_interval_s: float) -> list[dict[str, float]]:
+    """The workload again, all at once, and the probes sent into it one by one; the probes' timings."""
+    async with grpc.aio.insecure_channel(endpoint, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        load = asyncio.gather(*(_one(stub, p, output_len) for p in prompts))
+        timed = asyncio.gather(*(_probe(stub, probe, output_len, probe_interval_s * (i + 1))
+                                 for i, probe in enumerate(probes)))
+        _, probe_results = await asyncio.gather(load, timed)
+        return probe_results
+
+
+def _transport_unloaded(transport: str, tokens: int) -> dict[str, float]:
+    """What ``transport`` alone takes to move the KV of ``tokens`` tokens of the default model, two idle processes."""
+    args = argparse.Namespace(tokens=tokens, layers=30, kv_heads=3, head_dim=64, block_size=16, repeats=5,
+                              transports=[transport])
+    return asyncio.run(kv_transfer.measure(args))[transport]
+
+
 async def _decode_report(address: str) -> worker_pb2.LoadReport:
     async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
         return await worker_pb2_grpc.DecodeWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
@@ -73,6 +117,10 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--kv-push", action=argparse.BooleanOptionalAction, default=True,
                         help="the gateway's --kv-push: KV pushed while the prefill runs (default), else pulled")
+    parser.add_argument("--probes", type=int, default=4,
+                        help="requests of --probe-len tokens sent into a second run of the workload (0: none)")
+    parser.add_argument("--probe-len", type=int, default=1000)
+    parser.add_argument("--probe-interval-s", type=float, default=1.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -81,6 +129,10 @@ def main() -> None:
     settings = PdserveSettings(None, 16, args.num_kv_blocks, 256, 2048, True)
     local = run_pdserve(settings, workload, warmup)
     local_tps = local.num_output_tokens / local.wall_s
+    rng = random.Random(args.seed + 1)
+    probes = [[rng.randrange(VOCAB_SIZE) for _ in range(args.probe_len)] for _ in range(args.probes)]
+    # Before any worker starts: the transport on an idle machine, for the probes' bytes.
+    unloaded = _transport_unloaded(args.transport, args.probe_len) if probes else None
 
     config = ClusterConfig(
         dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
@@ -92,6 +144,11 @@ def main() -> None:
         before = asyncio.run(_decode_report(cluster.decode_addresses[0]))
         results, wall = asyncio.run(_drive(cluster.endpoint, workload.prompt_lists(), workload.output_len))
         after = asyncio.run(_decode_report(cluster.decode_addresses[0]))
+        # A workload like the first, of other prompts: nothing of it is cached yet.
+        second = make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, VOCAB_SIZE, args.seed + 2)
+        probe_results = asyncio.run(_drive_with_probes(
+            cluster.endpoint, second.prompt_lists(), second.output_len, probes, args.probe_interval_s
+        )) if probes else []
     output_tokens = sum(len(r["tokens"]) for r in results)
     cluster_tps = output_tokens / wall
     ttft = [r["ttft"] for r in results]
@@ -118,6 +175,18 @@ def main() -> None:
         "cluster_over_in_process": cluster_tps / local_tps,
         "identical_outputs": f"{same}/{len(results)}",
     }
+    if probe_results:
+        assert unloaded is not None
+        summary["handoff_under_load"] = {
+            "probes": len(probe_results),
+            "prompt_tokens": args.probe_len,
+            "gap_p50_ms": statistics.median(r["gap"] for r in probe_results) * 1000,
+            "itl_p50_ms": statistics.median(r["itl"] for r in probe_results) * 1000,
+            "gap_over_itl_p50": statistics.median(r["ratio"] for r in probe_results),
+            "handoff_p50_ms": statistics.median(r["handoff"] for r in probe_results) * 1000,
+            "transport_unloaded_ms": unloaded["seconds"] * 1000,
+            "transport_unloaded_mib": unloaded["bytes"] / 2**20,
+        }
     c = summary["cluster"]
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
     print(f"cluster 1P+1D ({args.transport}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
@@ -126,6 +195,13 @@ def main() -> None:
           f"{c['first_to_second_token_p50_ms']:.0f} ms; KV transfer {c['kv_transfer_mean_ms']:.1f} ms per request "
           f"({c['kv_transfer_mean_mib']:.1f} MiB, {transfers} transfers, {c['kv_pushes']} of them pushed)")
     print(f"outputs identical to in-process: {summary['identical_outputs']}")
+    if probe_results:
+        h = summary["handoff_under_load"]
+        print(f"under that load, {h['probes']} probes of {args.probe_len} tokens: gap p50 {h['gap_p50_ms']:.0f} ms, "
+              f"ITL p50 {h['itl_p50_ms']:.0f} ms, gap/ITL p50 {h['gap_over_itl_p50']:.2f}x; handoff (gap - ITL) p50 "
+              f"{h['handoff_p50_ms']:.0f} ms vs the {args.transport} transport unloaded "
+              f"{h['transport_unloaded_ms']:.0f} ms for the same {h['transport_unloaded_mib']:.1f} MiB "
+              f"({h['handoff_p50_ms'] / h['transport_unloaded_ms']:.2f}x)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(summary, out, indent=2)
