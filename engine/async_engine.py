@@ -274,6 +274,18 @@ class AsyncEngine:
             loop, stream = entry
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, in one wake-up of each event loop they go to: not one per request, as each
+        ``call_soon_threadsafe`` writes the loop's self-pipe and a full batch would make that a write per sequence."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_StreamItem], RequestOutput]]] = {}
+        for output in outputs:
+            entry = self._streams.get(output.request_id)
+            if entry is not None:
+                loop, stream = entry
+                by_loop.setdefault(loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _next_commands(self, wait_s: float) -> list[Callable[[], None]]:
         """Every queued command, waiting up to ``wait_s`` for the first one."""
         commands = []
@@ -301,8 +313,7 @@ class AsyncEngine:
                     outputs = engine.step()
                     # Before the outputs reach anyone: a Load right after one must see this step.
                     self.latest_stats = engine.stats()
-                    for output in outputs:
-                        self._deliver(output.request_id, output)
+                    self._deliver_step(outputs)
                     self._deliver_kv_slots()
                     if self._on_block_events is not None:
                         events = engine.drain_block_events()
@@ -314,6 +325,11 @@ class AsyncEngine:
             self.error = error
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine stopped: {error!r}"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue[_StreamItem], RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put_nowait(output)
 
 
 def _set_result(future: asyncio.Future[T], result: T) -> None:
