@@ -113,3 +113,24 @@ def test_a_preempted_request_pushes_its_recomputed_blocks_again(llama_checkpoint
     engine.leases.release(pushed_id)
     _run(engine)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_blocks_before_push_first_block_are_never_pushed_and_the_last_block_always_is(llama_checkpoint: Path) -> None:
+    engine = _engine(llama_checkpoint, max_num_batched_tokens=40)
+    sink = RecordingSink()
+    engine.kv_pusher.sink = sink
+    # 100 tokens: blocks 0-6, the last partial. The receiver caches blocks 0-2; a second
+    # request claims more than the prompt has: its last block still goes.
+    skip3, skip_all = random_prompts([100, 100], seed=93)
+    skip3_id = engine.add_request(skip3, SamplingParams(max_tokens=1),
+                                  hold_kv=dataclasses.replace(PUSH, push_first_block=3))
+    skip_all_id = engine.add_request(skip_all, SamplingParams(max_tokens=1),
+                                     hold_kv=dataclasses.replace(PUSH, push_first_block=50))
+    _run(engine)
+    for request_id, first in ((skip3_id, 3), (skip_all_id, 6)):
+        held = engine.leases.export(request_id, 0)
+        pushed = sink.assemble(request_id, held)
+        assert torch.equal(pushed[:, :, first:], held[:, :, first:])
+        assert bool(pushed[:, :, :first].isnan().all())
+        assert min(block for _, block, _ in sink.pieces[request_id]) == first
+        assert sink.ends[request_id] is True
