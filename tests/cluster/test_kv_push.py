@@ -178,6 +178,28 @@ async def test_blocks_the_decode_worker_caches_are_not_pushed(
 
 
 @pytest.mark.asyncio
+async def test_a_decode_worker_without_free_blocks_for_a_push_refuses_it_and_the_kv_is_pulled(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint)
+    decode_engine = cluster.decode.runtime.engine
+    asked: list[int] = []
+
+    def no_room(layout, first_block, end_block):  # noqa: ANN001, ANN202 - the engine's, with a full pool
+        asked.append(end_block - first_block)
+        return None
+
+    decode_engine.reserve_kv_blocks = no_room
+    prompt = random_prompts([70], seed=138)[0]
+    assert _tokens(await cluster.generate(_request(prompt))) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    assert asked == [5]  # 70 tokens: 5 blocks of 16
+    assert cluster.prefill.servicer.pusher.num_failed == 1 and cluster.prefill.servicer.pusher.num_pushed == 0
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
 async def test_client_cancel_during_the_push_frees_everything_on_both_sides(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
