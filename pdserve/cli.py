@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="admission limit: prompt tokens in flight before new requests get RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     gateway.add_argument("--http-port", type=int, default=None,
-                         help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off)")
+                         help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off); "
+                              "HTTPS with --tls-cert/--tls-key (and client certificates with --tls-client-ca) when given")
     gateway.add_argument("--max-n", type=int, default=16,
                          help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
     gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
