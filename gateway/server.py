@@ -379,6 +379,7 @@ class GatewayServer:
         http_max_n: int = DEFAULT_MAX_N,  # the most choices (n) one HTTP request may ask for
         http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         disaggregation: str = "auto",  # always | never | auto: where prompts are prefilled (gateway/disaggregation.py)
+        max_tpot_increase: float = 0.1,  # auto: local prefills' stall budget on a decode worker's streams
         kv_push: bool = True,  # push KV to the decode worker while the prefill runs (grpc, shm); False: pull
     ) -> None:
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
@@ -399,7 +400,7 @@ class GatewayServer:
             transport,
             RequestLimits(max_logprobs=max_logprobs),
             Admission(max_inflight_requests, max_inflight_tokens),
-            disaggregation=DisaggregationPolicy(disaggregation),
+            disaggregation=DisaggregationPolicy(disaggregation, max_tpot_increase=max_tpot_increase),
             kv_push=kv_push,
         )
         self.metrics_endpoint = (
