@@ -126,3 +126,26 @@ def test_prompt_logprobs_under_tensor_parallelism_equal_one_rank(odd_vocab: Path
         torch.tensor([entry.logprob for entry in two]), torch.tensor([entry.logprob for entry in one]),
         rtol=1e-5, atol=1e-5,
     )
+
+
+def test_a_steps_logits_rows_cross_the_step_codec_after_its_block_tables() -> None:
+    from engine.attention.backend import AttentionBatch
+    from engine.parallel.step_codec import StepInputs, decode_step, encode_step
+
+    cpu = torch.device("cpu")
+    batch = AttentionBatch(
+        num_decodes=1, query_lens=[1, 3], context_lens=[6, 3], block_tables=[[4, 9], [2]],
+        slot_mapping=torch.tensor([37, 8, 9, 10]), block_size=4, device=cpu, num_heads=6, num_kv_heads=6,
+    )
+    for rows in (torch.tensor([0, 3]), None):
+        inputs = StepInputs(torch.tensor([11, 12, 13, 14]), torch.tensor([5, 0, 1, 2]), batch, rows)
+        header, payload = encode_step(inputs)
+        decoded = decode_step(header, payload, 4, 3, 3, cpu)
+        assert header[6].item() == (0 if rows is None else 2)
+        if rows is None:
+            assert decoded.logits_rows is None
+        else:
+            assert decoded.logits_rows.tolist() == [0, 3]
+        assert decoded.input_ids.tolist() == [11, 12, 13, 14] and decoded.positions.tolist() == [5, 0, 1, 2]
+        assert decoded.batch.block_tables == [[4, 9], [2]] and decoded.batch.context_lens == [6, 3]
+        assert decoded.batch.slot_mapping.tolist() == [37, 8, 9, 10] and decoded.batch.num_heads == 3
