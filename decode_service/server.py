@@ -19,7 +19,7 @@ from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
 from kv_transfer.push_inbox import PushedKV, PushInbox
-from kv_transfer.sharded import FETCHER
+from kv_transfer.sharded import FETCHER, RankFetchOptions
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
@@ -249,8 +249,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_transfers += 1
         self.runtime.metrics.kv_received(handoff.transport, num_bytes, seconds)
         if heads is not None:
-            # Counted above: rank 0's part only; the other ranks' parts move when the KV lands.
-            return KVFetch(handoff, blocks, FETCHER, self.transfer)
+            # Counted above: rank 0's part only; the other ranks' parts move when the KV lands,
+            # over channels opened as this worker's (TLS when it has TLS).
+            return KVFetch(handoff, blocks, FETCHER, RankFetchOptions(self.transfer, self.client_tls))
         return blocks
 
     def _receiver(self, transport: str) -> KVReceiver:
