@@ -1,22 +1,30 @@
-"""Tensor parallelism on this machine: step times at TP 1 and 2, what the all-reduce costs, bytes per handoff.
+"""Tensor parallelism on this machine: step times at TP 1 and 2 (vocabulary-split against replicated LM head),
+what the collectives cost, the split head against rank 0 alone by row count, bytes per handoff.
 
     OMP_NUM_THREADS=1 python -m benchmarks.tensor_parallel [--layers 30] [--repeats 5] [--json out.json]
 
 1. Step times: a random-weight model of SmolLM2-135M's size but 8 query / 4 KV heads
-   (576 hidden, 1536 intermediate, ``--layers`` layers, 49152 vocab; SmolLM2's own
+   (576 hidden, 1536 intermediate, ``--layers`` layers, 49152 vocab, tied; SmolLM2's own
    9 heads do not split over 2 ranks) in float32, one engine per TP size, side by
-   side in one run: a 256-token prefill step, and decode steps at batch 1 and 8
-   (contexts of ~64 tokens). Min and median over ``--repeats`` rounds.
+   side in one run: a 256-token prefill step, and decode steps at batch 1, 8 and 32
+   (contexts of ~64 tokens). TP 2 on one engine in two modes, alternating step by
+   step: the LM head split by vocabulary (forced for every step) and rank 0
+   computing the logits alone (the replicated head's path; the engine's default
+   above ``SPLIT_LM_HEAD_MAX_ROWS`` sampled rows).
+   Min and median over ``--repeats`` rounds.
 2. The collectives alone, between two gloo ranks on loopback: one all-reduce of
-   (rows, hidden) float32 (a step does 2 per layer), the step-input broadcast, and
-   the all-gather a vocabulary-split LM head would add, against the LM head
-   matmul it would halve.
-3. Bytes per handoff for each prefill-TP -> decode-TP pair (from the sharding code,
+   (rows, hidden) float32 (a step does 2 per layer) and the step-input broadcast.
+3. The LM head alone, by row count, between the same two ranks with the engine's
+   code (engine/parallel/vocab_head.py): split (each rank its half, rank 0 receives
+   the other half's logits) against rank 0 alone over the whole vocabulary. Where
+   the split stops paying is ``SPLIT_LM_HEAD_MAX_ROWS``.
+4. Bytes per handoff for each prefill-TP -> decode-TP pair (from the sharding code,
    engine/parallel/sharding.py + kv_shards.py): what each decode rank receives
    (exactly its heads), and what the prefill ranks send their rank 0 first.
 
-On 2 cores, TP 2 cannot be faster: both ranks share the cores the one rank had,
-and every step adds 2 x layers all-reduces. The figures say what that costs.
+On 2 cores, TP 2 cannot be faster than TP 1 on both cores: both ranks share the
+cores the one rank had, and every step adds 2 x layers all-reduces. The figures
+say what that costs.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS = 576, 1536, 49152, 8, 4
+DECODE_BATCHES = (1, 8, 32)
+ALWAYS_SPLIT = 1 << 30  # a split head row limit no step reaches
 
 
 def _build_checkpoint(directory: Path, layers: int) -> Path:
@@ -51,9 +61,10 @@ def _build_checkpoint(directory: Path, layers: int) -> Path:
     return directory
 
 
-def _step_times(path: Path, tp_sizes: list[int], repeats: int) -> dict[str, dict[str, float]]:
+def _step_times(path: Path, repeats: int) -> dict[str, dict[str, float]]:
     from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
+    from engine.parallel import vocab_head
     from engine.sampling_params import SamplingParams
 
     engines = {
@@ -63,32 +74,42 @@ def _step_times(path: Path, tp_sizes: list[int], repeats: int) -> dict[str, dict
             scheduler=SchedulerConfig(max_num_batched_tokens=256),
             parallel=ParallelConfig(tensor_parallel_size=tp),
         ))
-        for tp in tp_sizes
+        for tp in (1, 2)
     }
+    split_rows = vocab_head.SPLIT_LM_HEAD_MAX_ROWS
+    # Per engine, the LM head modes measured step by step in turn, as the split head's row limit:
+    # every step split, whatever the default limit, or none (rank 0 alone, as the replicated head).
+    modes = {1: [("tp1", split_rows)], 2: [("tp2 split head", ALWAYS_SPLIT), ("tp2 replicated head", 0)]}
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     samples: dict[str, list[float]] = {}
     try:
         for _ in range(repeats):
             for tp, engine in engines.items():
-                # prefill: one 256-token step
-                request = engine.add_request(list(range(3, 259)), SamplingParams(max_tokens=1, temperature=0.0))
-                start = time.perf_counter()
-                engine.step()
-                samples.setdefault(f"tp{tp} prefill 256", []).append(time.perf_counter() - start)
-                engine.abort_request(request)
-                for batch in (1, 8):
+                for label, max_rows in modes[tp]:
+                    vocab_head.SPLIT_LM_HEAD_MAX_ROWS = max_rows
+                    # prefill: one 256-token step
+                    request = engine.add_request(list(range(3, 259)), SamplingParams(max_tokens=1, temperature=0.0))
+                    start = time.perf_counter()
+                    engine.step()
+                    samples.setdefault(f"{label} prefill 256", []).append(time.perf_counter() - start)
+                    engine.abort_request(request)
+                for batch in DECODE_BATCHES:
                     ids = [engine.add_request(list(range(10 + i, 70 + i)), params) for i in range(batch)]
                     while engine.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in _seqs(engine, ids)):
                         engine.step()
-                    times = []
+                    times: dict[str, list[float]] = {}
                     for _ in range(5):
-                        start = time.perf_counter()
-                        engine.step()
-                        times.append(time.perf_counter() - start)
-                    samples.setdefault(f"tp{tp} decode b{batch}", []).append(statistics.median(times))
+                        for label, max_rows in modes[tp]:  # in turn, step by step: the same load for each
+                            vocab_head.SPLIT_LM_HEAD_MAX_ROWS = max_rows
+                            start = time.perf_counter()
+                            engine.step()
+                            times.setdefault(label, []).append(time.perf_counter() - start)
+                    for label, values in times.items():
+                        samples.setdefault(f"{label} decode b{batch}", []).append(statistics.median(values))
                     for request_id in ids:
                         engine.abort_request(request_id)
     finally:
+        vocab_head.SPLIT_LM_HEAD_MAX_ROWS = split_rows
         for engine in engines.values():
             engine.shutdown()
     return {name: {"min_ms": 1e3 * min(v), "median_ms": 1e3 * statistics.median(v)} for name, v in samples.items()}
@@ -98,7 +119,16 @@ def _seqs(engine, ids):  # noqa: ANN001, ANN202
     return [engine._requests[i] for i in ids]
 
 
-def _collective_rank(rank: int, port: int, rows_list: list[int], iterations: int, out: dict) -> None:  # noqa: ANN001
+def _collective_rank(rank: int, port: int, rows_list: list[int], head_rows: list[int], iterations: int,
+                     head_iterations: int, out: dict) -> None:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    from engine.layers.linear import PackedLinear
+    from engine.parallel.group import TensorParallelGroup
+    from engine.parallel.vocab_head import (
+        VocabSplitHead, linear_over, gather_split_logits, send_split_logits, vocab_range,
+    )
+
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     options = dist.ProcessGroupGloo._Options()
@@ -107,21 +137,13 @@ def _collective_rank(rank: int, port: int, rows_list: list[int], iterations: int
     group = dist.ProcessGroupGloo(store, rank, 2, options)
     results = {}
     for rows in rows_list:
-        for name, shape, op in (
-            ("all_reduce", (rows, HIDDEN), "allreduce"),
-            ("all_gather_vocab_half", (rows, VOCAB // 2), "allgather"),
-        ):
-            tensor = torch.randn(shape)
-            outputs = [torch.empty(shape) for _ in range(2)]
-            times = []
-            for _ in range(iterations):
-                start = time.perf_counter()
-                if op == "allreduce":
-                    group.allreduce([tensor]).wait()
-                else:
-                    group.allgather([outputs], [tensor]).wait()
-                times.append(time.perf_counter() - start)
-            results[f"{name} rows={rows}"] = 1e3 * statistics.median(times)
+        tensor = torch.randn((rows, HIDDEN))
+        times = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            group.allreduce([tensor]).wait()
+            times.append(time.perf_counter() - start)
+        results[f"all_reduce rows={rows}"] = 1e3 * statistics.median(times)
         header = torch.zeros(8, dtype=torch.long)
         payload = torch.zeros(3 * rows + 64, dtype=torch.long)
         times = []
@@ -131,11 +153,39 @@ def _collective_rank(rank: int, port: int, rows_list: list[int], iterations: int
             group.broadcast([payload], dist.BroadcastOptions()).wait()
             times.append(time.perf_counter() - start)
         results[f"step broadcast rows={rows}"] = 1e3 * statistics.median(times)
+    # The LM head: the engine's split (each rank its half, rank 0 receives the other's logits)
+    # against rank 0 alone over the whole vocabulary (what the replicated head does).
+    tp_group = TensorParallelGroup(dist.PrefixStore("head/", store), rank, 2, "gloo", 60.0, torch.device("cpu"))
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB, HIDDEN) * 0.02  # (vocab, hidden), the same on both ranks
+    own = vocab_range(VOCAB, 2, rank)
+    own_head = PackedLinear([linear_over(weight[own.start : own.stop])])
+    head = VocabSplitHead(own_head, PackedLinear([linear_over(weight[own.stop :])])) if rank == 0 else None
+    follower = SimpleNamespace(compute_logits=own_head)
+    for rows in head_rows:
+        x = torch.randn(rows, HIDDEN)
+        split, alone = [], []
+        for _ in range(head_iterations + 1):  # the first round warms up (not counted)
+            tp_group.broadcast(torch.zeros(1, dtype=torch.long))  # both ranks start together
+            start = time.perf_counter()
+            if rank == 0:
+                gather_split_logits(head, x, tp_group, torch.device("cpu"))
+            else:
+                send_split_logits(follower, x, tp_group, torch.device("cpu"))
+            split.append(time.perf_counter() - start)
+            tp_group.broadcast(torch.zeros(1, dtype=torch.long))
+            if rank == 0:
+                start = time.perf_counter()
+                head(x)
+                alone.append(time.perf_counter() - start)
+        if rank == 0:
+            results[f"lm_head split rows={rows}"] = 1e3 * statistics.median(split[1:])
+            results[f"lm_head rank 0 alone rows={rows}"] = 1e3 * statistics.median(alone[1:])
     if rank == 0:
         out.update(results)
 
 
-def _collectives(rows_list: list[int], iterations: int) -> dict[str, float]:
+def _collectives(rows_list: list[int], head_rows: list[int], iterations: int, head_iterations: int) -> dict[str, float]:
     import socket
 
     with socket.socket() as probe:
@@ -144,23 +194,16 @@ def _collectives(rows_list: list[int], iterations: int) -> dict[str, float]:
     manager = mp.get_context("spawn").Manager()
     out = manager.dict()
     context = mp.get_context("spawn")
-    processes = [context.Process(target=_collective_rank, args=(r, port, rows_list, iterations, out)) for r in (0, 1)]
+    processes = [
+        context.Process(target=_collective_rank, args=(r, port, rows_list, head_rows, iterations, head_iterations, out))
+        for r in (0, 1)
+    ]
     for p in processes:
         p.start()
     for p in processes:
-        p.join(timeout=600)
+        p.join(timeout=1800)
     result = dict(out)
     manager.shutdown()
-    head = torch.randn(VOCAB, HIDDEN)
-    for rows in rows_list:
-        x = torch.randn(rows, HIDDEN)
-        for name, weight in (("lm_head full", head), ("lm_head half", head[: VOCAB // 2].contiguous())):
-            times = []
-            for _ in range(iterations):
-                start = time.perf_counter()
-                torch.nn.functional.linear(x, weight)
-                times.append(time.perf_counter() - start)
-            result[f"{name} rows={rows}"] = 1e3 * statistics.median(times)
     return result
 
 
@@ -189,13 +232,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--head-iterations", type=int, default=10, help="rounds of each LM head measurement")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     report: dict[str, object] = {"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}
     with tempfile.TemporaryDirectory() as tmp:
         path = _build_checkpoint(Path(tmp), args.layers)
-        report["steps"] = _step_times(path, [1, 2], args.repeats)
-    report["collectives_ms"] = _collectives([1, 8, 256], args.iterations)
+        report["steps"] = _step_times(path, args.repeats)
+    report["collectives_ms"] = _collectives([1, 8, 256], [1, 8, 32, 64, 128, 256], args.iterations,
+                                            args.head_iterations)
     # 30 layers, head_dim 64, float32, a 512-token prompt in 16-token blocks; 6 KV heads, then 2
     # (where decode ranks outnumber KV heads, each replica receives its head).
     report["handoff_bytes"] = handoff_bytes(30, 6, 64, 4, 512, 16, [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2), (1, 3)])

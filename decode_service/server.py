@@ -20,7 +20,7 @@ from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
 from kv_transfer.push_inbox import PushInbox
-from kv_transfer.sharded import FETCHER
+from kv_transfer.sharded import FETCHER, RankFetchOptions
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from service_common.errors import Unavailable, grpc_errors
@@ -231,8 +231,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub, heads)
         self._count_received(handoff.transport, blocks.numel() * blocks.element_size(), time.perf_counter() - started)
         if heads is not None:
-            # Counted above: rank 0's part only; the other ranks' parts move when the KV lands.
-            return KVFetch(handoff, blocks, FETCHER, self.transfer)
+            # Counted above: rank 0's part only; the other ranks' parts move when the KV lands,
+            # over channels opened as this worker's (TLS when it has TLS).
+            return KVFetch(handoff, blocks, FETCHER, RankFetchOptions(self.transfer, self.client_tls))
         return blocks
 
     def _count_received(self, transport: str, num_bytes: int, seconds: float) -> None:

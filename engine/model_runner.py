@@ -13,6 +13,7 @@ from engine.logits_processors import TokenHistory
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprobs
 from engine.parallel.step_codec import StepInputs
+from engine.parallel.vocab_head import uses_split_head
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
@@ -69,21 +70,27 @@ class ModelRunner:
         # Decodes first: the attention backend batches them in one call.
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
         input_ids, positions, batch, sample_rows = self._prepare(items)
-        inputs = StepInputs(input_ids, positions, batch)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = None  # (num_sampled_rows, vocab)
         if self.parallel is None:
-            hidden = self.forward(inputs)
+            hidden = self.forward(StepInputs(input_ids, positions, batch))
         else:
-            # The whole step under the group's lock: its all-reduces must not interleave with
-            # a KV export's collectives (issued from a transfer thread).
+            # Few sampled rows: every rank computes its vocabulary part of their logits.
+            split = uses_split_head(len(sample_rows))
+            inputs = StepInputs(input_ids, positions, batch, rows if split else None)
+            # The whole step under the group's lock: its collectives must not interleave with
+            # a KV export's (issued from a transfer thread).
             with self.parallel.lock:
                 self.parallel.broadcast_step(inputs)
                 hidden = self.forward(inputs)
+                if split:
+                    logits = self.parallel.gather_logits(self.model, hidden.index_select(0, rows))
         prompt_logprobs = self._prompt_logprobs(items, hidden)
         sampling = [item for item in items if item.samples]
         if not sampling:
             return StepResult((), None, prompt_logprobs)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (num_sampled_rows, vocab)
+        if logits is None:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         # A sequence verifying a proposal has one row per position: each samples
         # exactly as plain decoding would once the proposed tokens before it are in.
         row_items = [item for item in sampling for _ in range(item.num_sampled_rows)]

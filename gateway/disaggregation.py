@@ -12,7 +12,11 @@ moves with the hardware, the model and the load instead of being a constant:
   no later than a prefill worker plus the handoff would (the decode worker's
   own prefix-cache hit and both sides' queues are in these estimates), and
   the stall it causes adds at most ``max_tpot_increase`` (a fraction) to the
-  time per output token of the streams running there;
+  time per output token of the streams running there. A stream is stalled by
+  every local prefill during its life, not by one: the stall counted is this
+  prefill's plus those of the local prefills sent to the same decode worker
+  within one stream's duration (``StallLedger``), so a stream of short local
+  prefills cannot add up past the budget one by one;
 - otherwise remote. ``always`` and ``never`` skip the comparison.
 
 vLLM and Dynamo prefill short or mostly-cached prompts on the decode worker
@@ -21,7 +25,10 @@ the same way (Dynamo with a fixed length and queue threshold).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 MODES = ("always", "never", "auto")
@@ -48,6 +55,9 @@ class RouteInputs:
     prefill_queued_tokens: int  # uncomputed prompt tokens already queued at that prefill worker
     decode_queued_tokens: int  # uncomputed prompt tokens already queued at the decode worker (its local prefills)
     decode_running: int  # streams running on the decode worker
+    # Stall seconds the local prefills already sent to that decode worker put on its streams within
+    # one stream's duration (``StallLedger``); ``DisaggregationPolicy.route`` fills it in.
+    recent_stall_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class RouteDecision:
     remote_s: float = 0.0  # first token from the prefill worker plus the handoff
     local_s: float = 0.0  # first token from the decode worker
     tpot_increase: float = 0.0  # what the local prefill would add to running streams' time per token, as a fraction
+    stall_s: float = 0.0  # how long the local prefill would hold up each stream running there (0: none runs)
 
     @property
     def local(self) -> bool:
@@ -98,6 +109,16 @@ class DisaggregationPolicy:
         self.mode = mode
         self.costs: CostModel = costs if costs is not None else MeasuredCosts()
         self.max_tpot_increase = max_tpot_increase
+        self.stalls = StallLedger()
+
+    def route(self, decode_worker: str, inputs: RouteInputs) -> RouteDecision:  # decode_worker: its address
+        """``decide`` (auto) for a prompt headed to ``decode_worker``, weighing the stalls already sent there."""
+        window_s = self._stream_s()
+        recent = self.stalls.recent_s(decode_worker, window_s)
+        decision = self.decide(replace(inputs, recent_stall_s=recent))
+        if decision.local and decision.stall_s > 0:
+            self.stalls.record(decode_worker, decision.stall_s)
+        return decision
 
     def decide(self, inputs: RouteInputs | None, *, has_prefill_worker: bool = True,
                prompt_logprobs: bool = False) -> RouteDecision:
@@ -122,9 +143,9 @@ class DisaggregationPolicy:
         remote_s = (costs.remote_first_token_s(inputs.prefill_queued_tokens + remote_uncached)
                     + costs.handoff_s(local_uncached))
         local_s = costs.local_first_token_s(inputs.decode_queued_tokens + local_uncached)
-        stream_s = costs.time_per_output_token_s() * max(1.0, costs.output_tokens())
-        increase = costs.decode_stall_s(local_uncached) / stream_s if inputs.decode_running else 0.0
-        decision = {"remote_s": remote_s, "local_s": local_s, "tpot_increase": increase}
+        stall = costs.decode_stall_s(local_uncached) if inputs.decode_running else 0.0
+        increase = (inputs.recent_stall_s + stall) / self._stream_s() if inputs.decode_running else 0.0
+        decision = {"remote_s": remote_s, "local_s": local_s, "tpot_increase": increase, "stall_s": stall}
         if local_s > remote_s:
             return RouteDecision(REMOTE, "cheaper", **decision)
         if increase > self.max_tpot_increase:
@@ -134,6 +155,38 @@ class DisaggregationPolicy:
         else:
             reason = "cheaper" if inputs.decode_running else "decode_idle"
         return RouteDecision(LOCAL, reason, **decision)
+
+    def _stream_s(self) -> float:
+        """How long a stream runs on a decode worker: the window over which stalls add up."""
+        return self.costs.time_per_output_token_s() * max(1.0, self.costs.output_tokens())
+
+
+class StallLedger:
+    """The stalls local prefills put on each decode worker's streams, by when they were routed.
+
+    Only the last window (one stream's duration) matters: a stream running now
+    started within it, so it absorbs at most the stalls recorded there.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._stalls: dict[str, deque[tuple[float, float]]] = {}  # worker -> (routed at, stall seconds), oldest first
+
+    def record(self, worker: str, stall_s: float) -> None:
+        self._stalls.setdefault(worker, deque()).append((self._clock(), stall_s))
+
+    def recent_s(self, worker: str, window_s: float) -> float:
+        """The stall seconds recorded for ``worker`` within the last ``window_s`` seconds (older ones are dropped)."""
+        stalls = self._stalls.get(worker)
+        if not stalls:
+            return 0.0
+        horizon = self._clock() - window_s
+        while stalls and stalls[0][0] < horizon:
+            stalls.popleft()
+        if not stalls:
+            del self._stalls[worker]  # a worker that left does not stay here
+            return 0.0
+        return sum(stall for _, stall in stalls)
 
 
 class LinearCost:

@@ -6,6 +6,7 @@ no second hop, and no client certificate needed when the gRPC port requires mTLS
 gRPC status codes become HTTP statuses in one place, ``_STATUS``. A request
 for n choices is n calls of the servicer (``_Choices``): choice 0 first, the
 others once it has answered, so they find its prompt in the prefix cache.
+The port speaks HTTPS when the gateway's gRPC port speaks TLS (same certificate).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -81,6 +83,7 @@ class OpenAIHttpApi:
         request_timeout_s: float | None = None,  # None: no deadline, as with a gRPC call without one
         max_n: int = DEFAULT_MAX_N,  # the most choices one request may ask for
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,  # larger bodies are answered 413 unread
+        ssl_context: ssl.SSLContext | None = None,  # HTTPS with it; None: plain HTTP
     ) -> None:
         if max_n < 1 or max_body_bytes < 1:
             raise ValueError("max_n and max_body_bytes must be >= 1")
@@ -88,6 +91,7 @@ class OpenAIHttpApi:
         self.model_name, self.tokenizer = model_name, tokenizer
         self.auth_token, self.grace_s, self.request_timeout_s = auth_token, grace_s, request_timeout_s
         self.max_n, self.max_body_bytes = max_n, max_body_bytes
+        self.ssl_context = ssl_context
         self.draining = False
         self._decoder = Decoder(tokenizer)
         self._runner: web.AppRunner | None = None
@@ -103,10 +107,11 @@ class OpenAIHttpApi:
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=self.grace_s, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr] - the bound port when 0
-        log.info("OpenAI HTTP API on http://%s:%d/v1", self.host, self.port)
+        scheme = "https" if self.ssl_context is not None else "http"
+        log.info("OpenAI HTTP API on %s://%s:%d/v1", scheme, self.host, self.port)
         return self.port
 
     async def stop(self) -> None:

@@ -97,7 +97,7 @@ async def choose_route(
             decode_queued_tokens=max(decode.inflight_tokens, report.num_queued_tokens if report else 0),
             decode_running=max(decode.inflight_requests, report.num_running if report else 0),
         )
-        route = Route(policy.decide(inputs), inputs, choice, decode)
+        route = Route(policy.route(decode.address, inputs), inputs, choice, decode)
     metrics.prefill_routed(route.decision.route, route.decision.reason)
     log.debug("prefill %s (%s): %s", route.decision.route, route.decision.reason, route.decision)
     return route

@@ -24,7 +24,7 @@ from protos.pdserve.v1.internal import worker_pb2
 from service_common.errors import Overloaded, Unavailable, grpc_errors
 from service_common.logs import request_id_context
 from service_common.metrics import GatewayMetrics, MetricsEndpoint
-from service_common.security import TlsConfig
+from service_common.security import TlsConfig, server_ssl_context
 from service_common.server import Server, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -394,10 +394,16 @@ class GatewayServer:
         http_max_n: int = DEFAULT_MAX_N,  # the most choices (n) one HTTP request may ask for
         http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         disaggregation: str = "auto",  # always | never | auto: where prompts are prefilled (gateway/disaggregation.py)
+        max_tpot_increase: float = 0.1,  # auto: local prefills' stall budget on a decode worker's streams
         kv_push: bool = True,  # push KV to the decode worker while the prefill runs (grpc, shm); False: pull
     ) -> None:
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         self.http_api: OpenAIHttpApi | None = None
+        # The HTTP port serves TLS exactly when the gRPC port does, with its certificate and client CA;
+        # built here so that a bad file fails the gateway before anything listens.
+        self.http_ssl_context = (
+            server_ssl_context(server_config.tls) if http_port is not None and server_config.tls is not None else None
+        )
         self._redis = connect(redis_url) if redis_url else None
         registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
         lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
@@ -409,7 +415,7 @@ class GatewayServer:
             transport,
             RequestLimits(max_logprobs=max_logprobs),
             Admission(max_inflight_requests, max_inflight_tokens),
-            disaggregation=DisaggregationPolicy(disaggregation),
+            disaggregation=DisaggregationPolicy(disaggregation, max_tpot_increase=max_tpot_increase),
             kv_push=kv_push,
         )
         self.metrics_endpoint = (
@@ -429,7 +435,8 @@ class GatewayServer:
             config = self.server.config
             self.http_api = OpenAIHttpApi(self.servicer, config.host, self.http_port, None, self.servicer.tokenizer,
                                           auth_token=config.auth_token, grace_s=config.grace_s,
-                                          max_n=self.http_max_n, max_body_bytes=self.http_max_body_bytes)
+                                          max_n=self.http_max_n, max_body_bytes=self.http_max_body_bytes,
+                                          ssl_context=self.http_ssl_context)
             self.http_port = await self.http_api.start()
         return port
 

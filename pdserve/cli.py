@@ -33,6 +33,16 @@ TRANSPORTS = ("grpc", "shm", "torch_dist", "cuda_ipc")
 # ---- arguments ---------------------------------------------------------------------------
 
 
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from error
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -173,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where prompts are prefilled: always on a prefill worker (then KV handoff), never (on the decode worker), "
                          "or auto: per request, from the uncached prompt length, the decode worker's prefix-cache hit, "
                          "both sides' queues and measured prefill, handoff and decode costs (default auto)")
+    gateway.add_argument("--max-tpot-increase", type=_non_negative_float, default=0.1,
+                         help="auto: the most that local prefills may add, together over a stream's life, to the time "
+                         "per output token of the streams running on a decode worker, as a fraction (default 0.1)")
     gateway.add_argument("--wait-for-workers", type=float, default=60.0, help="seconds to wait for workers at start")
     gateway.add_argument("--max-inflight-requests", type=int, default=1024,
                          help="admission limit: requests in flight before new ones get RESOURCE_EXHAUSTED")
@@ -180,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="admission limit: prompt tokens in flight before new requests get RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     gateway.add_argument("--http-port", type=int, default=None,
-                         help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off)")
+                         help="also serve the OpenAI-compatible HTTP API (/v1/...) on this port of --host (default: off); "
+                              "HTTPS with --tls-cert/--tls-key (and client certificates with --tls-client-ca) when given")
     gateway.add_argument("--max-n", type=int, default=16,
                          help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
     gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
@@ -205,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--routing", default="prefix", choices=["prefix", "round_robin"])
     up.add_argument("--disaggregation", default="auto", choices=DISAGGREGATION_MODES,
                     help="the gateway's --disaggregation: always | never | auto (default auto)")
+    up.add_argument("--max-tpot-increase", type=_non_negative_float, default=0.1,
+                    help="the gateway's --max-tpot-increase: auto's stall budget for local prefills (default 0.1)")
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")

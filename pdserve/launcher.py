@@ -48,6 +48,7 @@ class ClusterConfig:
     colocated_workers: int = 0  # > 0: workers doing prefill and decode, instead of separate roles
     routing: str = "prefix"  # or "round_robin"
     disaggregation: str = "auto"  # the gateway's --disaggregation: always | never | auto
+    max_tpot_increase: float = 0.1  # the gateway's --max-tpot-increase (auto's stall budget)
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
     decode_args: tuple[str, ...] = ()  # passed to decode and colocated workers only (e.g. --speculative-config)
     # Passed to prefill workers only (e.g. --tensor-parallel-size, --handoff-draft-kv: a worker starts and stops
@@ -126,6 +127,7 @@ class LocalCluster:
         gateway_args = ["gateway", "--host", config.host, "--port", str(config.port), *redis_args,
                         "--kv-transport", config.kv_transport, "--routing", config.routing,
                         "--disaggregation", config.disaggregation,
+                        "--max-tpot-increase", str(config.max_tpot_increase),
                         "--kv-push" if config.kv_push else "--no-kv-push",
                         "--ready-file", str(self._ready_file("gateway")), *self._metrics_args("gateway")]
         if config.model:

@@ -182,7 +182,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     return _serve(lambda: _Gateway(server_config, tokenizer, args.prefill, args.decode, args.redis_url,
                                    args.redis_prefix, args.kv_transport, routing=args.routing,
-                                   disaggregation=args.disaggregation,
+                                   disaggregation=args.disaggregation, max_tpot_increase=args.max_tpot_increase,
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
                                    http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,

@@ -58,6 +58,7 @@ def run_up(args: argparse.Namespace) -> int:
         redis_prefix=args.redis_prefix, kv_transport=args.kv_transport, kv_push=args.kv_push, engine_args=engine_args,
         decode_args=up_decode_args(args), prefill_args=up_prefill_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, disaggregation=args.disaggregation,
+        max_tpot_increase=args.max_tpot_increase,
         http_port=args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,
     )
     stop = False

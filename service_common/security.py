@@ -9,6 +9,7 @@ package, ``pdserve_client.channels``, and is re-exported here for the services.
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = [
     "open_blocking_channel",
     "open_channel",
     "server_credentials",
+    "server_ssl_context",
 ]
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
@@ -61,6 +63,29 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(key, chain)], root_certificates=client_ca, require_client_auth=tls.require_client_cert
     )
+
+
+def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
+    """The same server side as ``server_credentials``, for a port served by Python's ``ssl`` (the OpenAI HTTP API).
+
+    The certificate and key are the gRPC port's; with ``require_client_cert``
+    a client without a certificate signed by the CA is refused here too.
+    """
+    if tls.cert_file is None or tls.key_file is None:
+        raise ValueError("a TLS server needs --tls-cert and --tls-key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(f"--tls-cert/--tls-key: cannot serve TLS with {tls.cert_file} and {tls.key_file}: {error}") from error
+    if tls.ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=tls.ca_file)
+        except (OSError, ssl.SSLError) as error:
+            raise ValueError(f"{SERVER_FLAGS['ca_file']}: cannot read {tls.ca_file}: {error}") from error
+    if tls.require_client_cert:
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def load_auth_token(token_file: str | None, env_value: str | None, env_name: str) -> str | None:

@@ -2,7 +2,9 @@
 
 - ``sharding``: which heads and MLP columns each rank owns, and the Megatron-style
   slicing of a loaded model (column-parallel q/k/v and gate/up, row-parallel o
-  and down, one all-reduce after each; embedding and LM head replicated).
+  and down, one all-reduce after each; embedding lookup replicated).
+- ``vocab_head``: the LM head split by vocabulary for the rows a decode step samples; rank 0
+  keeps the rest for steps with many rows.
 - ``group``: the rank group, every collective with a timeout.
 - ``step_codec``: one step's inputs as a compact int64 tensor, broadcast by rank 0.
 - ``workers``: rank 0's handle on ranks 1..N-1 (processes it starts) and their loop.

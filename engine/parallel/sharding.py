@@ -3,9 +3,10 @@
 Megatron-style, as vLLM does: q/k/v and gate/up are column-parallel (a rank keeps
 the output rows of its heads / its MLP columns), o and down are row-parallel (a
 rank keeps the matching input columns; the partial outputs are summed by one
-all-reduce after each, and their biases are added once, on rank 0). The
-embedding and the LM head are replicated: only rank 0 computes logits, so a
-vocabulary split would only add a gather (BENCHMARKS.md, issue 14).
+all-reduce after each, and their biases are added once, on rank 0). The LM
+head is split by vocabulary for the rows a decode step samples, rank 0 keeping
+the rest for steps with many rows; the embedding lookup is replicated
+(``vocab_head``).
 
 KV heads: with ``tp <= num_kv_heads`` each rank owns ``num_kv_heads / tp`` of
 them; with more ranks than KV heads each KV head is replicated on the
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from engine.parallel.vocab_head import shard_lm_head
 
 
 def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
@@ -40,6 +43,8 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
         )
     if intermediate % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's intermediate_size ({intermediate})")
+    if int(hf_config.vocab_size) < tp:
+        raise ValueError(f"tensor_parallel_size={tp} must not exceed the model's vocab_size ({hf_config.vocab_size})")
 
 
 def kv_heads_of_rank(num_kv_heads: int, tensor_parallel_size: int, rank: int) -> range:
@@ -65,7 +70,8 @@ class TensorParallelShard:
         """Slice a loaded, not yet packed ``LlamaForCausalLM`` in place to this rank's part.
 
         Sets each attention's local head counts and each MLP's local width, so
-        the model code runs unchanged on its shard.
+        the model code runs unchanged on its shard, and keeps this rank's part of
+        the LM head (rank 0: all of it, in two parts; ``vocab_head``).
         """
         if self.world_size == 1:
             return
@@ -87,6 +93,7 @@ class TensorParallelShard:
                 _keep_rows(mlp.up_proj, rank * width, (rank + 1) * width)
                 _keep_columns(mlp.down_proj, rank * width, (rank + 1) * width, rank == 0)
                 mlp.intermediate_size = width
+            shard_lm_head(model, rank, tp)
 
 
 def _keep_rows(linear: nn.Linear, start: int, stop: int) -> None:

@@ -1,9 +1,10 @@
 """One step's model inputs as a single int64 tensor: what rank 0 broadcasts and the other ranks run.
 
 Rank 0 broadcasts a fixed-size header (``HEADER_LEN`` int64: the command and
-the sizes), then, for a step, one payload of token ids, positions, slots and
-the attention batch's lengths and block tables. Two tensor broadcasts per step,
-no pickling.
+the sizes), then, for a step, one payload of token ids, positions, slots, the
+attention batch's lengths and block tables, and the rows whose logits every
+rank computes on its vocabulary part (a split LM head's step). Two tensor
+broadcasts per step, no pickling.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class StepInputs:
     input_ids: torch.Tensor  # (num_tokens,)
     positions: torch.Tensor  # (num_tokens,)
     batch: AttentionBatch
+    # (num_sampled,) rows of the step's hidden states whose logits the ranks compute split by
+    # vocabulary (engine.parallel.vocab_head); None: rank 0 computes the logits alone.
+    logits_rows: torch.Tensor | None = None
 
 
 def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,12 +45,13 @@ def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     table_lens = [len(table) for table in batch.block_tables]
     entries = [block for table in batch.block_tables for block in table]
     lists = torch.tensor(batch.query_lens + batch.context_lens + table_lens + entries, dtype=torch.long)
+    logits_rows = inputs.logits_rows.cpu() if inputs.logits_rows is not None else torch.empty(0, dtype=torch.long)
     payload = torch.cat(
-        (inputs.input_ids.cpu(), inputs.positions.cpu(), batch.slot_mapping.cpu(), lists)
-    )  # (3 * num_tokens + 3 * num_seqs + num_entries,)
+        (inputs.input_ids.cpu(), inputs.positions.cpu(), batch.slot_mapping.cpu(), lists, logits_rows)
+    )  # (3 * num_tokens + 3 * num_seqs + num_entries + num_logits_rows,)
     header = torch.tensor(
         [Command.STEP, inputs.input_ids.numel(), len(batch.query_lens), batch.num_decodes, len(entries),
-         payload.numel(), 0, 0],
+         payload.numel(), logits_rows.numel(), 0],
         dtype=torch.long,
     )
     return header, payload
@@ -57,10 +62,12 @@ def decode_step(
     device: torch.device,
 ) -> StepInputs:
     """The inverse of ``encode_step``, with this rank's head counts and device."""
-    _, num_tokens, num_seqs, num_decodes, _, _, _, _ = header.tolist()
+    _, num_tokens, num_seqs, num_decodes, _, _, num_logits_rows, _ = header.tolist()
     values = payload.to(device)
     input_ids, positions, slots = values[:num_tokens], values[num_tokens : 2 * num_tokens], values[2 * num_tokens : 3 * num_tokens]
-    lists = payload[3 * num_tokens :].tolist()
+    end = payload.numel() - num_logits_rows
+    logits_rows = values[end:] if num_logits_rows else None
+    lists = payload[3 * num_tokens : end].tolist()
     query_lens, context_lens = lists[:num_seqs], lists[num_seqs : 2 * num_seqs]
     table_lens = lists[2 * num_seqs : 3 * num_seqs]
     tables, offset = [], 3 * num_seqs
@@ -78,4 +85,4 @@ def decode_step(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
     )
-    return StepInputs(input_ids, positions, batch)
+    return StepInputs(input_ids, positions, batch, logits_rows)

@@ -43,6 +43,7 @@ from engine.parallel.group import TensorParallelError, TensorParallelGroup
 from engine.parallel.kv_shards import follower_export, follower_import
 from engine.parallel.sharding import TensorParallelShard, install_all_reduce, kv_heads_of_rank
 from engine.parallel.step_codec import HEADER_LEN, Command, StepInputs, decode_step, encode_step
+from engine.parallel.vocab_head import gather_split_logits, install_split_head, send_split_logits
 
 logger = logging.getLogger(__name__)
 # A follower's exit status when a collective failed under it (another rank died or timed out).
@@ -149,7 +150,7 @@ class TensorParallelWorkers:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def install(self, model: torch.nn.Module) -> None:
-        """Rank 0's row-parallel projections all-reduce over the group."""
+        """Rank 0's row-parallel projections all-reduce over the group; its LM head's parts are joined."""
         assert self.group is not None
         group = self.group
 
@@ -158,6 +159,14 @@ class TensorParallelWorkers:
                 group.all_reduce(tensor)
 
         install_all_reduce(model, all_reduce)
+        install_split_head(model)
+
+    def gather_logits(self, model: torch.nn.Module, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """The logits of ``hidden_rows`` (rows, hidden) over the whole vocabulary, each rank computing its
+        part; right after a step broadcast with these rows as its ``logits_rows`` (``lock`` held)."""
+        assert self.group is not None
+        with self._diagnosed():
+            return gather_split_logits(model.lm_head_packed, hidden_rows, self.group, self.comm_device)
 
     @contextlib.contextmanager
     def _diagnosed(self) -> Iterator[None]:
@@ -346,4 +355,6 @@ class _Follower:
             header, payload, self.spec.config.cache.block_size, self.model.num_heads,
             self.model.num_kv_heads, self.device,
         )
-        self.runner.forward(inputs)
+        hidden = self.runner.forward(inputs)  # (num_tokens, hidden)
+        if inputs.logits_rows is not None:
+            send_split_logits(self.model, hidden.index_select(0, inputs.logits_rows), self.group, self.comm_device)

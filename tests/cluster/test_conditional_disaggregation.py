@@ -12,6 +12,7 @@ from gateway.disaggregation import DisaggregationPolicy
 from gateway.router import RecentPrefills
 from gateway.server import GatewayServer
 from pdserve.cli import build_parser
+from pdserve.launcher import ClusterConfig
 from protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.support.cluster import ClusterOptions, InProcessCluster
@@ -212,3 +213,18 @@ def test_a_bad_disaggregation_value_is_a_clear_cli_error(capsys: pytest.CaptureF
                 in capsys.readouterr().err)
     assert build_parser().parse_args(["gateway"]).disaggregation == "auto"
     assert build_parser().parse_args(["up", "--disaggregation", "never"]).disaggregation == "never"
+
+
+def test_the_stall_budget_flag_reaches_the_gateway_and_refuses_a_negative_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in ("gateway", "up"):
+        assert build_parser().parse_args([command]).max_tpot_increase == 0.1
+        assert build_parser().parse_args([command, "--max-tpot-increase", "0.25"]).max_tpot_increase == 0.25
+        for bad, message in (("-0.1", "must be >= 0, got -0.1"), ("lots", "not a number: 'lots'")):
+            with pytest.raises(SystemExit) as caught:
+                build_parser().parse_args([command, "--max-tpot-increase", bad])
+            assert caught.value.code == 2
+            assert f"argument --max-tpot-increase: {message}" in capsys.readouterr().err
+    assert ClusterConfig().max_tpot_increase == 0.1
+    assert inspect.signature(GatewayServer).parameters["max_tpot_increase"].default == 0.1

@@ -17,7 +17,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.kv_handoff import KVFetch, KVHoldParams
 from engine.llm_engine import LLMEngine
 from kv_transfer.config import TransferConfig
-from kv_transfer.sharded import FETCHER
+from kv_transfer.sharded import FETCHER, RankFetchOptions
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 
@@ -78,7 +78,7 @@ def test_handoff_from_tp2_to_tp2_reshards_over_gpu_transports(checkpoint: Path, 
         decode_id = decode.add_remote_request(request_id, prompt, params, held.kv_handoff)
         (slot,) = decode.drain_kv_slots()
         blocks = sender.run(receiver.fetch(held.kv_handoff, slot.first_block, sender.stub, decode.local_kv_heads))
-        assert decode.receive_kv(decode_id, slot.first_block, KVFetch(held.kv_handoff, blocks, FETCHER, config))
+        assert decode.receive_kv(decode_id, slot.first_block, KVFetch(held.kv_handoff, blocks, FETCHER, RankFetchOptions(config)))
         prefill.leases.release(request_id)
         tokens = None
         while decode.has_unfinished_requests():

@@ -11,13 +11,14 @@ from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE, build_checkpoint
 # A greedy step whose top-2 logits (in the reference run) are closer than this may flip when
 # the ranks sum partial products in another order; the comparison stops before such a step.
 TIE_MARGIN = 1e-4
+ODD_VOCAB_SIZE = 509
 
 
-def llama_config(num_heads: int, num_kv_heads: int, bias: bool) -> object:
+def llama_config(num_heads: int, num_kv_heads: int, bias: bool, vocab_size: int = VOCAB_SIZE) -> object:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=48,
         intermediate_size=96,  # splits over 2 and 3 ranks
         num_hidden_layers=2,
@@ -62,6 +63,8 @@ CONFIGS = {
     "gqa_2kv": lambda: llama_config(6, 2, bias=False),
     # q/k/v biases, tied embeddings
     "qwen2": qwen2_config,
+    # a vocabulary that splits unevenly over 2 and 3 ranks (255 + 254, 170 + 170 + 169), untied head
+    "odd_vocab": lambda: llama_config(6, 6, bias=False, vocab_size=ODD_VOCAB_SIZE),
 }
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from protos.pdserve.v1 import generation_pb2
+from service_common.server import ServerConfig
 from tests.conftest import StartInProcessCluster, random_prompts
 from tests.parallel.support import Reference, build, comparable
+from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture
 from tests.support.cluster import ClusterOptions
 
 MAX_TOKENS = 6
@@ -41,3 +43,35 @@ async def test_gateway_serves_prefill_tp2_and_decode_tp3_workers_token_for_token
     loads = await cluster.wait_idle()
     # The decode worker received only rank 0's heads (2 of 6) itself; nothing was recomputed.
     assert loads[1].kv_recomputes == 0 and loads[1].kv_transfers == 2
+
+
+@pytest.mark.asyncio
+async def test_decode_worker_follower_ranks_fetch_over_the_workers_mutual_tls(
+    tmp_path: Path, start_inprocess_cluster: StartInProcessCluster, pki: Pki  # noqa: F811 - the fixture
+) -> None:
+    # Workers accept only mutual-TLS callers: a follower rank fetching in plaintext (or without the
+    # decode worker's client certificate) is refused, and its request would be recomputed.
+    checkpoint = build(tmp_path / "mha_bias", "mha_bias")
+    options = ClusterOptions(num_kv_blocks=64, decode_tp=2, worker_server=ServerConfig(tls=pki.server(True)),
+                             gateway_server=ServerConfig(tls=pki.server()), client_tls=pki.client(with_cert=True))
+    cluster = await start_inprocess_cluster(checkpoint, options)
+    engine = cluster.decode.runtime.engine
+    recomputed: list[str] = []
+    recompute = engine.recompute_remote
+
+    def record_recompute(request_id: str):  # noqa: ANN202
+        recomputed.append(request_id)  # a follower rank's fetch failed (the load report does not count it)
+        return recompute(request_id)
+
+    engine.recompute_remote = record_recompute  # type: ignore[method-assign]
+    reference = Reference(checkpoint)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    (prompt,) = random_prompts([15], seed=31)
+    responses = await cluster.generate(
+        generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params), timeout_s=120
+    )
+    expected, margins = reference.generate(prompt, MAX_TOKENS)
+    n = comparable(expected, margins)
+    assert [t for r in responses for t in r.token_ids][:n] == expected[:n]
+    loads = await cluster.wait_idle()
+    assert recomputed == [] and loads[1].kv_recomputes == 0 and loads[1].kv_transfers == 1

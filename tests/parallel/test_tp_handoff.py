@@ -27,10 +27,12 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.sender import KVSenderServicer
-from kv_transfer.sharded import FETCHER
+from kv_transfer.sharded import FETCHER, RankFetchOptions
 from protos.pdserve.v1.internal import worker_pb2_grpc
+from service_common.security import TlsConfig, open_channel, server_credentials
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
+from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture
 
 TRANSPORTS = ("grpc", "shm", "torch_dist")
 MAX_TOKENS = 6
@@ -51,30 +53,36 @@ class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 class SenderServer:
-    """The prefill engine's held KV behind a real gRPC server, on an event loop thread of its own."""
+    """The prefill engine's held KV behind a real gRPC server, on an event loop thread of its own.
 
-    def __init__(self, engine: LLMEngine) -> None:
+    ``tls``: the server's TLS (None: plaintext); ``client_tls``: that of ``stub``, the
+    channel the decode worker's rank 0 fetches over."""
+
+    def __init__(self, engine: LLMEngine, tls: TlsConfig | None = None, client_tls: TlsConfig | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.kv = KVSenderServicer(engine.leases, TransferConfig(shm_prefix="pdserve_tp_test_"))
-        self.server, port = self.run(self._start())
+        self.server, port = self.run(self._start(tls))
         self.address = f"127.0.0.1:{port}"
-        self.stub = worker_pb2_grpc.PrefillWorkerStub(self.run(self._channel()))
+        self.stub = worker_pb2_grpc.PrefillWorkerStub(self.run(self._channel(client_tls)))
         self.receivers = {name: make_receiver(name) for name in TRANSPORTS}
 
     def run(self, coroutine):  # noqa: ANN001, ANN201
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
 
-    async def _start(self) -> tuple[grpc.aio.Server, int]:
+    async def _start(self, tls: TlsConfig | None) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(options=list(INTERNAL_GRPC_OPTIONS))
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(self.kv), server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            port = server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = server.add_secure_port("127.0.0.1:0", server_credentials(tls))
         await server.start()
         return server, port
 
-    async def _channel(self) -> grpc.aio.Channel:
-        self.channel = grpc.aio.insecure_channel(self.address, options=list(INTERNAL_GRPC_OPTIONS))
+    async def _channel(self, tls: TlsConfig | None) -> grpc.aio.Channel:
+        self.channel = open_channel(self.address, tls, INTERNAL_GRPC_OPTIONS)
         return self.channel
 
     def stop(self) -> None:
@@ -116,7 +124,8 @@ def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[
 
 
 def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prompt: list[int],
-               params: SamplingParams, transport: str) -> str:
+               params: SamplingParams, transport: str, options: RankFetchOptions | None = None) -> str:
+    """Hand ``prompt`` from ``prefill`` to ``decode``; the follower ranks fetch with ``options``."""
     hold = KVHoldParams(transport=transport, address=sender.address, worker_id="prefill-tp", epoch=1, lease_s=60.0)
     request_id = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), hold_kv=hold)
     held = None
@@ -133,7 +142,7 @@ def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prom
     assert blocks.shape[4] == (6 if heads is None else len(heads))
     landed = decode.receive_kv(
         decode_id, slot.first_block,
-        blocks if heads is None else KVFetch(handoff, blocks, FETCHER, TransferConfig()),
+        blocks if heads is None else KVFetch(handoff, blocks, FETCHER, options or RankFetchOptions()),
     )
     assert landed is not None and landed.token_ids == [handoff.first_token_id]
     assert prefill.leases.release(request_id)
@@ -170,3 +179,57 @@ def test_handoff_reshards_kv_between_tensor_parallel_sizes_over_every_cpu_transp
         cut += n < len(expected)
         assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
     assert cut <= 1
+
+
+def _finish(decode: LLMEngine) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    return outputs
+
+
+@pytest.mark.parametrize("engines", [(1, 2)], indirect=True, ids=["P1-D2"])
+def test_follower_ranks_fetch_their_kv_heads_over_mutual_tls_and_never_in_plaintext(
+    engines: tuple[LLMEngine, LLMEngine, SenderServer], checkpoint: Path, pki: Pki  # noqa: F811 - the fixture
+) -> None:
+    prefill, decode, plaintext_sender = engines
+    recomputed: list[str] = []
+    recompute = decode.recompute_remote
+
+    def record_recompute(request_id: str):  # noqa: ANN202
+        recomputed.append(request_id)
+        return recompute(request_id)
+
+    decode.recompute_remote = record_recompute  # type: ignore[method-assign]
+    client_tls = pki.client(with_cert=True)
+    # The prefill worker accepts only mutual-TLS callers: a follower rank's plaintext channel is refused.
+    tls_sender = SenderServer(prefill, tls=pki.server(require_client_cert=True), client_tls=client_tls)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        prompts = random_prompts([9, 14, 11, 16], seed=41)
+        tls_options = RankFetchOptions(TransferConfig(rpc_timeout_s=10.0), client_tls)
+        plaintext_options = RankFetchOptions(TransferConfig(rpc_timeout_s=10.0), None)
+        # Every follower fetch over TLS (grpc carries the KV; shm's staging call crosses the same channel).
+        landed, outputs = {}, {}
+        for transport, prompt in (("grpc", prompts[0]), ("shm", prompts[1])):
+            landed[_hand_over(prefill, decode, tls_sender, prompt, params, transport, tls_options)] = prompt
+            assert recomputed == [], f"a follower rank could not fetch its heads over TLS ({transport})"
+            outputs.update(_finish(decode))
+        # A follower without TLS is refused by the TLS worker; one with TLS does not fall back to plaintext
+        # against a plaintext-only worker. Either way the prompt is recomputed here, never served half-landed.
+        refused = {}
+        for sender, options, prompt in ((tls_sender, plaintext_options, prompts[2]),
+                                        (plaintext_sender, tls_options, prompts[3])):
+            refused[_hand_over(prefill, decode, sender, prompt, params, "grpc", options)] = prompt
+            outputs.update(_finish(decode))
+        assert recomputed == list(refused)
+    finally:
+        tls_sender.stop()
+    assert decode.block_manager.num_used_blocks == 0 and prefill.block_manager.num_used_blocks == 0
+    reference = Reference(checkpoint)
+    for request_id, prompt in {**landed, **refused}.items():
+        expected, margins = reference.generate(prompt, MAX_TOKENS)
+        n = comparable(expected, margins)
+        assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)

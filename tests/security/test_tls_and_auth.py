@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +24,7 @@ from service_common.security import (
     load_auth_token,
     open_channel,
     server_credentials,
+    server_ssl_context,
 )
 from service_common.server import ServerConfig, channel_options
 from tests.conftest import StartInProcessCluster
@@ -248,3 +251,46 @@ def test_auth_token_comes_from_the_file_first_then_the_environment(tmp_path: Pat
         load_auth_token(str(token_file), None, "PDSERVE_AUTH_TOKEN")
     with pytest.raises(ValueError, match="PDSERVE_AUTH_TOKEN: the bearer token must be printable ASCII"):
         load_auth_token(None, "two words", "PDSERVE_AUTH_TOKEN")
+
+
+def _https_client_context(pki: Pki, with_cert: bool) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=pki.ca)
+    if with_cert:
+        context.load_cert_chain(pki.client_cert, pki.client_key)
+    return context
+
+
+async def _http_completion(url: str, ssl_context: ssl.SSLContext | None) -> tuple[int, dict]:
+    body = {"model": "m", "prompt": list(range(10, 30)), "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json=body, ssl=ssl_context,
+                                headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+            return response.status, await response.json()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mutual", [False, True])
+async def test_the_openai_http_port_serves_tls_with_the_gateway_certificate_and_refuses_plain_http(
+    llama_checkpoint: Path, pki: Pki, start_inprocess_cluster: StartInProcessCluster, mutual: bool
+) -> None:
+    options = ClusterOptions(num_kv_blocks=NUM_KV_BLOCKS, http=True,
+                             gateway_server=ServerConfig(tls=pki.server(require_client_cert=mutual), auth_token=TOKEN))
+    gateway = (await start_inprocess_cluster(llama_checkpoint, options)).gateway
+    assert gateway is not None and gateway.http_port is not None
+    url = f"https://127.0.0.1:{gateway.http_port}"
+
+    status, answer = await _http_completion(url, _https_client_context(pki, with_cert=mutual))
+    assert status == 200
+    assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (20, 5)
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+    with pytest.raises(aiohttp.ClientError):  # plaintext HTTP to the TLS port: the handshake never happens
+        await _http_completion(f"http://127.0.0.1:{gateway.http_port}", None)
+    if mutual:
+        with pytest.raises(aiohttp.ClientError):  # a client without a certificate is refused in the handshake
+            await _http_completion(url, _https_client_context(pki, with_cert=False))
+
+
+def test_a_key_that_does_not_match_its_certificate_fails_the_https_port_naming_the_flags(pki: Pki) -> None:
+    with pytest.raises(ValueError, match="--tls-cert/--tls-key"):
+        server_ssl_context(TlsConfig(pki.server_cert, pki.client_key))

@@ -11,6 +11,7 @@ from gateway.disaggregation import (
     MeasuredCosts,
     RouteDecision,
     RouteInputs,
+    StallLedger,
 )
 
 
@@ -177,3 +178,50 @@ def test_request_timing_measures_first_token_second_token_gap_and_time_per_token
     # Tokens 3..5 came 0.4 s after the second: 0.4 / 3.
     assert timing.time_per_output_token_s == pytest.approx(0.4 / 3)
     assert timing.num_tokens == 5
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _auto_with_clock() -> tuple[DisaggregationPolicy, FakeClock]:
+    policy, clock = _auto(), FakeClock()
+    policy.stalls = StallLedger(clock)
+    return policy, clock
+
+
+def test_local_prefills_sent_to_one_decode_worker_add_up_against_the_stall_budget() -> None:
+    # Each 5-token prompt stalls 0.05 s of a 1.02 s stream (4.9%): alone within the 10% budget,
+    # but a stream running there sees every one of them. The third within a stream's life would
+    # make 0.15 s (14.7%), so it goes remote.
+    policy, clock = _auto_with_clock()
+    first = policy.route("d0:1", _inputs(5, running=2))
+    assert (first.route, first.stall_s, first.tpot_increase) == ("local", pytest.approx(0.05), pytest.approx(0.05 / 1.02))
+    clock.now += 0.3
+    second = policy.route("d0:1", _inputs(5, running=2))
+    assert (second.route, second.tpot_increase) == ("local", pytest.approx(0.10 / 1.02))
+    clock.now += 0.3
+    third = policy.route("d0:1", _inputs(5, running=2))
+    assert (third.route, third.reason, third.tpot_increase) == ("remote", "decode_stall", pytest.approx(0.15 / 1.02))
+    # Another decode worker's streams absorbed none of them.
+    assert policy.route("d1:1", _inputs(5, running=2)).route == "local"
+    # A stream's duration (1.02 s) after the first two, their stalls no longer reach any running stream.
+    clock.now += 1.02
+    fourth = policy.route("d0:1", _inputs(5, running=2))
+    assert (fourth.route, fourth.tpot_increase) == ("local", pytest.approx(0.05 / 1.02))
+
+
+def test_a_remote_decision_or_an_idle_decode_worker_records_no_stall() -> None:
+    policy, clock = _auto_with_clock()
+    assert policy.route("d0:1", _inputs(200, running=1)).route == "remote"  # over budget: nothing recorded
+    assert policy.route("d0:1", _inputs(1000)).reason == "decode_idle"  # nobody to stall: nothing recorded
+    assert policy.stalls.recent_s("d0:1", window_s=10.0) == 0.0
+    decision = policy.route("d0:1", _inputs(10, running=3))
+    assert (decision.route, decision.tpot_increase) == ("local", pytest.approx(0.1 / 1.02))
+    assert policy.stalls.recent_s("d0:1", window_s=10.0) == pytest.approx(0.1)
+    clock.now += 10.5
+    assert policy.stalls.recent_s("d0:1", window_s=10.0) == 0.0
