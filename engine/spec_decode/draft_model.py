@@ -152,6 +152,10 @@ class DraftModelProposer(Proposer):
                 proposals[i].append(token)
         return proposals
 
+    def catches_up(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> bool:
+        # A steady step catches up on at most the last run: the accepted tokens and the one after them.
+        return any(seq.num_tokens - seq.num_draft_computed_tokens > k + 1 for seq, k in zip(seqs, max_tokens))
+
     def _table(self, index: int, seq: Sequence) -> list[int]:
         """The sequence's blocks, then its scratch blocks: enough for every position this call writes."""
         first = self.num_target_blocks + index * self.blocks_per_seq
