@@ -15,9 +15,10 @@ produces never depends on any of this (the verifier keeps only what the target
 would have chosen), only how fast.
 
 ``a`` is estimated per request from its recent verified proposals (counts decay
-geometrically, so old behaviour fades); ``r`` engine-wide from step wall times:
-plain steps (nothing proposed) give the plain cost per number of sequences in
-the step, steps that verified proposals the extra per proposed token. The
+geometrically, so old behaviour fades), starting from the engine's recent
+acceptance over all requests; ``r`` engine-wide from step wall times: plain
+steps (nothing proposed) give the plain cost per number of sequences in the
+step, steps that verified proposals the extra per proposed token. The
 decoder (decoder.py) times the steps with its clock, which tests replace to
 decide with exact, fake costs.
 """
@@ -29,22 +30,28 @@ from dataclasses import dataclass
 
 from engine.sequence import Sequence
 
-# Per-request acceptance: a prior of one accepted and one rejected token (a = 0.5)
-# before anything is seen; each verified proposal first multiplies the counts by
-# this, so a request's estimate follows its last few proposals.
-PRIOR_ACCEPTED = 1.0
-PRIOR_REJECTED = 1.0
+# Per-request acceptance: each verified proposal first multiplies the request's
+# counts by DECAY, so its estimate follows its last few proposals. It starts (and
+# restarts after sitting out) from the engine's recent acceptance over every
+# request (decaying slower), worth PRIOR_WEIGHT tokens: in a workload of copying
+# requests a new one proposes long runs at once, in a chat workload short ones.
 DECAY = 0.8
+POPULATION_DECAY = 0.95
+PRIOR_WEIGHT = 2.0
 # Steps a request sits out after its estimate says stop; doubled per failed probe, up to the maximum.
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 64
 # The cost of a proposed token before any is measured (relative to a plain step), per method:
 # n-gram's is only the extra rows of the verify forward; a draft model adds its own forward per token.
+# It counts as PRIOR_COST_TOKENS tokens' worth of measurement.
 PRIOR_TOKEN_COST = {"ngram": 0.05, "draft_model": 0.4}
-# A proposed token's cost sample is clamped to this (a draft forward as dear as two target steps).
+PRIOR_COST_TOKENS = 8.0
+# A step's extra cost per proposed token is clamped to this (a draft forward as dear as two target
+# steps): one step stalled by another process must not switch speculation off for long.
 MAX_TOKEN_COST_SAMPLE = 2.0
-# Weight of a new timing sample in the running averages of costs.
-COST_SMOOTHING = 0.2
+# Decay of the cost sums per speculating step, and weight of a new sample in the plain step's average.
+COST_DECAY = 0.9
+PLAIN_SMOOTHING = 0.2
 # With a draft model every step may propose: force a plain step this often to re-measure its cost.
 RECALIBRATE_EVERY = 64
 
@@ -66,10 +73,10 @@ def best_num_tokens(acceptance: float, token_cost: float, max_k: int) -> int:
 
 @dataclass
 class RequestAcceptance:
-    """One request's recent acceptance (decayed counts) and its back-off while it sits out."""
+    """Recent acceptance (decayed counts of accepted tokens and rejections) and, for a request, its back-off."""
 
-    accepted: float = PRIOR_ACCEPTED
-    rejected: float = PRIOR_REJECTED
+    accepted: float = 1.0
+    rejected: float = 1.0
     resume_at_step: int = 0
     backoff_steps: int = FIRST_BACKOFF_STEPS
     # Whether its next proposal is a probe (at least one token whatever the estimates say).
@@ -79,32 +86,44 @@ class RequestAcceptance:
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
+    def restart_from(self, acceptance: float) -> None:
+        self.accepted, self.rejected = PRIOR_WEIGHT * acceptance, PRIOR_WEIGHT * (1.0 - acceptance)
+
+    def observe(self, num_proposed: int, num_accepted: int, decay: float = DECAY) -> None:
         # A run of accepted tokens then (unless all were kept) one rejection: the
         # truncated-geometric likelihood's counts.
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.rejected = self.rejected * DECAY + (1 if num_accepted < num_proposed else 0)
+        self.accepted = self.accepted * decay + num_accepted
+        self.rejected = self.rejected * decay + (1 if num_accepted < num_proposed else 0)
 
 
 class StepCosts:
-    """Running averages of what steps cost: a plain step per number of sequences, and a proposed token's extra."""
+    """What steps cost: a plain step per number of sequences (running average), and a proposed token's
+    extra relative to it (decayed sums of extra cost over proposed tokens, so long proposals weigh more)."""
 
     def __init__(self, prior_token_cost: float) -> None:
         self.plain_seconds: dict[int, float] = {}
-        self.token_cost = prior_token_cost  # extra per proposed token, in plain steps
         self.steps_since_plain: dict[int, int] = {}
+        self._extra = prior_token_cost * PRIOR_COST_TOKENS  # in plain steps
+        self._tokens = PRIOR_COST_TOKENS
+
+    @property
+    def token_cost(self) -> float:
+        """The extra cost of one proposed token, in plain steps."""
+        return max(0.0, self._extra / self._tokens)
 
     def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
         plain = self.plain_seconds.get(num_seqs)
         if num_proposed == 0:
-            self.plain_seconds[num_seqs] = seconds if plain is None else _smooth(plain, seconds)
+            self.plain_seconds[num_seqs] = (
+                seconds if plain is None else (1.0 - PLAIN_SMOOTHING) * plain + PLAIN_SMOOTHING * seconds
+            )
             self.steps_since_plain[num_seqs] = 0
             return
         self.steps_since_plain[num_seqs] = self.steps_since_plain.get(num_seqs, 0) + 1
         if plain is not None and plain > 0:
-            # Clamped: one step stalled by another process must not switch speculation off for long.
-            sample = min(MAX_TOKEN_COST_SAMPLE, max(0.0, (seconds / plain - 1.0) / num_proposed))
-            self.token_cost = _smooth(self.token_cost, sample)
+            extra = min(MAX_TOKEN_COST_SAMPLE * num_proposed, max(-1.0, seconds / plain - 1.0))
+            self._extra = COST_DECAY * self._extra + extra
+            self._tokens = COST_DECAY * self._tokens + num_proposed
 
     def needs_plain_step(self, num_seqs: int) -> bool:
         """Whether the plain cost at this batch size is unknown or stale (then nobody proposes this step)."""
@@ -116,6 +135,8 @@ class AdaptivePolicy:
 
     def __init__(self, method: str) -> None:
         self.costs = StepCosts(PRIOR_TOKEN_COST[method])
+        # Every request's verified proposals, the prior of new ones.
+        self.population = RequestAcceptance()
         self.num_steps = 0
         # Lives as long as the request's Sequence: nothing to clean up when it finishes.
         self._requests: weakref.WeakKeyDictionary[Sequence, RequestAcceptance] = weakref.WeakKeyDictionary()
@@ -124,6 +145,7 @@ class AdaptivePolicy:
         state = self._requests.get(seq)
         if state is None:
             state = self._requests[seq] = RequestAcceptance()
+            state.restart_from(self.population.acceptance)
         return state
 
     def limits(self, seqs: list[Sequence], max_tokens: list[int], num_seqs: int) -> list[int]:
@@ -150,12 +172,13 @@ class AdaptivePolicy:
         state.backoff_steps = min(2 * state.backoff_steps, MAX_BACKOFF_STEPS)
         state.probe_next = True
         # Back from sitting out, it starts from the prior again: its old acceptance is stale.
-        state.accepted, state.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
+        state.restart_from(self.population.acceptance)
         return 0
 
     def observe_verified(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         state = self.acceptance_of(seq)
         state.observe(num_proposed, num_accepted)
+        self.population.observe(num_proposed, num_accepted, POPULATION_DECAY)
         if num_accepted > 0:
             state.backoff_steps = FIRST_BACKOFF_STEPS
 
@@ -166,6 +189,3 @@ class AdaptivePolicy:
         if seconds is not None:
             self.costs.observe(num_seqs, num_proposed, seconds)
 
-
-def _smooth(average: float, sample: float) -> float:
-    return (1.0 - COST_SMOOTHING) * average + COST_SMOOTHING * sample

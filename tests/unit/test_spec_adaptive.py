@@ -82,14 +82,19 @@ def test_nobody_proposes_until_a_plain_step_was_timed_then_the_prior_decides() -
     assert policy.limits([seq], [8], num_seqs=2) == [0]  # a batch size not timed yet
 
 
-def test_a_proposed_tokens_cost_is_measured_against_the_plain_step() -> None:
+def test_a_proposed_tokens_cost_is_measured_against_the_plain_step_weighted_by_tokens() -> None:
     policy = _calibrated(plain_seconds=0.010)
-    policy.observe_step(1, 4, 0.014)  # 4 tokens cost 0.4 plain steps: 0.1 each
-    assert policy.costs.token_cost == pytest.approx(0.8 * 0.05 + 0.2 * 0.1)
-    policy.observe_step(1, 4, 0.008)  # faster than plain (noise): counts as free, not negative
-    assert policy.costs.token_cost == pytest.approx(0.8 * 0.06)
+    # The prior counts as 8 tokens at 0.05; every speculating step decays the sums by 0.9.
+    policy.observe_step(1, 4, 0.014)  # 4 tokens cost 0.4 plain steps
+    assert policy.costs.token_cost == pytest.approx((0.9 * 0.4 + 0.4) / (0.9 * 8 + 4))
+    policy.observe_step(1, 1, 0.008)  # faster than plain (noise): a negative sample of one token's weight
+    assert policy.costs.token_cost == pytest.approx((0.81 * 0.4 + 0.9 * 0.4 - 0.2) / (0.81 * 8 + 0.9 * 4 + 1))
+    before = policy.costs.token_cost
     policy.observe_step(1, 2, None)  # a step with prompt tokens in it: no sample
-    assert policy.costs.token_cost == pytest.approx(0.048)
+    assert policy.costs.token_cost == before
+    policy.observe_step(1, 1, 1.0)  # a stalled step counts as at most 2 plain steps per token
+    assert policy.costs.token_cost == pytest.approx((0.9 * before * (0.81 * 8 + 0.9 * 4 + 1) + 2.0) / (
+        0.9 * (0.81 * 8 + 0.9 * 4 + 1) + 1))
 
 
 def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doubling_back_off() -> None:
@@ -106,9 +111,12 @@ def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doublin
     while (probe := policy.limits([seq], [4], num_seqs=1)) == [0]:
         sat_out += 1
         policy.observe_step(1, 0, 1.0)
-    assert (sat_out, probe) == (FIRST_BACKOFF_STEPS, [3])  # the probe proposes from the prior again
+    # The probe starts again from the engine's acceptance over all requests (0.096 after these 7
+    # failures, worth 2 tokens): it proposes 1.
+    assert policy.population.acceptance == pytest.approx(0.95**7 / (2 * 0.95**7 + sum(0.95**i for i in range(7))))
+    assert (sat_out, probe) == (FIRST_BACKOFF_STEPS, [1])
     # It fails, and so do the next ones until the estimate says stop; then it sits out twice as long.
-    policy.observe_verified(seq, 3, 0)
+    policy.observe_verified(seq, 1, 0)
     proposals = 1
     while policy.limits([seq], [4], num_seqs=1) != [0]:
         proposals += 1
@@ -117,7 +125,20 @@ def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doublin
     while policy.limits([seq], [4], num_seqs=1) == [0]:
         sat_out += 1
         policy.observe_step(1, 0, 1.0)
-    assert (proposals, sat_out) == (7, 2 * FIRST_BACKOFF_STEPS)
+    assert (proposals, sat_out) == (2, 2 * FIRST_BACKOFF_STEPS)
+
+
+def test_a_new_request_starts_from_the_engines_recent_acceptance() -> None:
+    policy = _calibrated()
+    copying = _seq("copying")
+    for _ in range(10):
+        policy.observe_verified(copying, 8, 8)
+    # Population: (0.95**10 + 8 * sum(0.95**i)) accepted against 0.95**10 rejected: 0.99; worth 2 tokens.
+    assert policy.limits([_seq("new")], [8], num_seqs=1) == [8]
+    chatty = _calibrated()
+    for _ in range(10):
+        chatty.observe_verified(_seq("old"), 2, 0)
+    assert chatty.limits([_seq("new")], [8], num_seqs=1) == [1]  # a probe of one token, though 0 would pay more
 
 
 def test_an_accepted_token_resets_the_back_off() -> None:
