@@ -5,10 +5,10 @@ a plain step (the extra query rows, and for a draft model its ``k`` forwards),
 and pays only with what gets accepted. With per-token acceptance ``a`` (each
 proposed token kept, given the ones before it were, with probability ``a``) a
 step that proposes ``k`` yields ``1 + a + ... + a**k`` tokens on average, for a
-cost of ``1 + k * r`` plain steps, ``r`` being the measured extra cost of one
-proposed token relative to a plain step. Each request proposes the ``k`` (at most
-its configured limit) that maximises tokens per unit of cost; when that is 0 —
-its recent acceptance is below the cost of one proposed token — it stops
+cost of ``1 + x(k)`` plain steps, ``x(k)`` being the measured extra cost of
+verifying ``k`` proposed tokens. Each request proposes the ``k`` (at most its
+configured limit) that maximises tokens per unit of cost; when that is 0 — its
+recent acceptance does not pay for even the cheapest proposal — it stops
 proposing and probes again (at least one token, from the prior) after a
 back-off that doubles while probes keep failing. Which tokens a request
 produces never depends on any of this (the verifier keeps only what the target
@@ -16,16 +16,17 @@ would have chosen), only how fast.
 
 ``a`` is estimated per request from its recent verified proposals (counts decay
 geometrically, so old behaviour fades), starting from the engine's recent
-acceptance over all requests; ``r`` engine-wide from step wall times: plain
+acceptance over all requests; ``x`` engine-wide from step wall times: plain
 steps (nothing proposed) give the plain cost per number of sequences in the
-step, steps that verified proposals the extra per proposed token. The
-decoder (decoder.py) times the steps with its clock, which tests replace to
+step, steps that verified proposals the extra per number of proposed tokens.
+The decoder (decoder.py) times the steps with its clock, which tests replace to
 decide with exact, fake costs.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -43,15 +44,12 @@ FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 64
 # The cost of a proposed token before any is measured (relative to a plain step), per method:
 # n-gram's is only the extra rows of the verify forward; a draft model adds its own forward per token.
-# It counts as PRIOR_COST_TOKENS tokens' worth of measurement.
 PRIOR_TOKEN_COST = {"ngram": 0.05, "draft_model": 0.4}
-PRIOR_COST_TOKENS = 8.0
 # A step's extra cost per proposed token is clamped to this (a draft forward as dear as two target
 # steps): one step stalled by another process must not switch speculation off for long.
 MAX_TOKEN_COST_SAMPLE = 2.0
-# Decay of the cost sums per speculating step, and weight of a new sample in the plain step's average.
-COST_DECAY = 0.9
-PLAIN_SMOOTHING = 0.2
+# Weight of a new sample in the running averages of costs.
+COST_SMOOTHING = 0.2
 # With a draft model every step may propose: force a plain step this often to re-measure its cost.
 RECALIBRATE_EVERY = 64
 
@@ -61,11 +59,12 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
-def best_num_tokens(acceptance: float, token_cost: float, max_k: int) -> int:
-    """The proposal length in 0..max_k with the most tokens per unit of step cost (ties: the shorter)."""
+def best_num_tokens(acceptance: float, extra_cost: Callable[[int], float], max_k: int) -> int:
+    """The proposal length in 0..max_k with the most tokens per unit of step cost (ties: the shorter);
+    ``extra_cost(k)``: what verifying k proposed tokens adds to a plain step, in plain steps."""
     best_k, best_rate = 0, 1.0
     for k in range(1, max_k + 1):
-        rate = expected_tokens(acceptance, k) / (1.0 + k * token_cost)
+        rate = expected_tokens(acceptance, k) / (1.0 + extra_cost(k))
         if rate > best_rate + 1e-12:
             best_k, best_rate = k, rate
     return best_k
@@ -97,33 +96,48 @@ class RequestAcceptance:
 
 
 class StepCosts:
-    """What steps cost: a plain step per number of sequences (running average), and a proposed token's
-    extra relative to it (decayed sums of extra cost over proposed tokens, so long proposals weigh more)."""
+    """What steps cost: a plain step per number of sequences, and the extra of a step that verifies ``n``
+    proposed tokens in all, relative to it, per ``n`` (running averages).
+
+    Per ``n``, not per token: the extra is far from proportional. At one thread the
+    float32 default model's projections cost 1.5x at 2 rows what they cost at 1,
+    2.2x at 3 and about 2.5x from 5 to 9 rows (BENCHMARKS.md, issue 12), so one
+    proposed token costs much of what eight do. An ``n`` not measured yet costs
+    what the nearest measured larger one does (costs grow with ``n``), else the
+    largest measured smaller one scaled up in proportion, else the method's prior.
+    """
 
     def __init__(self, prior_token_cost: float) -> None:
+        self.prior_token_cost = prior_token_cost
         self.plain_seconds: dict[int, float] = {}
         self.steps_since_plain: dict[int, int] = {}
-        self._extra = prior_token_cost * PRIOR_COST_TOKENS  # in plain steps
-        self._tokens = PRIOR_COST_TOKENS
+        self._extra: dict[int, float] = {}  # proposed tokens in the step -> extra cost, in plain steps
 
-    @property
-    def token_cost(self) -> float:
-        """The extra cost of one proposed token, in plain steps."""
-        return max(0.0, self._extra / self._tokens)
+    def extra_cost(self, num_tokens: int) -> float:
+        """The extra cost, in plain steps, of a step that verifies ``num_tokens`` proposed tokens."""
+        known = self._extra.get(num_tokens)
+        if known is None:
+            above = [n for n in self._extra if n > num_tokens]
+            below = [n for n in self._extra if n < num_tokens]
+            if above:
+                known = self._extra[min(above)]
+            elif below:
+                known = self._extra[max(below)] * num_tokens / max(below)
+            else:
+                known = self.prior_token_cost * num_tokens
+        return max(0.0, known)
 
     def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
         plain = self.plain_seconds.get(num_seqs)
         if num_proposed == 0:
-            self.plain_seconds[num_seqs] = (
-                seconds if plain is None else (1.0 - PLAIN_SMOOTHING) * plain + PLAIN_SMOOTHING * seconds
-            )
+            self.plain_seconds[num_seqs] = seconds if plain is None else _smooth(plain, seconds)
             self.steps_since_plain[num_seqs] = 0
             return
         self.steps_since_plain[num_seqs] = self.steps_since_plain.get(num_seqs, 0) + 1
         if plain is not None and plain > 0:
             extra = min(MAX_TOKEN_COST_SAMPLE * num_proposed, max(-1.0, seconds / plain - 1.0))
-            self._extra = COST_DECAY * self._extra + extra
-            self._tokens = COST_DECAY * self._tokens + num_proposed
+            old = self._extra.get(num_proposed)
+            self._extra[num_proposed] = extra if old is None else _smooth(old, extra)
 
     def needs_plain_step(self, num_seqs: int) -> bool:
         """Whether the plain cost at this batch size is unknown or stale (then nobody proposes this step)."""
@@ -159,7 +173,7 @@ class AdaptivePolicy:
         state = self.acceptance_of(seq)
         if self.num_steps < state.resume_at_step:
             return 0
-        k = best_num_tokens(state.acceptance, self.costs.token_cost, max_k)
+        k = best_num_tokens(state.acceptance, self.costs.extra_cost, max_k)
         if state.probe_next:
             # A new request, or one back from sitting out: it proposes at least one token whatever
             # the estimates say, so that its acceptance and the cost of a token are measured anew
@@ -189,3 +203,7 @@ class AdaptivePolicy:
         if seconds is not None:
             self.costs.observe(num_seqs, num_proposed, seconds)
 
+
+
+def _smooth(average: float, sample: float) -> float:
+    return (1.0 - COST_SMOOTHING) * average + COST_SMOOTHING * sample

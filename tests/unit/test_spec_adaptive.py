@@ -53,7 +53,17 @@ def _calibrated(plain_seconds: float = 1.0) -> AdaptivePolicy:
 def test_best_num_tokens_maximises_tokens_per_unit_of_cost(
     acceptance: float, token_cost: float, max_k: int, expected: int
 ) -> None:
-    assert best_num_tokens(acceptance, token_cost, max_k) == expected
+    assert best_num_tokens(acceptance, lambda k: token_cost * k, max_k) == expected
+
+
+def test_a_first_token_that_costs_most_of_a_long_proposal_is_not_worth_a_short_bet() -> None:
+    # Measured shape at one thread: a second row costs half a plain step, further ones little.
+    def extra(k: int) -> float:
+        return 0.5 + 0.02 * (k - 1)
+
+    assert best_num_tokens(0.3, lambda k: 0.2 * k, 8) == 1  # a per-token model would bet one token
+    assert best_num_tokens(0.3, extra, 8) == 0
+    assert best_num_tokens(0.8, extra, 8) == 8  # and a likely run pays for the whole proposal
 
 
 def test_expected_tokens_counts_the_target_token_after_the_run() -> None:
@@ -76,29 +86,29 @@ def test_nobody_proposes_until_a_plain_step_was_timed_then_the_prior_decides() -
     seq = _seq()
     assert policy.limits([seq], [8], num_seqs=1) == [0]
     policy.observe_step(1, 0, 0.010)
-    assert policy.costs.token_cost == PRIOR_TOKEN_COST["ngram"]
+    assert policy.costs.extra_cost(3) == pytest.approx(3 * PRIOR_TOKEN_COST["ngram"])
     assert policy.limits([seq], [8], num_seqs=1) == [3]  # acceptance 0.5, cost 0.05
     assert policy.limits([seq], [2], num_seqs=1) == [2]  # never above the sequence's own limit
     assert policy.limits([seq], [8], num_seqs=2) == [0]  # a batch size not timed yet
 
 
-def test_a_proposed_tokens_cost_is_measured_against_the_plain_step_weighted_by_tokens() -> None:
+def test_the_extra_cost_of_a_proposal_is_measured_per_length_against_the_plain_step() -> None:
     policy = _calibrated(plain_seconds=0.010)
-    # The prior counts as 8 tokens at 0.05; every speculating step decays the sums by 0.9.
     policy.observe_step(1, 4, 0.014)  # 4 tokens cost 0.4 plain steps
-    assert policy.costs.token_cost == pytest.approx((0.9 * 0.4 + 0.4) / (0.9 * 8 + 4))
-    policy.observe_step(1, 1, 0.008)  # faster than plain (noise): a negative sample of one token's weight
-    assert policy.costs.token_cost == pytest.approx((0.81 * 0.4 + 0.9 * 0.4 - 0.2) / (0.81 * 8 + 0.9 * 4 + 1))
-    before = policy.costs.token_cost
+    costs = policy.costs
+    assert [costs.extra_cost(n) for n in (4, 2, 8)] == pytest.approx([0.4, 0.4, 0.8])  # 2: as 4; 8: scaled
+    policy.observe_step(1, 4, 0.008)  # faster than plain (noise): averaged in, with weight 0.2
+    assert costs.extra_cost(4) == pytest.approx(0.8 * 0.4 + 0.2 * -0.2)
     policy.observe_step(1, 2, None)  # a step with prompt tokens in it: no sample
-    assert policy.costs.token_cost == before
+    assert costs.extra_cost(2) == pytest.approx(0.28)
     policy.observe_step(1, 1, 1.0)  # a stalled step counts as at most 2 plain steps per token
-    assert policy.costs.token_cost == pytest.approx((0.9 * before * (0.81 * 8 + 0.9 * 4 + 1) + 2.0) / (
-        0.9 * (0.81 * 8 + 0.9 * 4 + 1) + 1))
+    assert costs.extra_cost(1) == 2.0
 
 
 def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doubling_back_off() -> None:
     policy = _calibrated()
+    for k in range(1, 5):  # every proposal length measured at 0.05 plain steps per token
+        policy.observe_step(1, k, 1.0 + 0.05 * k)
     seq = _seq()
     limits = []
     for _ in range(7):
