@@ -2,19 +2,19 @@
 
 Speculation is a bet: a step that verifies ``k`` proposed tokens costs more than
 a plain step (the extra query rows, and for a draft model its ``k`` forwards),
-and pays only with what gets accepted. With per-token acceptance ``a`` (each
-proposed token kept, given the ones before it were, with probability ``a``) a
-step that proposes ``k`` yields ``1 + a + ... + a**k`` tokens on average, for a
-cost of ``1 + x(k)`` plain steps, ``x(k)`` being the measured extra cost of
-verifying ``k`` proposed tokens. Each request proposes the ``k`` (at most its
-configured limit) that maximises tokens per unit of cost; when that is 0 — its
-recent acceptance does not pay for even the cheapest proposal — it stops
-proposing and probes again (at least one token, from the prior) after a
-back-off that doubles while probes keep failing. Which tokens a request
+and pays only with what gets accepted. With ``f`` the chance that a proposal's
+first token is kept and ``a`` the chance that each further one is, given the one
+before, a step that proposes ``k`` yields ``1 + f * (1 + a + ... + a**(k-1))``
+tokens on average, for a cost of ``1 + x(k)`` plain steps, ``x(k)`` being the
+measured extra cost of verifying ``k`` proposed tokens. Each request proposes the
+``k`` (at most its configured limit) that maximises tokens per unit of cost; when
+that is 0 — its recent acceptance does not pay for even the cheapest proposal —
+it stops proposing and probes again (at least one token, from the prior) after
+a back-off that doubles while probes keep failing. Which tokens a request
 produces never depends on any of this (the verifier keeps only what the target
 would have chosen), only how fast.
 
-``a`` is estimated per request from its recent verified proposals (counts decay
+``f`` and ``a`` are estimated per request from its recent verified proposals (counts decay
 geometrically, so old behaviour fades), starting from the engine's recent
 acceptance over all requests; ``x`` engine-wide from step wall times: plain
 steps (nothing proposed) give the plain cost per number of sequences in the
@@ -54,17 +54,18 @@ COST_SMOOTHING = 0.2
 RECALIBRATE_EVERY = 64
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a step yields on average when it verifies ``k`` proposed tokens: 1 + a + ... + a**k."""
-    return sum(acceptance**i for i in range(k + 1))
+def expected_tokens(first: float, rest: float, k: int) -> float:
+    """Tokens a step yields on average when it verifies ``k`` proposed tokens: the target's own, plus the
+    first proposed one with probability ``first`` and each further one, given the one before, ``rest``."""
+    return 1.0 + first * sum(rest**i for i in range(k))
 
 
-def best_num_tokens(acceptance: float, extra_cost: Callable[[int], float], max_k: int) -> int:
+def best_num_tokens(first: float, rest: float, extra_cost: Callable[[int], float], max_k: int) -> int:
     """The proposal length in 0..max_k with the most tokens per unit of step cost (ties: the shorter);
     ``extra_cost(k)``: what verifying k proposed tokens adds to a plain step, in plain steps."""
     best_k, best_rate = 0, 1.0
     for k in range(1, max_k + 1):
-        rate = expected_tokens(acceptance, k) / (1.0 + extra_cost(k))
+        rate = expected_tokens(first, rest, k) / (1.0 + extra_cost(k))
         if rate > best_rate + 1e-12:
             best_k, best_rate = k, rate
     return best_k
@@ -72,27 +73,48 @@ def best_num_tokens(acceptance: float, extra_cost: Callable[[int], float], max_k
 
 @dataclass
 class RequestAcceptance:
-    """Recent acceptance (decayed counts of accepted tokens and rejections) and, for a request, its back-off."""
+    """Recent acceptance as decayed counts and, for a request, its back-off.
 
-    accepted: float = 1.0
-    rejected: float = 1.0
+    Two rates, because a proposal's first token and the ones after it behave
+    differently: n-gram lookup either lands on a passage being copied (then the
+    whole run tends to be right) or on a chance match (then its first token is
+    already wrong); one rate for both would shorten every proposal of a copying
+    request after one chance miss. ``first``: proposals whose first token was
+    kept, against those whose was not; ``rest``: tokens kept after a kept first
+    one, against rejections after a kept first one.
+    """
+
+    first_hits: float = 1.0
+    first_misses: float = 1.0
+    rest_hits: float = 1.0
+    rest_misses: float = 1.0
     resume_at_step: int = 0
     backoff_steps: int = FIRST_BACKOFF_STEPS
     # Whether its next proposal is a probe (at least one token whatever the estimates say).
     probe_next: bool = True
 
     @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    def first(self) -> float:
+        return self.first_hits / (self.first_hits + self.first_misses)
 
-    def restart_from(self, acceptance: float) -> None:
-        self.accepted, self.rejected = PRIOR_WEIGHT * acceptance, PRIOR_WEIGHT * (1.0 - acceptance)
+    @property
+    def rest(self) -> float:
+        return self.rest_hits / (self.rest_hits + self.rest_misses)
+
+    def restart_from(self, prior: RequestAcceptance) -> None:
+        first, rest = prior.first, prior.rest
+        self.first_hits, self.first_misses = PRIOR_WEIGHT * first, PRIOR_WEIGHT * (1.0 - first)
+        self.rest_hits, self.rest_misses = PRIOR_WEIGHT * rest, PRIOR_WEIGHT * (1.0 - rest)
 
     def observe(self, num_proposed: int, num_accepted: int, decay: float = DECAY) -> None:
-        # A run of accepted tokens then (unless all were kept) one rejection: the
-        # truncated-geometric likelihood's counts.
-        self.accepted = self.accepted * decay + num_accepted
-        self.rejected = self.rejected * decay + (1 if num_accepted < num_proposed else 0)
+        hit = num_accepted > 0
+        self.first_hits = self.first_hits * decay + hit
+        self.first_misses = self.first_misses * decay + (not hit)
+        if hit and num_proposed > 1:
+            # A run of kept tokens after the first, then (unless all were kept) one rejection:
+            # the truncated-geometric likelihood's counts.
+            self.rest_hits = self.rest_hits * decay + (num_accepted - 1)
+            self.rest_misses = self.rest_misses * decay + (num_accepted < num_proposed)
 
 
 class StepCosts:
@@ -159,7 +181,7 @@ class AdaptivePolicy:
         state = self._requests.get(seq)
         if state is None:
             state = self._requests[seq] = RequestAcceptance()
-            state.restart_from(self.population.acceptance)
+            state.restart_from(self.population)
         return state
 
     def limits(self, seqs: list[Sequence], max_tokens: list[int], num_seqs: int) -> list[int]:
@@ -173,7 +195,7 @@ class AdaptivePolicy:
         state = self.acceptance_of(seq)
         if self.num_steps < state.resume_at_step:
             return 0
-        k = best_num_tokens(state.acceptance, self.costs.extra_cost, max_k)
+        k = best_num_tokens(state.first, state.rest, self.costs.extra_cost, max_k)
         if state.probe_next:
             # A new request, or one back from sitting out: it proposes at least one token whatever
             # the estimates say, so that its acceptance and the cost of a token are measured anew
@@ -186,7 +208,7 @@ class AdaptivePolicy:
         state.backoff_steps = min(2 * state.backoff_steps, MAX_BACKOFF_STEPS)
         state.probe_next = True
         # Back from sitting out, it starts from the prior again: its old acceptance is stale.
-        state.restart_from(self.population.acceptance)
+        state.restart_from(self.population)
         return 0
 
     def observe_verified(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

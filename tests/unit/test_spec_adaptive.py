@@ -53,7 +53,8 @@ def _calibrated(plain_seconds: float = 1.0) -> AdaptivePolicy:
 def test_best_num_tokens_maximises_tokens_per_unit_of_cost(
     acceptance: float, token_cost: float, max_k: int, expected: int
 ) -> None:
-    assert best_num_tokens(acceptance, lambda k: token_cost * k, max_k) == expected
+    # The same rate for the first token and the rest: the geometric case.
+    assert best_num_tokens(acceptance, acceptance, lambda k: token_cost * k, max_k) == expected
 
 
 def test_a_first_token_that_costs_most_of_a_long_proposal_is_not_worth_a_short_bet() -> None:
@@ -61,24 +62,40 @@ def test_a_first_token_that_costs_most_of_a_long_proposal_is_not_worth_a_short_b
     def extra(k: int) -> float:
         return 0.5 + 0.02 * (k - 1)
 
-    assert best_num_tokens(0.3, lambda k: 0.2 * k, 8) == 1  # a per-token model would bet one token
-    assert best_num_tokens(0.3, extra, 8) == 0
-    assert best_num_tokens(0.8, extra, 8) == 8  # and a likely run pays for the whole proposal
+    assert best_num_tokens(0.3, 0.3, lambda k: 0.2 * k, 8) == 1  # a per-token model would bet one token
+    assert best_num_tokens(0.3, 0.3, extra, 8) == 0
+    assert best_num_tokens(0.8, 0.8, extra, 8) == 8  # and a likely run pays for the whole proposal
+
+
+def test_a_copying_request_keeps_its_long_proposals_after_a_chance_miss() -> None:
+    # First tokens kept 3 times in 4, runs after a kept first token nearly always right: all 8.
+    assert best_num_tokens(0.75, 0.97, lambda k: 0.2 * k, 8) == 8
+    # One rate for both (0.75 per token) would have cut the proposal to 3.
+    assert best_num_tokens(0.75, 0.75, lambda k: 0.2 * k, 8) == 3
 
 
 def test_expected_tokens_counts_the_target_token_after_the_run() -> None:
-    assert expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 3) == 1.875
-    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 0.5, 0) == 1.0
+    assert expected_tokens(0.5, 0.5, 3) == 1.875
+    assert expected_tokens(1.0, 1.0, 4) == 5.0
+    assert expected_tokens(0.2, 0.5, 3) == pytest.approx(1.0 + 0.2 * 1.75)
 
 
-def test_acceptance_counts_decay_and_a_rejection_counts_once_per_proposal() -> None:
+def test_acceptance_counts_decay_with_the_first_token_apart_from_the_rest() -> None:
     state = RequestAcceptance()
-    assert state.acceptance == 0.5
-    state.observe(8, 2)  # two kept, then one rejected
-    assert (state.accepted, state.rejected) == pytest.approx((2.8, 1.8))
+    assert (state.first, state.rest) == (0.5, 0.5)
+    state.observe(8, 3)  # first kept, two more kept, then one rejected
+    assert (state.first_hits, state.first_misses, state.rest_hits, state.rest_misses) == pytest.approx(
+        (1.8, 0.8, 2.8, 1.8)
+    )
+    state.observe(4, 0)  # first rejected: says nothing about the rest
+    assert (state.first_hits, state.first_misses, state.rest_hits, state.rest_misses) == pytest.approx(
+        (1.44, 1.64, 2.8, 1.8)
+    )
     state.observe(3, 3)  # all kept: no rejection
-    assert (state.accepted, state.rejected) == pytest.approx((5.24, 1.44))
+    assert (state.first_hits, state.first_misses, state.rest_hits, state.rest_misses) == pytest.approx(
+        (2.152, 1.312, 4.24, 1.44)
+    )
 
 
 def test_nobody_proposes_until_a_plain_step_was_timed_then_the_prior_decides() -> None:
@@ -115,15 +132,16 @@ def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doublin
         limits.append(policy.limits([seq], [4], num_seqs=1)[0])
         policy.observe_verified(seq, limits[-1], 0)
         policy.observe_step(1, limits[-1], 1.0 + 0.05 * limits[-1])
-    assert limits == [3, 2, 1, 1, 1, 1, 1]
-    # Acceptance now 0.048, below a token's cost (0.05): it sits out FIRST_BACKOFF_STEPS steps.
+    assert limits == [3, 3, 2, 2, 2, 1, 1]
+    # Its first tokens' rate is now 0.048, the run's after them still the prior 0.5: a token costs 0.05
+    # and yields 0.048, none pays: it sits out FIRST_BACKOFF_STEPS steps.
     sat_out = 0
     while (probe := policy.limits([seq], [4], num_seqs=1)) == [0]:
         sat_out += 1
         policy.observe_step(1, 0, 1.0)
     # The probe starts again from the engine's acceptance over all requests (0.096 after these 7
     # failures, worth 2 tokens): it proposes 1.
-    assert policy.population.acceptance == pytest.approx(0.95**7 / (2 * 0.95**7 + sum(0.95**i for i in range(7))))
+    assert policy.population.first == pytest.approx(0.95**7 / (2 * 0.95**7 + sum(0.95**i for i in range(7))))
     assert (sat_out, probe) == (FIRST_BACKOFF_STEPS, [1])
     # It fails, and so do the next ones until the estimate says stop; then it sits out twice as long.
     policy.observe_verified(seq, 1, 0)
