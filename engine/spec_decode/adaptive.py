@@ -126,7 +126,8 @@ class StepCosts:
     2.2x at 3 and about 2.5x from 5 to 9 rows (BENCHMARKS.md, issue 12), so one
     proposed token costs much of what eight do. An ``n`` not measured yet costs
     what the nearest measured larger one does (costs grow with ``n``), else the
-    largest measured smaller one scaled up in proportion, else the method's prior.
+    largest measured smaller one's plus the prior's per-token cost for each token
+    more, else the method's prior.
     """
 
     def __init__(self, prior_token_cost: float) -> None:
@@ -144,7 +145,10 @@ class StepCosts:
             if above:
                 known = self._extra[min(above)]
             elif below:
-                known = self._extra[max(below)] * num_tokens / max(below)
+                # Beyond the longest measured: the prior's per-token cost for each token more. Not the
+                # measured one scaled up: costs are concave in n, and an estimate that grows with the
+                # dear first token would keep a request at one token and its run's rate unmeasured.
+                known = self._extra[max(below)] + self.prior_token_cost * (num_tokens - max(below))
             else:
                 known = self.prior_token_cost * num_tokens
         return max(0.0, known)

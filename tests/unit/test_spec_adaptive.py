@@ -113,7 +113,8 @@ def test_the_extra_cost_of_a_proposal_is_measured_per_length_against_the_plain_s
     policy = _calibrated(plain_seconds=0.010)
     policy.observe_step(1, 4, 0.014)  # 4 tokens cost 0.4 plain steps
     costs = policy.costs
-    assert [costs.extra_cost(n) for n in (4, 2, 8)] == pytest.approx([0.4, 0.4, 0.8])  # 2: as 4; 8: scaled
+    # 2: as 4 (costs grow with the length); 8: 4's plus the prior's 0.05 for each token more.
+    assert [costs.extra_cost(n) for n in (4, 2, 8)] == pytest.approx([0.4, 0.4, 0.6])
     policy.observe_step(1, 4, 0.008)  # faster than plain (noise): averaged in, with weight 0.2
     assert costs.extra_cost(4) == pytest.approx(0.8 * 0.4 + 0.2 * -0.2)
     policy.observe_step(1, 2, None)  # a step with prompt tokens in it: no sample
