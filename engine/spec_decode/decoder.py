@@ -80,7 +80,9 @@ class SpecDecoder:
         if self.policy is None:
             return
         propose_seconds, self._propose_seconds = self._propose_seconds, 0.0
-        decode_only = all(item.num_new_tokens == 1 + len(item.spec_token_ids) and item.samples for item in output.scheduled)
+        decode_only = all(
+            item.num_new_tokens == 1 + len(item.spec_token_ids) and item.samples for item in output.scheduled
+        )
         seconds = None
         if decode_only and propose_seconds is not None:
             seconds = self.clock() - started + propose_seconds
