@@ -11,6 +11,7 @@ prompt, so that machine noise falls on all of them alike; the best of
 setting's greedy tokens equal plain decoding's.
 
     python -m benchmarks.spec_decode [--max-tokens 128] [--repeats 2] [--threads N] [--setting NAME=JSON ...]
+        [--more-chat]
 
 Between batch 1 and W1 a sweep over batch sizes 2-16 (speculation forced on)
 shows where speculation stops paying: what ``disable_by_batch_size``'s
@@ -56,9 +57,24 @@ CHAT = (
     "Explain in a few sentences what a KV cache is in a language model.",
     "Give me three tips for learning to play the guitar.",
 )
+# Eight more free chat prompts (``--more-chat``): four are too few to settle a ratio near 1.
+MORE_CHAT = (
+    "Why is the sky blue? Answer briefly.",
+    "Write a limerick about a cat who learns to code.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Suggest a name for a small bakery and explain why it fits.",
+    "How do vaccines train the immune system?",
+    "Describe your ideal weekend in a short paragraph.",
+    "What should I pack for a three-day hiking trip?",
+    "Summarise the plot of Romeo and Juliet in four sentences.",
+)
+# The recommended settings per method (BENCHMARKS.md, issue 12, "Adaptive speculation"): ngram k=8, fixed
+# and adaptive; the draft at k=5 (it beat k=3 on both workloads).
 DEFAULT_SETTINGS = (
     "ngram-k8={\"method\": \"ngram\", \"num_speculative_tokens\": 8, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}",
-    "draft-bf16int4-k3={\"method\": \"draft_model\", \"model\": \"default\", \"num_speculative_tokens\": 3, "
+    "ngram-k8-adaptive={\"method\": \"ngram\", \"num_speculative_tokens\": 8, \"prompt_lookup_min\": 1, "
+    "\"prompt_lookup_max\": 4, \"adaptive\": true}",
+    "draft-bf16int4-k5={\"method\": \"draft_model\", \"model\": \"default\", \"num_speculative_tokens\": 5, "
     "\"dtype\": \"bfloat16\", \"quantization\": \"int4\"}",
 )
 # Batch sizes at which speculation (forced on) is compared with plain decoding, to place the cut-off.
@@ -88,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-sweep", action="store_true", help="no batch-size sweep")
     parser.add_argument("--sweep-max-tokens", type=int, default=48, help="sweep: tokens generated per prompt")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
+    parser.add_argument("--more-chat", action="store_true", help="chat: the 4 prompts and 8 more (MORE_CHAT)")
     args = parser.parse_args(argv)
     settings = {}
     for text in args.setting or DEFAULT_SETTINGS:
@@ -124,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = llms["plain"].tokenizer
     workloads = {
         "grounded": [_chat_ids(tokenizer, text) for text in GROUNDED],
-        "chat": [_chat_ids(tokenizer, text) for text in CHAT],
+        "chat": [_chat_ids(tokenizer, text) for text in CHAT + (MORE_CHAT if args.more_chat else ())],
     }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     best: dict[tuple[str, str, int], Timing] = {}

@@ -10,6 +10,8 @@ them alike. Workloads: the grounded and chat prompts of
 
 * ``plain``: no speculation;
 * ``ngram``: ``{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}``;
+* ``ngram-adaptive``: the same with ``"adaptive": true`` (each request's proposal
+  length from its acceptance and the measured step costs);
 * ``draft``: the target in bf16 with INT4 weights as its own draft, k=3; its
   prompt KV recomputed on the decode worker (``up --draft-prompt-kv recompute``);
 * ``draft-prefill``: the same draft, its prompt KV built on the prefill worker
@@ -20,7 +22,7 @@ recomputed draft prefill lands), ITL p50, TPOT, acceptance (gRPC usage), and
 the KV bytes the decode worker received per request (its Prometheus counter).
 
     OMP_NUM_THREADS=1 python -m benchmarks.spec_served [--max-tokens 96] [--request-rate 0.25] [--passes 2]
-        [--settings plain,ngram,draft,draft-prefill] [--apis grpc,http] [--json out.json]
+        [--settings plain,ngram,ngram-adaptive,draft,draft-prefill] [--apis grpc,http] [--more-chat] [--json out.json]
 
 Memory: every worker of the default model takes about 1.7 GB resident (2 GB with the
 draft), so all four settings at once need about 15 GB; on a smaller or shared machine
@@ -52,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.spec_decode import CHAT, GROUNDED
+from benchmarks.spec_decode import CHAT, GROUNDED, MORE_CHAT
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3, "dtype": "bfloat16",
@@ -60,6 +62,7 @@ DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": 
 SETTINGS: dict[str, list[str]] = {
     "plain": [],
     "ngram": ["--speculative-config", json.dumps(NGRAM)],
+    "ngram-adaptive": ["--speculative-config", json.dumps({**NGRAM, "adaptive": True})],
     "draft": ["--speculative-config", json.dumps(DRAFT), "--draft-prompt-kv", "recompute"],
     "draft-prefill": ["--speculative-config", json.dumps(DRAFT), "--draft-prompt-kv", "prefill"],
 }
@@ -123,15 +126,15 @@ def wait_serving(cluster: Cluster) -> None:
     raise RuntimeError(f"pdserve up for {cluster.name} did not serve within {START_TIMEOUT_S} s")
 
 
-def chat_datasets(max_tokens: int, workdir: Path) -> dict[str, Path]:
-    """The grounded and chat prompts through the default model's chat template, as ``pdserve bench`` files."""
+def chat_datasets(max_tokens: int, workdir: Path, prompts_of: dict[str, tuple[str, ...]]) -> dict[str, Path]:
+    """Each workload's prompts through the default model's chat template, as ``pdserve bench`` files."""
     from transformers import AutoTokenizer
 
     from engine.model_loader import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
     paths = {}
-    for workload, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
+    for workload, prompts in prompts_of.items():
         path = workdir / f"{workload}.jsonl"
         lines = []
         for prompt in prompts:
@@ -193,8 +196,8 @@ def measure(cluster: Cluster, api: str, workload: str, dataset: Path, index: int
     decode_metrics = cluster.metrics.get("decode-0")
     before = scrape(decode_metrics) if decode_metrics else {}
     path = workdir / f"{cluster.name}-{api}-{workload}-{index}-{number}.json"
-    document = run_bench(api, target, dataset, 1 if index is not None else len(GROUNDED), rate or 1000.0, number,
-                         path)
+    num_prompts = 1 if index is not None else len(dataset.read_text().splitlines())
+    document = run_bench(api, target, dataset, num_prompts, rate or 1000.0, number, path)
     after = scrape(decode_metrics) if decode_metrics else {}
     summary = summarize(document)
     received = after.get("pdserve_kv_transfer_bytes_total", 0.0) - before.get("pdserve_kv_transfer_bytes_total", 0.0)
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "every other pass; medians pooled over passes")
     parser.add_argument("--num-kv-blocks", type=int, default=256)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--more-chat", action="store_true", help="chat: the 4 prompts and 8 more (MORE_CHAT)")
     args = parser.parse_args(argv)
     names = args.settings.split(",")
     for name in names:
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"unknown setting {name!r}; choose from {', '.join(SETTINGS)}")
     apis, workloads = args.apis.split(","), args.workloads.split(",")
     workdir = Path(tempfile.mkdtemp(prefix="spec-served-"))
-    datasets = chat_datasets(args.max_tokens, workdir)
+    prompts_of = {"grounded": GROUNDED, "chat": CHAT + (MORE_CHAT if args.more_chat else ())}
+    datasets = chat_datasets(args.max_tokens, workdir, prompts_of)
     redis_prefix = f"pdserve-spec-served-{os.getpid()}"
     print(f"load average at start: {os.getloadavg()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
           flush=True)
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     if args.request_rate is None:
                         # One request at a time, each prompt sent to every cluster in turn (order rotating):
                         # the lowest load there is, and noise from other processes falls on every setting alike.
-                        for index in range(len(GROUNDED)):
+                        for index in range(len(prompts_of[workload])):
                             shift = (index + number) % len(names)
                             for name in names[shift:] + names[:shift]:
                                 results["runs"].append(measure(clusters[name], api, workload, datasets[workload],

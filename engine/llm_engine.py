@@ -246,6 +246,7 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         spec = self.spec_decoder
+        started = spec.step_started() if spec else 0.0
         generator_states = spec.save_generators(scheduler_output) if spec else {}
         self.kv_pusher.begin_step(scheduler_output)
         try:
@@ -255,6 +256,7 @@ class LLMEngine:
         finally:
             self.kv_pusher.end_step()
         if spec is not None:
+            spec.observe_step(scheduler_output, started)
             spec.propose(self.scheduler)
         return outputs
 

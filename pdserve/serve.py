@@ -29,7 +29,8 @@ def add_speculative_config_argument(parser: argparse.ArgumentParser, whose: str 
         help=f"speculative decoding {whose}as in vLLM, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
         '"num_speculative_tokens": 3, "quantization": "int4"}\'; "disable_by_batch_size": N steps aside above N '
-        "requests (default: off)",
+        'requests; "adaptive": true shortens or pauses each request\'s proposals where its acceptance does not pay '
+        "for their measured cost (default: off)",
     )
 
 

@@ -32,7 +32,9 @@ class SpeculativeConfig:
     ``quantization``, proposes greedily. Either way at most
     ``num_speculative_tokens`` tokens are proposed per request and step, and
     nobody speculates while more than ``disable_by_batch_size`` requests are in
-    the engine (default: the method's measured cut-off).
+    the engine (default: the method's measured cut-off). With ``adaptive`` each
+    request proposes fewer tokens, or none for a while, where its recent
+    acceptance does not pay for the measured cost of proposing and verifying them.
     """
 
     method: str
@@ -45,6 +47,10 @@ class SpeculativeConfig:
     dtype: str = "auto"
     # None: the method's measured default (DEFAULT_DISABLE_BY_BATCH_SIZE).
     disable_by_batch_size: int | None = None
+    # True: each request proposes as many tokens (0..num_speculative_tokens) as its
+    # recent acceptance and the measured step costs say pay (engine/spec_decode/adaptive.py).
+    # False (vLLM's behaviour): always num_speculative_tokens where allowed.
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -53,6 +59,8 @@ class SpeculativeConfig:
             object.__setattr__(self, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE[self.method])
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be a bool, got {self.adaptive!r}")
         if self.method == "ngram":
             _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
             _check_int("prompt_lookup_max", self.prompt_lookup_max, 1)

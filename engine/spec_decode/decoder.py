@@ -22,13 +22,15 @@ whatever was accepted. Greedy requests draw nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode.adaptive import AdaptivePolicy
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import NgramProposer, Proposer
 
@@ -40,11 +42,24 @@ if TYPE_CHECKING:
 class SpecDecoder:
     """Proposes for the running batch after every step, and keeps the accepted part of each verified run."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        max_model_len: int,
+        vocab_size: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.clock = clock
+        # None: every request proposes its full limit whenever it may (config.adaptive off).
+        self.policy = AdaptivePolicy(config.method) if config.adaptive else None
+        # Seconds the last propose() took: part of the cost of the step that verifies its proposals
+        # (None: it also did one-off work, so that step's time is not a sample of the cost).
+        self._propose_seconds: float | None = 0.0
         # Engine-wide counters (Prometheus' pdserve_spec_decode_*).
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -56,19 +71,43 @@ class SpecDecoder:
         """Whether the engine speculates now: not while more requests are in it than the cut-off."""
         return len(scheduler.running) + scheduler.num_waiting <= self.config.disable_by_batch_size
 
+    def step_started(self) -> float:
+        """The clock at the start of a step (what ``observe_step`` measures from)."""
+        return self.clock()
+
+    def observe_step(self, output: SchedulerOutput, started: float) -> None:
+        """Tell the policy what the step that began at ``started`` cost (with the proposing before it)."""
+        if self.policy is None:
+            return
+        propose_seconds, self._propose_seconds = self._propose_seconds, 0.0
+        decode_only = all(
+            item.num_new_tokens == 1 + len(item.spec_token_ids) and item.samples for item in output.scheduled
+        )
+        seconds = None
+        if decode_only and propose_seconds is not None:
+            seconds = self.clock() - started + propose_seconds
+        num_proposed = sum(len(item.spec_token_ids) for item in output.scheduled)
+        self.policy.observe_step(len(output.scheduled), num_proposed, seconds)
+
     def propose(self, scheduler: Scheduler) -> None:
         """Give every running, decoding sequence that may speculate a proposal for the next step."""
         if not self.is_active(scheduler):
             return
+        started = self.clock()
         seqs, limits = [], []
         for seq in scheduler.running:
             limit = self._max_proposal(seq)
             if limit > 0:
                 seqs.append(seq)
                 limits.append(limit)
+        if seqs and self.policy is not None:
+            wanted = self.policy.limits(seqs, limits, len(scheduler.running))
+            seqs, limits = [s for s, k in zip(seqs, wanted) if k > 0], [k for k in wanted if k > 0]
+        one_off = bool(seqs) and self.proposer.catches_up(seqs, limits)
         if seqs:
             for seq, proposal in zip(seqs, self.proposer.propose(seqs, limits)):
                 seq.spec_token_ids = list(proposal)
+        self._propose_seconds = None if one_off else self.clock() - started
 
     def _max_proposal(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may verify next step: none unless it only has its last token to
@@ -113,6 +152,8 @@ class SpecDecoder:
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
+        if self.policy is not None:
+            self.policy.observe_verified(seq, num_proposed, num_accepted)
         state = generator_states.get(seq.request_id)
         if state is not None and num_accepted < num_proposed:
             generator = seq.generator

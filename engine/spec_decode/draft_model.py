@@ -152,6 +152,10 @@ class DraftModelProposer(Proposer):
                 proposals[i].append(token)
         return proposals
 
+    def catches_up(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> bool:
+        # A steady step catches up on at most the last run: the accepted tokens and the one after them.
+        return any(seq.num_tokens - seq.num_draft_computed_tokens > k + 1 for seq, k in zip(seqs, max_tokens))
+
     def _table(self, index: int, seq: Sequence) -> list[int]:
         """The sequence's blocks, then its scratch blocks: enough for every position this call writes."""
         first = self.num_target_blocks + index * self.blocks_per_seq
@@ -193,7 +197,10 @@ class DraftModelProposer(Proposer):
             self.backend.build_metadata(batch),
         )
         rows = torch.tensor(last_rows, dtype=torch.long, device=device)
-        greedy = self.model.compute_logits(hidden.index_select(0, rows)).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (len(chunks), vocab)
+        # A greedy guess needs no softmax. Widened first: argmax over bf16 is ~8x slower than over float32
+        # on CPU (0.9 against 0.1 ms over 49,152 logits, about 2% of a draft forward), and widening is exact.
+        greedy = logits.float().argmax(dim=-1).tolist()
         by_input = [0] * len(chunks)
         for i, token in zip(order, greedy):
             by_input[i] = token

@@ -25,6 +25,11 @@ class Proposer(abc.ABC):
         """For each sequence (decoding, its last token sampled but not computed yet), at most
         ``max_tokens[i]`` proposed continuation tokens; an empty list when it has no guess."""
 
+    def catches_up(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> bool:
+        """Whether proposing for ``seqs`` also does one-off work (a draft filling its KV over a prompt),
+        so that its time says nothing about what speculating costs per step."""
+        return False
+
 
 class NgramProposer(Proposer):
     """Prompt lookup decoding: the tokens that followed the latest earlier occurrence of the sequence's suffix.
