@@ -119,11 +119,15 @@ static void rotate(uint16_t *out, const uint16_t *qkv, int64_t qkv_width, int64_
         for (int64_t h = 0; h < num_heads; ++h) {
             const uint16_t *x = qkv + r * qkv_width + h * head_dim;
             uint16_t *y = out + (r * num_heads + h) * head_dim;
-            for (int64_t i = 0; i < head_dim; ++i) {
-                /* rotate_half: (-x[half:], x[:half]); negating a bfloat16 is exact. */
-                const float rotated = i < half ? -bf16_to_float(x[i + half]) : bf16_to_float(x[i - half]);
+            /* rotate_half: (-x[half:], x[:half]); negating a bfloat16 is exact. Two loops, no branch: vectorised. */
+            for (int64_t i = 0; i < half; ++i) {
                 const float a = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * cos_row[i]));
-                const float b = bf16_to_float(float_to_bf16(rotated * sin_row[i]));
+                const float b = bf16_to_float(float_to_bf16(-bf16_to_float(x[i + half]) * sin_row[i]));
+                y[i] = float_to_bf16(a + b);
+            }
+            for (int64_t i = half; i < head_dim; ++i) {
+                const float a = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * cos_row[i]));
+                const float b = bf16_to_float(float_to_bf16(bf16_to_float(x[i - half]) * sin_row[i]));
                 y[i] = float_to_bf16(a + b);
             }
         }
