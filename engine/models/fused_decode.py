@@ -44,8 +44,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parents[1] / "kernels" / "fused_decode.c"
-# Steps of up to this many tokens take the fused path (see BENCHMARKS.md, issue 11: where it stops winning).
-FUSED_DECODE_MAX_ROWS = 16
+# Steps of up to this many tokens take the fused path: it ran 0.73x the layer-by-layer step's time at 16,
+# 32 and 128 rows (BENCHMARKS.md, issue 11, fused decode step). It can go no further than the projections'
+# own kernels (their kernel_max_rows, 256): above those the layer-by-layer path dequantizes to bf16.
+FUSED_DECODE_MAX_ROWS = 128
 # The attention kernel's limit (paged_attention.c's MAX_HEAD_DIM) and the quantized tiles' column block.
 _MAX_HEAD_DIM = 256
 _QBLOCK = 32
@@ -118,7 +120,7 @@ class FusedDecoder:
     packed weights must not be replaced) and of the KV pool it last ran on.
     """
 
-    def __init__(self, library: ctypes.CDLL, model: LlamaForCausalLM, max_rows: int = FUSED_DECODE_MAX_ROWS) -> None:
+    def __init__(self, library: ctypes.CDLL, model: LlamaForCausalLM, max_rows: int) -> None:
         self._function = library.pdserve_fused_decode
         self.max_rows = max_rows
         decoder = model.model
@@ -236,14 +238,17 @@ def build_fused_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
     attn = decoder.layers[0].self_attn
     if attn.head_dim > _MAX_HEAD_DIM or attn.head_dim % 2 or attn.num_heads % attn.num_kv_heads:
         return None
+    max_rows = FUSED_DECODE_MAX_ROWS
     for layer in decoder.layers:
         if layer.mlp.fused is None:  # SiLU only
             return None
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(_fits(projection) for projection in projections):
             return None
+        # Bit for bit the layer-by-layer path only where that path runs the same kernels.
+        max_rows = min([max_rows] + [projection.method.kernel_max_rows for projection in projections])
     library = _load_library()
-    return None if library is None else FusedDecoder(library, model)
+    return None if library is None else FusedDecoder(library, model, max_rows)
 
 
 def _fits(projection: nn.Module) -> bool:

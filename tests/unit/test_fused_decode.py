@@ -23,7 +23,7 @@ from engine.models.llama import LlamaForCausalLM
 from tests.conftest import random_prompts
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 96
+NUM_BLOCKS = 6 * (FUSED_DECODE_MAX_ROWS + 1)
 CPU = torch.device("cpu")
 
 
@@ -46,13 +46,14 @@ class Pair:
     def add_sequences(self, lengths: list[int]) -> list[list[int]]:
         """Prefill random prompts of ``lengths`` into both pools (layer by layer): the sequences' tokens."""
         prompts = random_prompts(lengths, seed=len(self.tables))
+        chunks = []
         for prompt in prompts:
             blocks = -(-(len(prompt) + 8) // BLOCK_SIZE)
             self.tables.append(list(range(self.next_block, self.next_block + blocks)))
             self.next_block += blocks
-            index = len(self.tables) - 1
-            for layers in self.layers:
-                self._run(layers, [(index, prompt, 0)], fused=False)
+            chunks.append((len(self.tables) - 1, prompt, 0))
+        for layers in self.layers:
+            self._run(layers, chunks, fused=False)
         return prompts
 
     def step(self, chunks: list[tuple[int, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
