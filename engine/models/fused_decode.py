@@ -16,7 +16,8 @@ kernels' layout), with SiLU MLPs, for steps whose every token the paged
 attention kernel attends (decodes, and the short chunks a speculative step
 verifies) and of at most ``FUSED_DECODE_MAX_ROWS`` tokens. Everything else —
 float32 (the exactness oracle), GPU, unquantized weights, tensor parallelism,
-no C compiler, prefill chunks, larger batches, ``enforce_eager=True`` — runs the
+no C compiler, prefill chunks, larger batches, forward hooks on the decoder
+layers (the KV pusher's), ``enforce_eager=True`` — runs the
 model's layer-by-layer forward; ``LlamaForCausalLM.forward`` is the one place
 that chooses.
 """
@@ -125,6 +126,7 @@ class FusedDecoder:
         self.max_rows = max_rows
         decoder = model.model
         attn = decoder.layers[0].self_attn
+        self._decoder_layers = list(decoder.layers)
         self._layers = (_Layer * len(decoder.layers))()
         for struct, layer in zip(self._layers, decoder.layers):
             struct.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -164,6 +166,8 @@ class FusedDecoder:
             and attn_metadata.kernel_plan is not None
             and attn_metadata.num_decodes == 0
             and not attn_metadata.prefills
+            # A hook on a decoder layer (engine/kv_push.py's export of each layer's KV) must see every layer run.
+            and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self._decoder_layers)
         )
 
     def __call__(

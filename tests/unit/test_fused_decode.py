@@ -154,6 +154,17 @@ def test_steps_the_fused_path_does_not_serve_run_layer_by_layer(llama_checkpoint
             block_size=BLOCK_SIZE, device=CPU, num_heads=pair.model.num_heads, num_kv_heads=pair.model.num_kv_heads,
         )
         assert not pair.fused.serves(tokens, pair.backend.build_metadata(batch))
+    one_decode = pair.backend.build_metadata(AttentionBatch(
+        num_decodes=1, query_lens=[1], context_lens=[6], block_tables=[pair.tables[0]],
+        slot_mapping=torch.tensor([5]), block_size=BLOCK_SIZE, device=CPU,
+        num_heads=pair.model.num_heads, num_kv_heads=pair.model.num_kv_heads,
+    ))
+    assert pair.fused.serves(1, one_decode)
+    # The KV pusher exports each layer's blocks from a forward hook: a hooked layer must run on its own.
+    handle = pair.model.model.layers[2].register_forward_hook(lambda module, args, output: None)
+    assert not pair.fused.serves(1, one_decode)
+    handle.remove()
+    assert pair.fused.serves(1, one_decode)
 
 
 def test_only_bf16_quantized_cpu_models_get_the_fused_step(llama_checkpoint: Path) -> None:
