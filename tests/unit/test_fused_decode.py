@@ -204,10 +204,30 @@ def test_greedy_generations_are_equal_with_and_without_the_fused_step(checkpoint
     prompts = random_prompts([7, 30, 61], seed=4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
+    fused_steps = []
     for eager in (False, True):
         llm = LLM(model=str(checkpoint), dtype="bfloat16", num_kv_blocks=64, quantization=quantization,
                   enforce_eager=eager)
-        assert (llm.engine.model.fused_decoder is None) == eager
+        model = llm.engine.model
+        assert (model.fused_decoder is None) == eager
+        if not eager:
+            model.fused_decoder = CountingDecoder(model.fused_decoder, fused_steps)
         outputs[eager] = [out.token_ids for out in llm.generate(prompts, params)]
     assert outputs[False] == outputs[True]
     assert all(len(tokens) == 24 for tokens in outputs[False])
+    # The engine's decode steps took the fused path (its KV pusher hooks no layer outside a pushing step).
+    assert len(fused_steps) >= 23
+
+
+class CountingDecoder:
+    """A fused decoder that records the row count of every step it runs."""
+
+    def __init__(self, decoder: object, steps: list[int]) -> None:
+        self.decoder, self.steps = decoder, steps
+
+    def serves(self, num_tokens: int, attn_metadata: object) -> bool:
+        return self.decoder.serves(num_tokens, attn_metadata)
+
+    def __call__(self, residual: torch.Tensor, *args: object) -> torch.Tensor:
+        self.steps.append(residual.shape[0])
+        return self.decoder(residual, *args)
