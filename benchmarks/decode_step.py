@@ -15,8 +15,12 @@
    (the C kernel reading the block pool in place, its work split by OpenMP on
    torch's own threads) and ``cpu_paged_pool`` (the same kernel built without
    OpenMP, split over a Python thread pool: the fallback, and the engine's path
-   before issue 11's third session). ``--profile N`` then prints torch.profiler's
-   table of the N costliest ops of one ``cpu_paged`` step (self CPU time).
+   before issue 11's third session). Where the engine runs the step through the
+   fused decode step (a bf16 INT8/INT4 model, a batch up to its cut-off:
+   engine/models/fused_decode.py), ``cpu_paged`` is that step and
+   ``cpu_paged_eager`` the same step layer by layer (``enforce_eager``).
+   ``--profile N`` then prints torch.profiler's table of the N costliest ops of
+   one ``cpu_paged`` step (self CPU time).
 
 The minimum of ``--repeats`` alternating runs is reported, with the median;
 the machine is shared, so only figures from one run compare.
@@ -104,15 +108,22 @@ def decode_step(batch: int, steps_before: int, repeats: int, profile_rows: int =
         if kernel.openmp and pool_kernel is not None:
             backends["cpu_paged_pool"] = SdpaBackend(pool_kernel)
 
-    def run_with(backend: SdpaBackend) -> Callable[[], object]:
+    fused_decoder = engine.model.fused_decoder
+
+    def run_with(backend: SdpaBackend, fused: bool = True) -> Callable[[], object]:
         def run() -> object:
             # Re-running one scheduled step rewrites the same cache slots with the same values.
             engine.runner.backend = backend
+            engine.model.fused_decoder = fused_decoder if fused else None
             return engine.runner.execute(scheduled)
 
         return run
 
-    result = _alternate({name: run_with(backend) for name, backend in backends.items()}, repeats)
+    candidates = {name: run_with(backend) for name, backend in backends.items()}
+    if fused_decoder is not None and "cpu_paged" in backends:
+        candidates["cpu_paged_eager"] = run_with(backends["cpu_paged"], fused=False)
+    result = _alternate(candidates, repeats)
+    engine.model.fused_decoder = fused_decoder
     if profile_rows:
         engine.runner.backend = backends.get("cpu_paged", backends["sdpa"])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
@@ -154,10 +165,10 @@ def main() -> None:
     setting = f"{args.dtype}, quantization {args.quantization}, KV {args.kv_cache_dtype}"
     print(f"\ndecode step ({setting}), batch {step['batch']}, mean context {step['mean_context']:.0f} tokens:")
     print(f"  {torch.get_num_threads()} torch thread(s)")
-    for name in ("sdpa", "cpu_paged", "cpu_paged_pool"):
+    for name in ("sdpa", "cpu_paged", "cpu_paged_pool", "cpu_paged_eager"):
         if name in step:
             print(f"  {name:<14} min {step[name]['min_ms']:.1f} ms, median {step[name]['median_ms']:.1f} ms")
-    for name in ("sdpa", "cpu_paged_pool"):
+    for name in ("sdpa", "cpu_paged_pool", "cpu_paged_eager"):
         if "cpu_paged" in step and name in step:
             print(f"  cpu_paged / {name} (min): {step['cpu_paged']['min_ms'] / step[name]['min_ms']:.2f}")
     if args.json:

@@ -1,11 +1,12 @@
 """Precision settings the issue-11 benchmarks compare: weight dtype, weight quantization, KV cache dtype.
 
-A setting is written ``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD]]]`` on the command line,
+A setting is written ``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD[:EXECUTION]]]]`` on the command line,
 an empty part or ``-`` meaning "not set" (no quantization, the KV cache in the
 model's dtype, the engine's LM head default): ``float32``, ``bfloat16``, ``bfloat16:int8``,
 ``bfloat16:int4:int8``, ``bfloat16::int8`` (bf16 weights, int8 KV), ``bfloat16:int4::float``
 (INT4 layers with the LM head left in bf16; ``int8`` asks for the quantized head, the default
-under quantization). Parts that are not set are not passed
+under quantization), ``bfloat16:int4:::eager`` (every step layer by layer: ``enforce_eager=True``;
+``fused`` asks for the fused decode step, the default). Parts that are not set are not passed
 to ``LLM`` at all, so a setting the engine of this checkout does not know yet
 fails at construction, and the benchmarks report it as unsupported instead of crashing.
 """
@@ -21,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 LM_HEADS = ("float", "int8")
+EXECUTIONS = ("fused", "eager")
 REFERENCE = "float32"
 
 T = TypeVar("T")
@@ -34,11 +36,12 @@ class PrecisionSetting:
     quantization: str | None = None
     kv_cache_dtype: str | None = None
     lm_head: str | None = None
+    execution: str | None = None
 
     @property
     def name(self) -> str:
         """The command-line spelling, with trailing unset parts dropped."""
-        parts = [self.dtype, self.quantization or "", self.kv_cache_dtype or "", self.lm_head or ""]
+        parts = [self.dtype, self.quantization or "", self.kv_cache_dtype or "", self.lm_head or "", self.execution or ""]
         while parts and not parts[-1]:
             parts.pop()
         return ":".join(parts)
@@ -48,7 +51,7 @@ class PrecisionSetting:
         """The same weights with the KV cache in the model's dtype: what int8 KV is judged against."""
         if self.kv_cache_dtype in (None, "auto"):
             return None
-        return PrecisionSetting(self.dtype, self.quantization, lm_head=self.lm_head)
+        return PrecisionSetting(self.dtype, self.quantization, lm_head=self.lm_head, execution=self.execution)
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"dtype": self.dtype}
@@ -58,16 +61,18 @@ class PrecisionSetting:
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         if self.lm_head is not None:
             kwargs["quantize_lm_head"] = self.lm_head == "int8"
+        if self.execution is not None:
+            kwargs["enforce_eager"] = self.execution == "eager"
         return kwargs
 
 
 def parse_setting(text: str) -> PrecisionSetting:
-    """``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD]]]``; raises ``ValueError`` naming the bad part."""
+    """``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD[:EXECUTION]]]]``; raises ``ValueError`` naming the bad part."""
     parts = [part.strip() for part in text.split(":")]
-    if len(parts) > 4:
-        raise ValueError(f"setting {text!r}: expected DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD]]]")
-    parts += [""] * (4 - len(parts))
-    dtype, quantization, kv_cache_dtype, lm_head = (None if part in ("", "-") else part for part in parts)
+    if len(parts) > 5:
+        raise ValueError(f"setting {text!r}: expected DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD[:EXECUTION]]]]")
+    parts += [""] * (5 - len(parts))
+    dtype, quantization, kv_cache_dtype, lm_head, execution = (None if part in ("", "-") else part for part in parts)
     if dtype not in DTYPES:
         raise ValueError(f"setting {text!r}: dtype must be one of {DTYPES}, got {dtype!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -78,7 +83,9 @@ def parse_setting(text: str) -> PrecisionSetting:
         )
     if lm_head is not None and lm_head not in LM_HEADS:
         raise ValueError(f"setting {text!r}: lm_head must be one of {LM_HEADS}, got {lm_head!r}")
-    return PrecisionSetting(dtype, quantization, kv_cache_dtype, lm_head)
+    if execution is not None and execution not in EXECUTIONS:
+        raise ValueError(f"setting {text!r}: execution must be one of {EXECUTIONS}, got {execution!r}")
+    return PrecisionSetting(dtype, quantization, kv_cache_dtype, lm_head, execution)
 
 
 def parse_settings(texts: list[str]) -> list[PrecisionSetting]:

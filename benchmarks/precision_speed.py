@@ -123,7 +123,7 @@ def run_setting(llm: Any, workload: Workload, warmup: Workload, batch1: Workload
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--setting", action="append", default=[], metavar="DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE]]",
+        "--setting", action="append", default=[], metavar="DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD[:EXECUTION]]]]",
         help="a setting to time (repeatable), e.g. bfloat16, bfloat16:int8, bfloat16:int4:int8",
     )
     parser.add_argument("--model", default=None, help="model folder or hub id; default: the embedded SmolLM2-135M")

@@ -71,6 +71,10 @@ class ModelConfig:
     quantization_group_size: int = 32  # input columns per INT4 scale/zero; must divide every projection's in_features
     # Under quantization, the LM head in INT8 too (llama.cpp's GGUF keeps it in Q8_0; vLLM leaves it unquantized).
     quantize_lm_head: bool = True
+    # vLLM's name (there: no CUDA graphs). Here: no fused decode step; every step runs the model layer by
+    # layer in torch. The fused step (engine/models/fused_decode.py) serves small decode batches of bf16
+    # INT8/INT4 models on CPU and gives the same results bit for bit; this switch is for comparisons.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

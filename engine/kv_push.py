@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from engine.kv_cache import KVCache
 
@@ -73,8 +74,10 @@ class LayerPusher:
         self._pushed: dict[str, int] = {}  # request id -> blocks pushed through every layer
         self._first: dict[str, int] = {}  # request id -> the first block it pushes
         self._plan: list[_Planned] = []
-        for index, layer in enumerate(layers):
-            layer.register_forward_hook(self._hook(index))
+        self._layers = list(layers)
+        # The layer hooks exist only during a step that pushes: a hooked model runs its layers one by one
+        # (engine/models/fused_decode.py), which the other steps need not.
+        self._hooks: list[RemovableHandle] = []
 
     def begin_step(self, scheduler_output: SchedulerOutput) -> None:
         if self.sink is None:
@@ -100,12 +103,17 @@ class LayerPusher:
             if end_block > first_block:
                 block_ids = tuple(seq.block_table[first_block:end_block])
                 self._plan.append(_Planned(seq.request_id, block_ids, first_block, end_block))
+        if self._plan and not self._hooks:
+            self._hooks = [layer.register_forward_hook(self._hook(index)) for index, layer in enumerate(self._layers)]
 
     def end_step(self) -> None:
         for planned in self._plan:
             if planned.request_id in self._pushed:
                 self._pushed[planned.request_id] = planned.end_block
         self._plan = []
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def end(self, request_id: str, complete: bool) -> None:
         """The request finished (``complete``) or was aborted: tell the sink, if it pushed."""

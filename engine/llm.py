@@ -44,6 +44,7 @@ class LLM:
         quantization: str | None = None,
         quantization_group_size: int = 32,
         quantize_lm_head: bool = True,
+        enforce_eager: bool = False,
         kv_cache_dtype: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
@@ -59,6 +60,7 @@ class LLM:
                 quantization=quantization,
                 quantization_group_size=quantization_group_size,
                 quantize_lm_head=quantize_lm_head,
+                enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -95,7 +95,7 @@ class LLMEngine:
         self.model = load_model(
             self.model_path, hf_config, self.max_model_len, self.dtype, self.device,
             model_cfg.quantization, model_cfg.quantization_group_size, model_cfg.quantize_lm_head,
-            shard=TensorParallelShard(0, tp) if tp > 1 else None,
+            shard=TensorParallelShard(0, tp) if tp > 1 else None, enforce_eager=model_cfg.enforce_eager,
         )
         self.tokenizer = _load_tokenizer(self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)

@@ -118,13 +118,15 @@ def load_model(
     quantization_group_size: int = 32,
     quantize_lm_head: bool = True,
     shard: TensorParallelShard | None = None,
+    enforce_eager: bool = False,
 ) -> LlamaForCausalLM:
     """The checkpoint at ``path`` as a ready pdserve model: built in ``dtype`` on ``device``, weights
     loaded, sliced to ``shard``'s part (tensor parallelism), projections packed with
     ``quantization``'s linear method, in eval mode.
 
     Under quantization the LM head is INT8 too unless ``quantize_lm_head`` is False
-    (engine/layers/linear.py's ``lm_head_method``; BENCHMARKS.md issue 11 has its effect)."""
+    (engine/layers/linear.py's ``lm_head_method``; BENCHMARKS.md issue 11 has its effect).
+    ``enforce_eager``: no fused decode step (engine/models/fused_decode.py)."""
     from engine.layers.linear import linear_method, lm_head_method
     from engine.models import model_class
 
@@ -144,6 +146,8 @@ def load_model(
     model.pack_weights(
         linear_method(quantization, quantization_group_size), lm_head_method(quantization, quantize_lm_head)
     )
+    if enforce_eager:
+        model.fused_decoder = None
     return model.eval()
 
 

@@ -1,6 +1,6 @@
 """Compiles the engine's C kernels once per machine into the cache dir; ctypes loads them.
 
-Each kernel is one C file (in ``engine/kernels/``, with the headers beside it) compiled with the system compiler into
+Each kernel is one C file (in ``engine/kernels/``, with the headers and kernels it includes beside it) compiled with the system compiler into
 ``<pdserve cache dir>/kernels/``. The file name carries a hash of the source,
 the compiler and flags, and the CPU's model and feature flags, so a changed
 source or another CPU never loads a stale build. Callers treat ``OSError`` as
@@ -40,8 +40,11 @@ def compile_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (set CC, or install gcc)")
-    # The kernels' shared header (vector.h) is part of every build.
-    text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    # Every file beside the source is part of the build's key: the shared header (vector.h), and the
+    # kernels a source includes whole (fused_decode.c includes the others).
+    text = source.read_bytes() + b"".join(
+        other.read_bytes() for other in sorted(source.parent.glob("*.[ch]")) if other != source
+    )
     flags = " ".join((compiler, *CFLAGS, *extra_flags)).encode()
     key = hashlib.sha256(text + flags + _cpu_identity()).hexdigest()[:16]
     directory = default_cache_dir() / "kernels"

@@ -20,6 +20,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.layers.fused_ops import FusedOps, load_fused_ops
 from engine.layers.linear import LinearMethod, PackedLinear, UnquantizedLinearMethod
+from engine.models.fused_decode import FusedDecoder, build_fused_decoder
 from engine.models.rope import RotaryEmbedding, apply_rotary
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
@@ -160,6 +161,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _build(self, config: Any, max_positions: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         self.config = config
+        # Set by pack_weights; None: every step runs layer by layer.
+        self.fused_decoder: FusedDecoder | None = None
         self.model = DecoderModel(config, max_positions, qkv_bias, o_bias, mlp_bias)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
@@ -194,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
                 if layer.mlp.act is nn.functional.silu:
                     layer.mlp.fused = fused
             self.model.norm.fused = fused
+        # Decode steps in one C call where the model's layout allows (None elsewhere; see forward).
+        self.fused_decoder = build_fused_decoder(self)
 
     @property
     def num_heads(self) -> int:
@@ -217,6 +222,10 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # (num_tokens, hidden)
         residual = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        # The one place that chooses: a small decode step runs every layer in one C call
+        # (engine/models/fused_decode.py), bit for bit the layer-by-layer path below.
+        if self.fused_decoder is not None and self.fused_decoder.serves(residual.shape[0], attn_metadata):
+            return self.fused_decoder(residual, positions, kv_caches, attn_metadata)
         rope = self.model.rotary.tables(positions, residual.dtype)  # once per step, shared by every layer
         delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):

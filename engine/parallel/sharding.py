@@ -128,6 +128,8 @@ class AllReduceOutput(nn.Module):
 
 def install_all_reduce(model: nn.Module, all_reduce: Any) -> None:
     """Wrap every packed row-parallel projection (o, down) so its output is all-reduced in place."""
+    # The fused decode step calls the projections' kernels directly, with no all-reduce between them.
+    model.fused_decoder = None
     for layer in model.model.layers:
         layer.self_attn.o_proj = AllReduceOutput(layer.self_attn.o_proj, all_reduce)
         layer.mlp.down_proj = AllReduceOutput(layer.mlp.down_proj, all_reduce)

@@ -182,6 +182,7 @@ def load_draft(config: SpeculativeConfig, engine: LLMEngine) -> DraftModelPropos
         device=engine.device,
         attention_backend=engine.config.model.attention_backend,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
+        enforce_eager=engine.config.model.enforce_eager,
     )
     return DraftModelProposer(config, target)
 

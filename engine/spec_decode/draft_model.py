@@ -50,6 +50,8 @@ class DraftTarget:
     device: torch.device
     attention_backend: str
     max_num_seqs: int
+    # The target's enforce_eager: the draft runs its decode steps layer by layer too.
+    enforce_eager: bool = False
 
 
 class DraftModelProposer(Proposer):
@@ -75,7 +77,7 @@ class DraftModelProposer(Proposer):
         self.device = target.device
         self.model = load_model(
             path, hf_config, target.max_model_len, self.dtype, self.device,
-            config.quantization, config.quantization_group_size,
+            config.quantization, config.quantization_group_size, enforce_eager=target.enforce_eager,
         )
         self.block_size = bs = target.block_size
         self.num_layers = int(hf_config.num_hidden_layers)

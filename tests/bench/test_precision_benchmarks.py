@@ -124,6 +124,9 @@ def test_settings_parse_with_unset_parts_and_float32_first() -> None:
     head = parse_setting("bfloat16:int4::float")
     assert head == PrecisionSetting("bfloat16", "int4", None, "float") and head.name == "bfloat16:int4::float"
     assert head.llm_kwargs() == {"dtype": "bfloat16", "quantization": "int4", "quantize_lm_head": False}
+    eager = parse_setting("bfloat16:int4:::eager")
+    assert eager == PrecisionSetting("bfloat16", "int4", execution="eager") and eager.name == "bfloat16:int4:::eager"
+    assert eager.llm_kwargs() == {"dtype": "bfloat16", "quantization": "int4", "enforce_eager": True}
     assert PrecisionSetting("bfloat16", None, "int8").name == "bfloat16::int8"
     assert PrecisionSetting("bfloat16", "int8").name == "bfloat16:int8"
     assert PrecisionSetting("bfloat16", "int4", "int8").base == PrecisionSetting("bfloat16", "int4")
@@ -136,7 +139,8 @@ def test_settings_parse_with_unset_parts_and_float32_first() -> None:
     ("bfloat16:int2", "quantization must be one of"),
     ("bfloat16:int8:fp8", "kv_cache_dtype must be one of"),
     ("bfloat16:int8:int8:x", "lm_head must be one of"),
-    ("bfloat16:int8:int8:float:x", "expected DTYPE"),
+    ("bfloat16:int8:int8:float:x", "execution must be one of"),
+    ("bfloat16:int8:int8:float:eager:x", "expected DTYPE"),
 ])
 def test_bad_settings_are_refused_naming_the_part(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=f"setting '{text}': {message}"):
