@@ -207,6 +207,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return await self.inbox.receive(request_iterator, context)
 
     @grpc_errors
+    async def DropPush(  # noqa: N802 - the gRPC method name
+        self, request: worker_pb2.DropPushRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DropPushResponse:
+        self.inbox.discard(request.request_id)
+        return worker_pb2.DropPushResponse()
+
+    @grpc_errors
     async def Load(  # noqa: N802
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadReport:

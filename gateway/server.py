@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import grpc
@@ -139,9 +139,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # Cancelled or failed after the worker may have granted the lease:
                 # release it now rather than pinning the blocks until it expires.
                 self._release_prefill(prefill, request_id)
-                if not isinstance(error, grpc.aio.AioRpcError):
-                    raise
-                if error.code() != grpc.StatusCode.UNAVAILABLE or len(failed) + 1 >= self.max_prefill_attempts:
+                retry = (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+                         and len(failed) + 1 < self.max_prefill_attempts)
+                if not retry:
+                    if pushing:  # what it pushed before the end (a retry pushes again, replacing it there)
+                        self._drop_push(push_to, request_id)
                     raise
                 # Nothing was streamed yet, so the request can start over elsewhere.
                 log.warning("prefill worker %s failed for %s (%s); retrying on another worker",
@@ -176,6 +178,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Only here: the decode worker (even when it recomputes the prompt) never sends them.
         first.prompt_logprobs.extend(prefill_response.prompt_logprobs)
         if prefill_response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            if push_to is not None:
+                self._drop_push(push_to, request_id)  # the first token ended it: no Decode will claim the push
             first.finish_reason = prefill_response.finish_reason
             first.usage.CopyFrom(usage)
             yield first
@@ -245,8 +249,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             if not finished:
                 # Client cancel, deadline or a failed decode: stop the decode
-                # worker's request and free the prefill worker's pinned blocks.
+                # worker's request and free the prefill worker's pinned blocks,
+                # and the blocks a push holds there if its Decode never took them.
                 self._release_prefill(prefill, request_id)
+                if push_to is not None and prefill_response.kv_pushed:
+                    self._drop_push(push_to, request_id)
 
     async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:
         """What ``push_to`` caches of the prompt, by the prefix index (auto routing looked it up already)."""
@@ -316,7 +323,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except grpc.aio.AioRpcError:
                 pass  # the lease expires on its own
 
-        task = asyncio.get_running_loop().create_task(release())
+        self._in_background(release())
+
+    def _drop_push(self, decode: WorkerHandle, request_id: str) -> None:
+        """Free what a push holds on ``decode`` for a request whose Decode will not take it (a no-op if it did)."""
+        async def drop() -> None:
+            try:
+                await decode.stub.DropPush(worker_pb2.DropPushRequest(request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass  # the unclaimed push expires on its own
+
+        self._in_background(drop())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -124,6 +124,8 @@ class PushInbox:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._entries: dict[str, PushedKV] = {}
+        # Requests dropped before their push arrived (the gateway's DropPush raced it): refused for ttl_s.
+        self._dropped: set[str] = set()
         self.num_bytes = 0
         self.num_expired = 0
 
@@ -186,8 +188,15 @@ class PushInbox:
         return entry
 
     def discard(self, request_id: str) -> None:
-        """Drop whatever was pushed for ``request_id`` (its Decode ended without taking it)."""
+        """Drop whatever was pushed for ``request_id`` (its Decode ended without taking it).
+
+        A push of it that opens later (its stream was slower than the gateway's word) is refused
+        for ``ttl_s``, so it cannot hold blocks nobody will claim.
+        """
         self._drop(self._entries.get(request_id))
+        if request_id not in self._dropped:
+            self._dropped.add(request_id)
+            asyncio.get_running_loop().call_later(self.ttl_s, self._dropped.discard, request_id)
 
     def release(self, entry: PushedKV) -> None:
         """Free a push ``take`` handed out."""
@@ -205,6 +214,9 @@ class PushInbox:
     async def _open(self, header: worker_pb2.KVPushHeader) -> PushedKV:
         if not header.request_id:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "header.request_id must be set")
+        if header.request_id in self._dropped:
+            raise PushRejected(grpc.StatusCode.ABORTED,
+                               f"the KV push of {header.request_id!r} was dropped here (its request ended)")
         if header.transport not in PUSH_TRANSPORTS:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                f"header.transport must be one of {list(PUSH_TRANSPORTS)}, got {header.transport!r}")

@@ -307,3 +307,43 @@ async def test_prefill_worker_dying_mid_push_leaves_nothing_on_the_decode_worker
                      == victim.runtime.async_engine.latest_stats.num_total_blocks, "the dead prefill's blocks freed")
     assert victim.servicer.pusher._pushes == {}
     await wait_until(lambda: not survivor.runtime.engine.leases.request_ids, "the lease released")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+async def test_a_request_the_first_token_ends_has_its_pushed_kv_dropped_at_once_not_at_expiry(
+    transport: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The prefill worker pushes while it computes; its first token is a stop token, so no Decode
+    # ever claims the push: the gateway has the decode worker drop it, freeing its blocks now.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, kv_transport=transport))
+    prompt = random_prompts([90], seed=134)[0]
+    first_token = Oracle(llama_checkpoint).generate(prompt, 1)[0]
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[first_token])
+    responses = await cluster.generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
+    assert _tokens(responses) == [first_token]
+    assert responses[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
+    inbox = cluster.decode.servicer.inbox
+    await wait_until(lambda: len(inbox) == 0, "the unclaimed push dropped", timeout_s=5.0)
+    assert (inbox.num_expired, inbox.num_bytes) == (0, 0)
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.num_free_blocks) == (0, report.num_total_blocks)
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+async def test_a_push_arriving_after_its_request_was_dropped_is_refused_and_the_kv_pulled(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The gateway's DropPush can overtake the push it drops (two connections): the push that opens
+    # afterwards is refused, so nothing holds decode blocks until expiry. Here the drop comes first.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
+    inbox = cluster.decode.servicer.inbox
+    inbox.discard("dropped-early")
+    prompt = random_prompts([70], seed=135)[0]
+    request = generation_pb2.GenerateRequest(request_id="dropped-early", prompt_token_ids=prompt, sampling_params=PARAMS)
+    assert _tokens(await cluster.generate(request)) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+    assert cluster.prefill.servicer.pusher.num_failed == 1
+    await _assert_nothing_held(cluster)

@@ -248,8 +248,10 @@ async def test_a_killed_decode_host_fails_its_streams_fast_and_its_restart_takes
 ) -> None:
     oracle = Oracle(llama_checkpoint)
     prompts = random_prompts([30, 41, 52, 63], seed=153)
-    long_run = generation_pb2.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
-    victim = cross_host.workers["decode-0"]
+    # Long enough that every stream still runs when its host dies (the tiny model decodes fast).
+    long_run = generation_pb2.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    decode_hosts = ("decode-0", "decode-1")
+    routed_before = {name: await _routed_to(cross_host, "decode", name) for name in decode_hosts}
     async with cross_host.channel() as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         metadata = bearer_metadata(cross_host.token)
@@ -258,8 +260,11 @@ async def test_a_killed_decode_host_fails_its_streams_fast_and_its_restart_takes
         for call in calls:  # every stream is decoding before the crash
             await call.read()
             await call.read()
-        assert await _routed_to(cross_host, "decode", "decode-0") >= 1
-        victim.processes[-1].kill()  # SIGKILL: no drain, no deregistration
+        # The victim is a decode host these streams run on (the router spreads them by load).
+        routed = {name: await _routed_to(cross_host, "decode", name) - routed_before[name] for name in decode_hosts}
+        assert sum(routed.values()) >= len(prompts)
+        victim_name = "decode-0" if routed["decode-0"] >= 1 else "decode-1"
+        cross_host.workers[victim_name].processes[-1].kill()  # SIGKILL: no drain, no deregistration
 
         codes = await asyncio.wait_for(asyncio.gather(*(stream_outcome(c) for c in calls)), 100)
     assert grpc.StatusCode.UNAVAILABLE in codes and set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK}
@@ -269,15 +274,15 @@ async def test_a_killed_decode_host_fails_its_streams_fast_and_its_restart_takes
 
     # The restarted worker (what Kubernetes does after a crash: same pod IP here) registers with a new
     # epoch and takes traffic again: concurrent requests spread over both decode hosts.
-    before = await _routed_to(cross_host, "decode", "decode-0")
-    cross_host.start_worker("decode-0")
+    before = await _routed_to(cross_host, "decode", victim_name)
+    cross_host.start_worker(victim_name)
 
     async def spread() -> float:
         batch = random_prompts([20, 24, 28, 32], seed=154)
         results = await asyncio.gather(*(_generate(cross_host, p, GREEDY) for p in batch))
         for prompt, responses in zip(batch, results):
             assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS)
-        return await _routed_to(cross_host, "decode", "decode-0")
+        return await _routed_to(cross_host, "decode", victim_name)
 
-    after = await wait_until(spread, "the restarted decode-0 to be routed to", until=lambda count: count > before)
+    after = await wait_until(spread, f"the restarted {victim_name} to be routed to", until=lambda count: count > before)
     assert after > before

@@ -149,6 +149,16 @@ class ReleaseKVResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DropPushRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class DropPushResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

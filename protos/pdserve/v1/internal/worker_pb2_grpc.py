@@ -303,6 +303,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.KVPushMessage.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.DropPush = channel.unary_unary(
+                '/pdserve.v1.internal.DecodeWorker/DropPush',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/pdserve.v1.internal.DecodeWorker/Load',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.SerializeToString,
@@ -334,6 +339,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropPush(self, request, context):
+        """Drops the KV pushed here for a request whose Decode will not come (the
+        client cancelled, the first token ended it, or another decode worker took
+        it), freeing its blocks now rather than when the unclaimed push expires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """Current load, for routing.
         """
@@ -353,6 +367,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.KVPushMessage.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.PushKVResponse.SerializeToString,
+            ),
+            'DropPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPush,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -415,6 +434,33 @@ class DecodeWorker:
             '/pdserve.v1.internal.DecodeWorker/PushKV',
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.KVPushMessage.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.internal.DecodeWorker/DropPush',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushResponse.FromString,
             options,
             channel_credentials,
             insecure,
