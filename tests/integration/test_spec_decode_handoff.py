@@ -17,7 +17,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from kv_transfer.descriptor import handoff_from_proto, handoff_to_proto
 from tests.conftest import Oracle, random_prompts
 from tests.integration.test_spec_decode_draft import shallow_draft  # noqa: F401 - fixture
-from tests.support.handoff import prefill_and_hold
+from tests.support.handoff import finished_outputs, prefill_and_hold
 
 MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -79,15 +79,6 @@ def _hand_over_with_draft(prefill: LLMEngine, decode: LLMEngine, prompt: list[in
     return request_id, used_draft
 
 
-def _decode_all(decode: LLMEngine) -> dict[str, list[int]]:
-    outputs: dict[str, list[int]] = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-    return outputs
-
-
 def test_draft_kv_built_on_the_prefill_engine_is_used_not_recomputed(
     checkpoint: Path, oracle: Oracle, shallow_draft: Path  # noqa: F811
 ) -> None:
@@ -107,7 +98,7 @@ def test_draft_kv_built_on_the_prefill_engine_is_used_not_recomputed(
         assert decode._requests[request_id].num_draft_computed_tokens == len(prompt)
         ids.append(request_id)
     assert decode.drain_kv_slots() == []
-    tokens = _decode_all(decode)
+    tokens = finished_outputs(decode)
     assert [tokens[i] for i in ids] == [oracle.generate(p, MAX_TOKENS) for p in prompts]
     # The decode engine's draft never ran over a prompt: no forward of it starts before the first token.
     assert chunks.starts and min(chunks.starts) >= min(len(p) for p in prompts)
@@ -132,7 +123,7 @@ def test_recomputed_draft_kv_gives_the_same_tokens_as_handed_over(
             request_id, used_draft = _hand_over_with_draft(prefill, decode, prompt)
             assert used_draft == handoff_draft_kv
             ids.append(request_id)
-        tokens = _decode_all(decode)
+        tokens = finished_outputs(decode)
         results[handoff_draft_kv] = [tokens[i] for i in ids]
         # Recomputing: the draft's first forward for a request runs its prompt from position 0.
         assert chunks.starts.count(0) == (0 if handoff_draft_kv else len(prompts))
@@ -158,7 +149,7 @@ def test_a_decode_engine_that_cannot_use_the_draft_section_ignores_it(
         request_id, used_draft = _hand_over_with_draft(prefill, decode, prompt)
         assert not used_draft
         ids.append(request_id)
-    tokens = _decode_all(decode)
+    tokens = finished_outputs(decode)
     assert [tokens[i] for i in ids] == [oracle.generate(p, MAX_TOKENS) for p in prompts]
     assert prefill.block_manager.num_used_blocks == decode.block_manager.num_used_blocks == 0
 

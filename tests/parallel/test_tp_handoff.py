@@ -33,6 +33,7 @@ from service_common.security import TlsConfig, open_channel, server_credentials
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture
+from tests.support.handoff import finished_outputs
 
 TRANSPORTS = ("grpc", "shm", "torch_dist")
 MAX_TOKENS = 6
@@ -165,11 +166,7 @@ def test_handoff_reshards_kv_between_tensor_parallel_sizes_over_every_cpu_transp
     for i, transport in enumerate(TRANSPORTS):
         prompt = prompts[i]
         jobs[_hand_over(prefill, decode, sender, prompt, params, transport)] = prompt
-    outputs: dict[str, list[int]] = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
+    outputs = finished_outputs(decode)
     assert decode.block_manager.num_used_blocks == 0 and prefill.block_manager.num_used_blocks == 0
     reference = Reference(checkpoint)
     cut = 0
@@ -179,15 +176,6 @@ def test_handoff_reshards_kv_between_tensor_parallel_sizes_over_every_cpu_transp
         cut += n < len(expected)
         assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
     assert cut <= 1
-
-
-def _finish(decode: LLMEngine) -> dict[str, list[int]]:
-    outputs: dict[str, list[int]] = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-    return outputs
 
 
 @pytest.mark.parametrize("engines", [(1, 2)], indirect=True, ids=["P1-D2"])
@@ -216,14 +204,14 @@ def test_follower_ranks_fetch_their_kv_heads_over_mutual_tls_and_never_in_plaint
         for transport, prompt in (("grpc", prompts[0]), ("shm", prompts[1])):
             landed[_hand_over(prefill, decode, tls_sender, prompt, params, transport, tls_options)] = prompt
             assert recomputed == [], f"a follower rank could not fetch its heads over TLS ({transport})"
-            outputs.update(_finish(decode))
+            outputs.update(finished_outputs(decode))
         # A follower without TLS is refused by the TLS worker; one with TLS does not fall back to plaintext
         # against a plaintext-only worker. Either way the prompt is recomputed here, never served half-landed.
         refused = {}
         for sender, options, prompt in ((tls_sender, plaintext_options, prompts[2]),
                                         (plaintext_sender, tls_options, prompts[3])):
             refused[_hand_over(prefill, decode, sender, prompt, params, "grpc", options)] = prompt
-            outputs.update(_finish(decode))
+            outputs.update(finished_outputs(decode))
         assert recomputed == list(refused)
     finally:
         tls_sender.stop()

@@ -22,6 +22,16 @@ def prefill_and_hold(prefill: LLMEngine, prompt: list[int], params: SamplingPara
                 return out
 
 
+def finished_outputs(decode: LLMEngine) -> dict[str, list[int]]:
+    """Step ``decode`` until nothing is left; each finished request's token ids by request id."""
+    outputs: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    return outputs
+
+
 def hand_over(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
     """Prefill ``prompt``, move its KV to ``decode`` (only the blocks it lacks) and end the lease; the state at landing."""
     held = prefill_and_hold(prefill, prompt, params)
