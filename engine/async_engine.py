@@ -10,6 +10,7 @@ and hands each request's outputs back to its asyncio queue with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -58,6 +59,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
+        # Futures of ``call``s not answered yet. Once the thread is gone (``_closed``) no command
+        # runs again: it fails them all, and a later ``call`` is refused, both under ``_lock``.
+        self._pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = set()
+        self._closed = False
+        self._lock = threading.Lock()
         # Written by the engine thread after every iteration (one reference
         # assignment), read by anyone: a consistent snapshot without a lock.
         self.latest_stats: EngineStats = engine.stats()
@@ -96,8 +102,18 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
+        entry = (loop, future)
+        with self._lock:
+            if self._closed:
+                self._check_alive()
+                raise EngineDeadError("the engine stopped")
+            self._pending.add(entry)
         self._commands.put(run)
-        return await future
+        try:
+            return await future
+        finally:
+            with self._lock:
+                self._pending.discard(entry)
 
     def submit(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run ``fn(engine)`` on the engine thread between steps, without waiting for it.
@@ -325,6 +341,19 @@ class AsyncEngine:
             self.error = error
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine stopped: {error!r}"))
+        finally:
+            self._fail_pending_calls()
+
+    def _fail_pending_calls(self) -> None:
+        """The thread is gone: commands still queued never run, so their callers hear it now, not never."""
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, set()
+        reason = (f"the engine stopped: {self.error!r}" if self.error is not None
+                  else "the engine is shutting down")
+        for loop, future in pending:
+            with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody waits there
+                loop.call_soon_threadsafe(_set_exception, future, EngineDeadError(reason))
 
 
 def _put_all(items: list[tuple[asyncio.Queue[_StreamItem], RequestOutput]]) -> None:
