@@ -60,6 +60,7 @@ class _Push:
     closed: bool = False  # no more writes: the segment is (being) unmapped
     opened: bool = False  # the stream is opened with the first piece, not while the request queues
     queued_bytes: int = 0
+    stopped: bool = False  # under KVPusher._lock, with queued_bytes: no more bytes are counted
     first_block: int = 0  # the blocks before it are not pushed (the decode worker caches them)
 
 
@@ -164,6 +165,8 @@ class KVPusher:
             piece = (layer, first_block, num_blocks, blocks)
             size = blocks.numel() * blocks.element_size()
         with self._lock:
+            if push.stopped:
+                return  # stopped since the check above: nothing of it is sent any more
             over = self._queued_bytes + size > self.max_queued_bytes
             if not over:
                 self._queued_bytes += size
@@ -244,8 +247,10 @@ class KVPusher:
                 )
                 yield worker_pb2.KVPushMessage(piece=piece)
             with self._lock:
-                self._queued_bytes -= size
-                push.queued_bytes -= size
+                # Nothing when the push was stopped while this piece was sent: that released it already.
+                released = min(size, push.queued_bytes)
+                self._queued_bytes -= released
+                push.queued_bytes -= released
 
     def _create_segment(self, push: _Push) -> None:
         size = push.num_blocks * push.layout.bytes_per_block
@@ -275,6 +280,7 @@ class KVPusher:
     def _stop_sending(self, push: _Push) -> None:
         """No more pieces: drop the queued ones, unmap the segment (the engine thread writes it under the lock)."""
         with self._lock:
+            push.stopped = True
             self._queued_bytes -= push.queued_bytes
             push.queued_bytes = 0
         while not push.queue.empty():
