@@ -265,6 +265,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_draft_computed_tokens = 0
+        seq.draft_proposal = None
         self._num_registered.pop(seq.request_id, None)
 
     def release_unused(self, seq: Sequence) -> None:

@@ -72,6 +72,9 @@ class Sequence:
         # Tokens whose draft-model KV is in the draft's parallel pool (same block
         # ids); reset with num_computed_tokens whenever the blocks are freed.
         self.num_draft_computed_tokens = 0
+        # The draft's last proposal, whose KV it wrote in this sequence's own blocks
+        # (engine.spec_decode.draft_model.DraftProposal); None when there is none.
+        self.draft_proposal: object | None = None
 
     @property
     def num_tokens(self) -> int:

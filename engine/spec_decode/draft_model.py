@@ -19,7 +19,11 @@ at the end of the prompt.
 Positions past the target's blocks (the proposal's own tokens, and the last
 token when it opens a new block) are written to scratch blocks that only the
 draft pool has, ``blocks_per_seq`` per sequence of the proposing batch; the next
-step verifies those tokens and the draft recomputes the accepted ones.
+step verifies those tokens and the draft recomputes the accepted ones. Proposed
+tokens whose KV landed in the sequence's own blocks are remembered
+(``DraftProposal``): the ones the target kept need no recomputing, so in a steady
+run the catch-up is the target's own token after them (one row, a fused decode
+step) rather than the whole accepted run.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ from engine.model_loader import TORCH_DTYPES, load_hf_config, load_model, resolv
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Proposer
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """Proposed tokens whose draft KV was written at positions ``start`` on, inside ``blocks`` (the
+    sequence's own, as its table began then): valid for as many of them as the sequence kept."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    blocks: tuple[int, ...]
+
 
 @dataclass(frozen=True)
 class DraftTarget:
@@ -134,6 +148,8 @@ class DraftModelProposer(Proposer):
         if len(seqs) > self.max_seqs:
             raise RuntimeError(f"{len(seqs)} sequences propose at once, the draft's scratch holds {self.max_seqs}")
         tables = [self._table(i, seq) for i, seq in enumerate(seqs)]
+        for seq in seqs:
+            self._adopt_kept_proposal(seq)
         # First forward: each sequence's tokens since its draft KV ends, up to its last token.
         starts = [seq.num_draft_computed_tokens for seq in seqs]
         chunks = [seq.token_ids[start:] for seq, start in zip(seqs, starts)]
@@ -152,7 +168,38 @@ class DraftModelProposer(Proposer):
             )
             for i, token in zip(live, next_ids):
                 proposals[i].append(token)
+        for seq, proposal in zip(seqs, proposals):
+            self._remember_proposal(seq, proposal)
         return proposals
+
+    def _remember_proposal(self, seq: Sequence, proposal: list[int]) -> None:
+        """Which of ``proposal``'s tokens have their draft KV in ``seq``'s own blocks: all but the last
+        were fed back, at positions ``num_tokens`` on; those past its table went to scratch."""
+        start = seq.num_tokens
+        seq.draft_proposal = None
+        if seq.num_draft_computed_tokens != start:
+            return  # its last token's KV is in scratch, and so is all that follows
+        in_own_blocks = min(len(proposal) - 1, len(seq.block_table) * self.block_size - start)
+        if in_own_blocks > 0:
+            last_block = (start + in_own_blocks - 1) // self.block_size
+            seq.draft_proposal = DraftProposal(start, tuple(proposal[:in_own_blocks]),
+                                               tuple(seq.block_table[: last_block + 1]))
+
+    @staticmethod
+    def _adopt_kept_proposal(seq: Sequence) -> None:
+        """Count the draft KV of the proposed tokens the target kept as computed (see ``DraftProposal``)."""
+        proposal, seq.draft_proposal = seq.draft_proposal, None
+        if not isinstance(proposal, DraftProposal) or seq.num_draft_computed_tokens != proposal.start:
+            return
+        if tuple(seq.block_table[: len(proposal.blocks)]) != proposal.blocks:
+            return  # freed and allocated again since: that KV is gone
+        kept = 0
+        # Never the last token: the first forward needs it, to propose after it.
+        for token, proposed in zip(seq.token_ids[proposal.start : seq.num_tokens - 1], proposal.token_ids):
+            if token != proposed:
+                break
+            kept += 1
+        seq.num_draft_computed_tokens += kept
 
     def catches_up(self, seqs: Seq[Sequence], max_tokens: Seq[int]) -> bool:
         # A steady step catches up on at most the last run: the accepted tokens and the one after them.

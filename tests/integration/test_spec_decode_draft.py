@@ -105,3 +105,40 @@ def test_draft_model_config_needs_a_model() -> None:
 
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def test_kept_proposals_are_not_recomputed_by_the_draft(checkpoint: Path, oracle: Oracle) -> None:
+    # The target as its own draft keeps every proposal. The draft fed all but the last proposed token
+    # back (their KV is in the sequence's own blocks: one block of 64 holds the whole request), so
+    # each proposing step's first forward needs only that last token and the target's token after the
+    # run: 2 rows, not the k + 1 = 4 of recomputing the run. The first one is the prompt's catch-up.
+    prompt = random_prompts([5], seed=52)[0]
+    llm = _llm(checkpoint, checkpoint, num_kv_blocks=16, block_size=64)
+    draft = llm.engine.draft
+    assert draft is not None
+    first_chunks: list[int] = []  # rows of each propose call's first forward
+    forward = draft._forward
+
+    propose = draft.propose
+
+    def recording_propose(seqs, max_tokens):  # noqa: ANN001, ANN202
+        calls: list[int] = []
+
+        def first(chunks: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
+            calls.append(len(chunks[0]))
+            return forward(chunks, starts, tables)
+
+        draft._forward = first
+        try:
+            return propose(seqs, max_tokens)
+        finally:
+            draft._forward = forward
+            first_chunks.append(calls[0])
+
+    draft.propose = recording_propose
+    (out,) = llm.generate([prompt], GREEDY)
+    assert out.token_ids == oracle.generate(prompt, MAX_TOKENS)
+    stats = out.spec_decode_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    # One propose call per verified run: the first catches up on the prompt and the first token.
+    assert first_chunks == [len(prompt) + 1] + [2] * (stats.num_drafts - 1)
