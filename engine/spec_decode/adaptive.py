@@ -9,7 +9,7 @@ tokens on average, for a cost of ``1 + x(k)`` plain steps, ``x(k)`` being the
 measured extra cost of verifying ``k`` proposed tokens. Each request proposes the
 ``k`` (at most its configured limit) that maximises tokens per unit of cost; when
 that is 0 — its recent acceptance does not pay for even the cheapest proposal —
-it stops proposing and probes again (at least one token, from the prior) after
+it stops proposing and probes again (at least two tokens, from the prior) after
 a back-off that doubles while probes keep failing. Which tokens a request
 produces never depends on any of this (the verifier keeps only what the target
 would have chosen), only how fast.
@@ -39,6 +39,8 @@ from engine.sequence import Sequence
 DECAY = 0.8
 POPULATION_DECAY = 0.95
 PRIOR_WEIGHT = 2.0
+# Tokens a probe proposes at least (a new request, or one back from sitting out).
+PROBE_TOKENS = 2
 # Steps a request sits out after its estimate says stop; doubled per failed probe, up to the maximum.
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 64
@@ -145,13 +147,25 @@ class StepCosts:
             if above:
                 known = self._extra[min(above)]
             elif below:
-                # Beyond the longest measured: the prior's per-token cost for each token more. Not the
-                # measured one scaled up: costs are concave in n, and an estimate that grows with the
-                # dear first token would keep a request at one token and its run's rate unmeasured.
-                known = self._extra[max(below)] + self.prior_token_cost * (num_tokens - max(below))
+                # Beyond the longest measured: its cost plus, for each token more, the measured cost per
+                # token between the two longest measured lengths (a draft model's forward per token),
+                # at most the prior's. Not the measured one scaled up from zero: costs are concave in n,
+                # and an estimate that grows with the dear first token would keep a request at one token.
+                longest = max(below)
+                known = self._extra[longest] + self._token_cost(longest) * (num_tokens - longest)
             else:
                 known = self.prior_token_cost * num_tokens
         return max(0.0, known)
+
+    def _token_cost(self, longest: int) -> float:
+        """What one more proposed token adds beyond ``longest`` (measured): the slope from the next
+        shorter measured length, clamped to [0, the prior's]; the prior's while only one is measured."""
+        shorter = [n for n in self._extra if n < longest]
+        if not shorter:
+            return self.prior_token_cost
+        previous = max(shorter)
+        slope = (self._extra[longest] - self._extra[previous]) / (longest - previous)
+        return min(self.prior_token_cost, max(0.0, slope))
 
     def observe(self, num_seqs: int, num_proposed: int, seconds: float) -> None:
         plain = self.plain_seconds.get(num_seqs)
@@ -201,11 +215,13 @@ class AdaptivePolicy:
             return 0
         k = best_num_tokens(state.first, state.rest, self.costs.extra_cost, max_k)
         if state.probe_next:
-            # A new request, or one back from sitting out: it proposes at least one token whatever
-            # the estimates say, so that its acceptance and the cost of a token are measured anew
-            # (a cost inflated by a noisy step would otherwise never come down).
+            # A new request, or one back from sitting out: it proposes at least two tokens (where it
+            # may) whatever the estimates say, so that its acceptance and the cost of a token are
+            # measured anew (a cost inflated by a noisy step would otherwise never come down), and
+            # the chance of the tokens after the first with them: a one-token probe never samples
+            # it, and a prior that stays pessimistic would keep the request at one token.
             state.probe_next = False
-            return max(1, k)
+            return max(min(PROBE_TOKENS, max_k), k)
         if k > 0:
             return k
         state.resume_at_step = self.num_steps + state.backoff_steps

@@ -14,6 +14,7 @@ from engine.sequence import Sequence
 from engine.spec_decode.adaptive import (
     FIRST_BACKOFF_STEPS,
     PRIOR_TOKEN_COST,
+    PROBE_TOKENS,
     RECALIBRATE_EVERY,
     AdaptivePolicy,
     RequestAcceptance,
@@ -123,6 +124,38 @@ def test_the_extra_cost_of_a_proposal_is_measured_per_length_against_the_plain_s
     assert costs.extra_cost(1) == 2.0
 
 
+def test_beyond_the_longest_measured_length_a_token_costs_the_measured_slope_at_most_the_prior() -> None:
+    policy = AdaptivePolicy("draft_model")  # prior: 0.4 plain steps a token
+    policy.observe_step(1, 0, 1.0)
+    policy.observe_step(1, 1, 1.25)
+    costs = policy.costs
+    assert costs.extra_cost(3) == pytest.approx(0.25 + 2 * 0.4)  # one length measured: the prior per token
+    policy.observe_step(1, 2, 1.45)
+    assert costs.extra_cost(4) == pytest.approx(0.45 + 2 * 0.2)  # 1 -> 2 cost 0.2 a token
+    policy.observe_step(1, 3, 2.45)  # 2 -> 3 cost 1.0 (a stalled step): the prior's 0.4 at most
+    assert costs.extra_cost(5) == pytest.approx(1.45 + 2 * 0.4)
+    policy.observe_step(1, 4, 1.2)  # cheaper than 3 (noise): never a negative cost per token
+    assert costs.extra_cost(6) == pytest.approx(0.2)
+
+
+def test_a_draft_whose_proposals_are_kept_grows_from_its_probe_to_its_full_limit() -> None:
+    # A draft model: each proposed token costs a draft forward, 0.2 plain steps (the prior says 0.4).
+    # One-token probes never sampled the rate of the tokens after the first: it stayed at its prior
+    # 0.5 and the request at one token (BENCHMARKS.md, issue 12, session 5: mean accepted length 1.99).
+    policy = AdaptivePolicy("draft_model")
+    policy.observe_step(1, 0, 1.0)
+    seq = _seq()
+    limits = []
+    for _ in range(10):
+        k = policy.limits([seq], [8], num_seqs=1)[0]
+        limits.append(k)
+        policy.observe_verified(seq, k, k)
+        policy.observe_step(1, k, 1.0 + 0.05 + 0.2 * k)
+    # Two tokens while three are estimated at the prior's cost (0.45 + 0.4), until the run's rate is
+    # high enough; once 3 is measured (0.65: 0.2 a token over 2) the longer ones are estimated at that.
+    assert limits == [2, 2, 2, 2, 2, 3, 8, 8, 8, 8]
+
+
 def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doubling_back_off() -> None:
     policy = _calibrated()
     for k in range(1, 5):  # every proposal length measured at 0.05 plain steps per token
@@ -141,11 +174,11 @@ def test_a_request_that_keeps_being_rejected_sits_out_then_probes_with_a_doublin
         sat_out += 1
         policy.observe_step(1, 0, 1.0)
     # The probe starts again from the engine's acceptance over all requests (0.096 after these 7
-    # failures, worth 2 tokens): it proposes 1.
+    # failures, worth 2 tokens): it proposes 2, a probe's least (0 would pay more).
     assert policy.population.first == pytest.approx(0.95**7 / (2 * 0.95**7 + sum(0.95**i for i in range(7))))
-    assert (sat_out, probe) == (FIRST_BACKOFF_STEPS, [1])
+    assert (sat_out, probe) == (FIRST_BACKOFF_STEPS, [PROBE_TOKENS])
     # It fails, and so do the next ones until the estimate says stop; then it sits out twice as long.
-    policy.observe_verified(seq, 1, 0)
+    policy.observe_verified(seq, PROBE_TOKENS, 0)
     proposals = 1
     while policy.limits([seq], [4], num_seqs=1) != [0]:
         proposals += 1
@@ -167,7 +200,8 @@ def test_a_new_request_starts_from_the_engines_recent_acceptance() -> None:
     chatty = _calibrated()
     for _ in range(10):
         chatty.observe_verified(_seq("old"), 2, 0)
-    assert chatty.limits([_seq("new")], [8], num_seqs=1) == [1]  # a probe of one token, though 0 would pay more
+    assert chatty.limits([_seq("new")], [8], num_seqs=1) == [PROBE_TOKENS]  # a probe, though 0 would pay more
+    assert chatty.limits([_seq("short")], [1], num_seqs=1) == [1]  # never past the sequence's own limit
 
 
 def test_an_accepted_token_resets_the_back_off() -> None:
@@ -230,9 +264,9 @@ def test_an_engine_stops_proposing_once_verifying_costs_more_than_it_yields(chec
     assert got.token_ids == oracle.generate(prompt, MAX_TOKENS)
     # Step 1 prefills, step 2 is the plain step that calibrates, step 3 verifies the new request's 3 tokens
     # (10 plain steps each): from then on a token costs over 2 plain steps, more than any run can yield.
-    # It sits out 4 steps, probes with one token (output 7), sits out 8, probes (output 16), sits out 16.
-    assert [(done, len(proposal)) for _, done, proposal in proposer.calls] == [(2, 3), (7, 1), (16, 1)]
-    assert (got.spec_decode_stats.num_drafts, got.spec_decode_stats.num_draft_tokens) == (3, 5)
+    # It sits out 4 steps, probes with two tokens (output 7), sits out 8, probes (output 16), sits out 16.
+    assert [(done, len(proposal)) for _, done, proposal in proposer.calls] == [(2, 3), (7, 2), (16, 2)]
+    assert (got.spec_decode_stats.num_drafts, got.spec_decode_stats.num_draft_tokens) == (3, 7)
 
 
 def test_an_engine_whose_proposals_are_right_and_cheap_proposes_its_full_limit(
