@@ -105,8 +105,7 @@ class AsyncEngine:
         entry = (loop, future)
         with self._lock:
             if self._closed:
-                self._check_alive()
-                raise EngineDeadError("the engine stopped")
+                raise EngineDeadError(self._dead_reason() or "the engine stopped")
             self._pending.add(entry)
         self._commands.put(run)
         try:
@@ -222,10 +221,17 @@ class AsyncEngine:
             raise
 
     def _check_alive(self) -> None:
+        reason = self._dead_reason()
+        if reason is not None:
+            raise EngineDeadError(reason)
+
+    def _dead_reason(self) -> str | None:
+        """Why no command runs any more (its thread failed, or is stopping); None while it serves."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            return f"the engine stopped: {self.error!r}"
         if self._stopping.is_set():
-            raise EngineDeadError("the engine is shutting down")
+            return "the engine is shutting down"
+        return None
 
     def _open_stream(self, request_id: str) -> asyncio.Queue[_StreamItem]:
         if request_id in self._streams:
@@ -349,8 +355,7 @@ class AsyncEngine:
         with self._lock:
             self._closed = True
             pending, self._pending = self._pending, set()
-        reason = (f"the engine stopped: {self.error!r}" if self.error is not None
-                  else "the engine is shutting down")
+        reason = self._dead_reason() or "the engine stopped"
         for loop, future in pending:
             with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody waits there
                 loop.call_soon_threadsafe(_set_exception, future, EngineDeadError(reason))
