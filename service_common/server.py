@@ -167,14 +167,15 @@ class Server:
             if asyncio.iscoroutine(result):
                 await result
 
-    async def stop(self) -> None:
-        """Refuse new calls, let running ones finish within the grace period, then stop.
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, let running ones finish within the grace period (``grace_s``, default
+        the configured one), then stop.
 
         While it drains, readiness ("" and the service names) is NOT_SERVING and liveness
         stays as it was; the health port answers until the drain is over.
         """
         await self._set_status(["", *self._service_names], False)
-        await self.grpc_server.stop(self.config.grace_s)
+        await self.grpc_server.stop(self.config.grace_s if grace_s is None else grace_s)
         if self._health_server is not None:
             await self._health_server.stop(None)
 

@@ -26,6 +26,8 @@ from protos.pdserve.v1.internal import worker_pb2
 from service_common.server import Server, ServerConfig
 
 log = logging.getLogger(__name__)
+# The drain of a worker whose engine died: enough for calls that already failed to send their status.
+DEAD_ENGINE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,10 @@ class WorkerServer:
         if self._watchdog is not None:
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
-        await self.server.stop()
+        # A dead engine finishes nothing: its calls fail at once (EngineDeadError), and whatever
+        # still runs is cut short, so that the process exits for its supervisor promptly.
+        grace_s = min(self.server.config.grace_s, DEAD_ENGINE_GRACE_S) if self.engine_dead.is_set() else None
+        await self.server.stop(grace_s)
         await self.close_servicer()
         await self.runtime.stop()
         if self.metrics_endpoint is not None:

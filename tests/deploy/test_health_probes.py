@@ -79,6 +79,26 @@ async def test_while_draining_readiness_is_not_serving_and_liveness_stays_servin
 
 
 @pytest.mark.asyncio
+async def test_a_stop_with_a_shorter_grace_cuts_the_held_call_short() -> None:
+    # What a worker whose engine died does (service_common.worker.DEAD_ENGINE_GRACE_S): its configured
+    # 30 s drain would hold the process up while nothing it runs can finish.
+    release, started = asyncio.Event(), asyncio.Event()
+    server = _held_call_server(release, started)
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/test.Held/Call")(b"", timeout=30)
+            await started.wait()
+            await asyncio.wait_for(server.stop(grace_s=0.2), 10)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.UNAVAILABLE, "Cancelling all calls")
+    finally:
+        release.set()
+        await server.stop()
+
+
+@pytest.mark.asyncio
 async def test_a_taken_health_port_fails_the_start_naming_the_flag() -> None:
     first = Server(ServerConfig(port=0, health_port=0), [])
     await first.start()
