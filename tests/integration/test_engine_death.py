@@ -89,16 +89,19 @@ async def test_calls_queued_when_the_engine_stops_fail_with_shutting_down(llama_
         blocked.set()
         release.wait(timeout=30)
 
-    holding = asyncio.ensure_future(async_engine.call(hold))
-    assert await asyncio.to_thread(blocked.wait, 30)
-    # Queued while ``hold`` runs, so after the thread took its round of commands from the queue.
-    queued = asyncio.ensure_future(async_engine.call(lambda e: 1))
-    await asyncio.sleep(0.05)
-    async_engine._stopping.set()  # what stop() sets first: the thread leaves after this round
-    release.set()
-    await asyncio.wait_for(holding, timeout=10)
-    with pytest.raises(EngineDeadError, match="shutting down"):
-        await asyncio.wait_for(queued, timeout=10)
-    with pytest.raises(EngineDeadError, match="shutting down"):
-        await asyncio.wait_for(async_engine.call(lambda e: 2), timeout=10)
-    await async_engine.stop()
+    try:
+        holding = asyncio.ensure_future(async_engine.call(hold))
+        assert await asyncio.to_thread(blocked.wait, 30)
+        # Queued while ``hold`` runs, so after the thread took its round of commands from the queue.
+        queued = asyncio.ensure_future(async_engine.call(lambda e: 1))
+        await asyncio.sleep(0.05)
+        async_engine._stopping.set()  # what stop() sets first: the thread leaves after this round
+        release.set()
+        await asyncio.wait_for(holding, timeout=10)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(queued, timeout=10)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(async_engine.call(lambda e: 2), timeout=10)
+    finally:
+        release.set()
+        await async_engine.stop()
