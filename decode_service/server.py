@@ -93,11 +93,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # From here on the request owns the blocks the push wrote (the engine frees them with it).
             reservation, pushed.reservation = pushed.reservation, None
             self.inbox.release(pushed)
+            # Moved while the prefill ran; counted as one transfer, as a pull is.
+            self.kv_pushes += 1
+            self._count_received(handoff.transport, len(reservation.block_ids) * handoff.layout.bytes_per_block, 0.0)
         elif request.kv_pushed:
             log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
                         handoff.request_id)
-        receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id,
-                                       num_pushed=len(reservation.block_ids) if reservation is not None else 0)
+        receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
             stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv, reservation)
@@ -146,13 +148,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _receive_kv(
         self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub, first_block: int, request_id: str = "",
-        num_pushed: int = 0,
     ) -> torch.Tensor | KVFetch | None:
         """The handoff's blocks from ``first_block`` on; None (recompute here) when they cannot be had.
 
-        ``num_pushed``: blocks the request adopted from its push (written already); whatever
-        they and the prefix cache did not cover (``first_block`` before the handoff's end)
-        is fetched as for any handoff.
+        Blocks the request adopted from its push are written already; whatever they and
+        the prefix cache did not cover (``first_block`` before the handoff's end) is
+        fetched as for any handoff. (A request they cover entirely lands without this
+        call, unless its draft KV is to be fetched: ``AsyncEngine.import_request``.)
 
         A tensor-parallel engine gets a ``KVFetch``: rank 0's heads, fetched here, and how
         its other ranks fetch theirs (each straight from the prefill worker, when it lands).
@@ -163,10 +165,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if request_id and self.runtime.engine.accepts_draft_kv(handoff):
             draft = asyncio.ensure_future(self._receive_draft_kv(handoff, stub, request_id))
         try:
-            if num_pushed:
-                # Moved while the prefill ran; counted as one transfer, as a pull is.
-                self.kv_pushes += 1
-                self._count_received(handoff.transport, num_pushed * handoff.layout.bytes_per_block, 0.0)
             return await self._fetch(handoff, first_block, stub)
         except (grpc.aio.AioRpcError, KVTransferError) as error:
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)

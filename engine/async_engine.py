@@ -56,6 +56,9 @@ class AsyncEngine:
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_StreamItem]]] = {}
+        # Imported requests that join the batch as soon as their blocks hold all their KV (pushed or
+        # cached here), without a trip through ``receive_kv`` (engine thread only).
+        self._land_when_present: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -172,8 +175,12 @@ class AsyncEngine:
         ``first_block`` on (None: they cannot be had, and the prompt is recomputed
         here), and they land between two steps. ``reservation``: blocks that hold
         its pushed KV already (the request owns them from this call on; see
-        ``LLMEngine.add_remote_request``). The first output is the state at
-        landing: the handed-off first token and its text.
+        ``LLMEngine.add_remote_request``). When those and the prefix cache hold
+        every block, ``receive_kv`` is not called: the request joins the batch
+        as its blocks are allocated, one step sooner than a round trip through
+        this event loop would (unless the engine's draft model takes the
+        handoff's draft KV: ``receive_kv`` fetches that). The first output is
+        the state at landing: the handed-off first token and its text.
         """
         try:
             stream = self._open_stream(request_id)
@@ -181,10 +188,13 @@ class AsyncEngine:
             if reservation is not None:
                 self.submit(lambda engine: engine.free_kv_reservation(reservation))
             raise
-        await self._start(
-            request_id,
-            lambda engine: engine.add_remote_request(request_id, prompt_token_ids, params, handoff, reservation),
-        )
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_remote_request(request_id, prompt_token_ids, params, handoff, reservation)
+            if not engine.accepts_draft_kv(handoff):
+                self._land_when_present.add(request_id)
+
+        await self._start(request_id, add)
         async for output in self._drain(request_id, stream, receive_kv):
             yield output
 
@@ -271,6 +281,7 @@ class AsyncEngine:
     # ---- internals (engine thread) ------------------------------------------------------
 
     def _abort_on_thread(self, request_id: str) -> None:
+        self._land_when_present.discard(request_id)
         self.engine.abort_request(request_id)
 
     def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | KVFetch | None) -> None:
@@ -288,6 +299,12 @@ class AsyncEngine:
 
     def _deliver_kv_slots(self) -> None:
         for slot in self.engine.drain_kv_slots():
+            if slot.request_id in self._land_when_present:
+                self._land_when_present.discard(slot.request_id)
+                output = self.engine.land_present_kv(slot)
+                if output is not None:
+                    self._deliver(slot.request_id, output)
+                    continue
             self._deliver(slot.request_id, slot)
 
     def _deliver(self, request_id: str, item: _StreamItem) -> None:

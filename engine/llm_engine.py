@@ -473,9 +473,24 @@ class LLMEngine:
                 return self.recompute_remote(request_id)
         elif to_fill:
             self.kv_cache.import_blocks(to_fill, local)
+        return self._join_running(seq)
+
+    def land_present_kv(self, slot: KVSlot) -> RequestOutput | None:
+        """Join a remote request to the running batch now if its slot needs nothing copied in (every block
+        was cached here or pushed into it); returns the state at landing, as ``receive_kv`` does. None when
+        blocks must still be filled (``receive_kv`` does that) or the request no longer waits for its KV.
+
+        This spares such a request the trip to whoever fetches KV: it runs in the very next step.
+        """
+        seq = self._receiving(slot.request_id)
+        if seq is None or slot.first_block < len(seq.block_table):
+            return None
+        return self._join_running(seq)
+
+    def _join_running(self, seq: Sequence) -> RequestOutput:
         self.block_manager.cache_computed_blocks(seq)
         self.scheduler.kv_received(seq)
-        return self._output(seq, self._detokenizers.get(request_id))
+        return self._output(seq, self._detokenizers.get(seq.request_id))
 
     def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
         """Whether ``handoff`` carries draft KV that this engine's draft model can use (else: ignored,

@@ -119,13 +119,20 @@ async def test_pushed_kv_is_written_into_blocks_reserved_while_the_prefill_runs_
     engine.kv_pusher.sink = hold
     decode_engine = cluster.decode.runtime.engine
     claimed_blocks: list[int] = []
-    receive_kv = decode_engine.receive_kv
+    landed_at_once: list[tuple[str, int]] = []
+    receive_kv, land_present_kv = decode_engine.receive_kv, decode_engine.land_present_kv
 
     def recording_receive_kv(request_id, first_block, blocks):  # noqa: ANN001, ANN202 - wraps the engine's
         claimed_blocks.append(blocks.shape[2])
         return receive_kv(request_id, first_block, blocks)
 
+    def recording_land_present_kv(slot):  # noqa: ANN001, ANN202 - wraps the engine's
+        output = land_present_kv(slot)
+        landed_at_once.append((slot.request_id, slot.first_block if output is not None else -1))
+        return output
+
     decode_engine.receive_kv = recording_receive_kv
+    decode_engine.land_present_kv = recording_land_present_kv
     prompt = random_prompts([200], seed=136)[0]
     num_blocks = -(-len(prompt) // decode_engine.block_size)
     generation = asyncio.create_task(cluster.generate(_request(prompt)))
@@ -139,8 +146,10 @@ async def test_pushed_kv_is_written_into_blocks_reserved_while_the_prefill_runs_
         hold.release.set()
     responses = await generation
     assert _tokens(responses) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
-    # The request adopted those blocks: its KV landed with no block left to copy.
-    assert claimed_blocks == [0]
+    # The request adopted those blocks: its KV landed with no block left to copy, as its blocks were
+    # allocated, without a trip to the decode service (which would cost it a step under load).
+    assert claimed_blocks == []
+    assert landed_at_once == [(f"{responses[0].request_id}/decode", num_blocks)]
     assert cluster.decode.servicer.kv_pushes == 1
     await _assert_nothing_held(cluster)
 

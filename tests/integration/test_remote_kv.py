@@ -147,3 +147,63 @@ async def test_cancel_while_the_kv_is_on_its_way_frees_the_blocks(llama_checkpoi
         assert state == (0, False)
     finally:
         await async_engine.stop()
+
+
+def test_a_remote_request_whose_blocks_are_all_here_lands_as_they_are_allocated(
+    llama_checkpoint: Path, oracle_llama: Oracle
+) -> None:
+    prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
+    prompt = random_prompts([32], seed=62)[0]  # two full blocks: both cacheable
+    assert handoff_tokens(prefill, decode, [prompt], GREEDY) == {"req-0": oracle_llama.generate(prompt, MAX_TOKENS)}
+    held = prefill_and_hold(prefill, prompt, GREEDY)
+    assert held.kv_handoff is not None
+    decode.add_remote_request("again", prompt, GREEDY, held.kv_handoff)
+    (slot,) = decode.drain_kv_slots()
+    assert slot == KVSlot("again", 2)  # both blocks found in the decode engine's prefix cache: nothing to copy
+    landed = decode.land_present_kv(slot)
+    assert landed is not None and landed.token_ids == held.token_ids and not landed.finished
+    # Running already: the next step decodes its second token.
+    (stepped,) = decode.step()
+    assert stepped.request_id == "again" and stepped.token_ids == oracle_llama.generate(prompt, 2)
+    assert decode.abort_request("again") is not None
+    assert prefill.leases.release(held.request_id)
+
+
+def test_a_remote_request_with_blocks_to_fill_does_not_land_without_its_kv(llama_checkpoint: Path) -> None:
+    prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
+    held = prefill_and_hold(prefill, PROMPT, GREEDY)
+    assert held.kv_handoff is not None
+    decode.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
+    (slot,) = decode.drain_kv_slots()
+    assert slot == KVSlot("r", 0)
+    assert decode.land_present_kv(slot) is None
+    assert list(decode.scheduler.receiving) == ["r"] and decode.step() == []
+    decode.abort_request("r")
+    assert decode.land_present_kv(slot) is None  # no longer waiting: nothing to land
+    assert decode.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.asyncio
+async def test_async_import_of_kv_that_is_all_here_asks_for_none(llama_checkpoint: Path, oracle_llama: Oracle) -> None:
+    prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
+    prompt = random_prompts([32], seed=63)[0]
+    async_engine = AsyncEngine(decode)
+    async_engine.start()
+    try:
+        asked: list[tuple[str, int]] = []
+        for request_id in ("first", "second"):
+            held = prefill_and_hold(prefill, prompt, GREEDY)
+            assert held.kv_handoff is not None
+
+            async def receive_kv(first_block: int, held=held, request_id=request_id) -> torch.Tensor:
+                asked.append((request_id, first_block))
+                return prefill.leases.export(held.request_id, first_block)
+
+            stream = async_engine.import_request(request_id, prompt, GREEDY, held.kv_handoff, receive_kv)
+            assert await _collect(stream) == oracle_llama.generate(prompt, MAX_TOKENS)
+            prefill.leases.release(held.request_id)
+        # The second found both blocks in the prefix cache: it ran without asking for any KV.
+        assert asked == [("first", 0)]
+        assert await async_engine.call(lambda e: e.block_manager.num_used_blocks) == 0
+    finally:
+        await async_engine.stop()
