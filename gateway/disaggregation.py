@@ -16,7 +16,11 @@ moves with the hardware, the model and the load instead of being a constant:
   every local prefill during its life, not by one: the stall counted is this
   prefill's plus those of the local prefills sent to the same decode worker
   within one stream's duration (``StallLedger``), so a stream of short local
-  prefills cannot add up past the budget one by one;
+  prefills cannot add up past the budget one by one. An idle decode worker is
+  no exception: a stream handed to it while it computes a prompt waits for
+  that prompt as a running one would (counting it there is what brought
+  auto's TPOT p99 near the always-disaggregated layout's in the rate sweep:
+  BENCHMARKS.md, issue 13);
 - otherwise remote. ``always`` and ``never`` skip the comparison.
 
 vLLM and Dynamo prefill short or mostly-cached prompts on the decode worker
@@ -39,7 +43,7 @@ REASONS = (
     "no_prefill_worker",  # auto and never: no healthy prefill worker, so the decode worker prefills
     "prompt_logprobs",  # only a prefill worker returns prompt logprobs
     "prefix_hit",  # auto: local, and the decode worker caches more of the prompt than the prefill worker
-    "decode_idle",  # auto: local: nothing runs on the decode worker to stall, and it answers first
+    "decode_idle",  # auto: local: nothing runs on the decode worker, it answers first, and the stall is within budget
     "cheaper",  # auto: the chosen side answers first and (local) stays within the stall budget
     "decode_stall",  # auto: local would answer first but stall the running streams past the budget
 )
@@ -68,8 +72,8 @@ class RouteDecision:
     reason: str  # one of REASONS
     remote_s: float = 0.0  # first token from the prefill worker plus the handoff
     local_s: float = 0.0  # first token from the decode worker
-    tpot_increase: float = 0.0  # what the local prefill would add to running streams' time per token, as a fraction
-    stall_s: float = 0.0  # how long the local prefill would hold up each stream running there (0: none runs)
+    tpot_increase: float = 0.0  # what the local prefill would add to a stream's time per token there, as a fraction
+    stall_s: float = 0.0  # how long the local prefill would hold up each stream running there (or arriving meanwhile)
 
     @property
     def local(self) -> bool:
@@ -143,8 +147,9 @@ class DisaggregationPolicy:
         remote_s = (costs.remote_first_token_s(inputs.prefill_queued_tokens + remote_uncached)
                     + costs.handoff_s(local_uncached))
         local_s = costs.local_first_token_s(inputs.decode_queued_tokens + local_uncached)
-        stall = costs.decode_stall_s(local_uncached) if inputs.decode_running else 0.0
-        increase = (inputs.recent_stall_s + stall) / self._stream_s() if inputs.decode_running else 0.0
+        # Counted with no stream running too: one that arrives during the prefill waits for it all the same.
+        stall = costs.decode_stall_s(local_uncached)
+        increase = (inputs.recent_stall_s + stall) / self._stream_s()
         decision = {"remote_s": remote_s, "local_s": local_s, "tpot_increase": increase, "stall_s": stall}
         if local_s > remote_s:
             return RouteDecision(REMOTE, "cheaper", **decision)

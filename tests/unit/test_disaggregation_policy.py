@@ -47,10 +47,20 @@ def _auto(max_tpot_increase: float = 0.1) -> DisaggregationPolicy:
     return DisaggregationPolicy("auto", FakeCosts(), max_tpot_increase)
 
 
-def test_an_idle_decode_worker_prefills_even_a_long_prompt_itself() -> None:
-    # local 10.00 s against remote 0.1 + 10.00 + 0.05 + 1.0 = 11.15 s; nothing runs there to stall.
+def test_an_idle_decode_worker_prefills_a_short_prompt_itself() -> None:
+    # local 0.08 s against remote 0.1 + 0.08 + 0.05 + 0.008 = 0.238 s; 0.08 s would hold up a stream
+    # handed to it meanwhile for 7.8% of its 1.02 s: within the 10% budget.
+    decision = _auto().decide(_inputs(8))
+    assert decision == RouteDecision("local", "decode_idle", remote_s=pytest.approx(0.238), local_s=pytest.approx(0.08),
+                                     tpot_increase=pytest.approx(0.08 / 1.02), stall_s=pytest.approx(0.08))
+
+
+def test_an_idle_decode_worker_leaves_a_long_prompt_to_a_prefill_worker() -> None:
+    # local 10.00 s against remote 11.15 s answers first, but a stream handed to the decode worker during those
+    # 10 s would wait for them all: 980% of its time per token. Nothing runs there now; the budget holds anyway.
     decision = _auto().decide(_inputs(1000))
-    assert decision == RouteDecision("local", "decode_idle", remote_s=pytest.approx(11.15), local_s=pytest.approx(10.0))
+    assert decision == RouteDecision("remote", "decode_stall", remote_s=pytest.approx(11.15), local_s=pytest.approx(10.0),
+                                     tpot_increase=pytest.approx(10.0 / 1.02), stall_s=pytest.approx(10.0))
 
 
 def test_a_short_prompt_goes_local_while_its_stall_stays_within_the_tpot_budget() -> None:
@@ -215,12 +225,14 @@ def test_local_prefills_sent_to_one_decode_worker_add_up_against_the_stall_budge
     assert (fourth.route, fourth.tpot_increase) == ("local", pytest.approx(0.05 / 1.02))
 
 
-def test_a_remote_decision_or_an_idle_decode_worker_records_no_stall() -> None:
+def test_a_remote_decision_records_no_stall_and_a_local_one_on_an_idle_decode_worker_does() -> None:
     policy, clock = _auto_with_clock()
     assert policy.route("d0:1", _inputs(200, running=1)).route == "remote"  # over budget: nothing recorded
-    assert policy.route("d0:1", _inputs(1000)).reason == "decode_idle"  # nobody to stall: nothing recorded
     assert policy.stalls.recent_s("d0:1", window_s=10.0) == 0.0
-    decision = policy.route("d0:1", _inputs(10, running=3))
+    # Nothing runs there, but a stream handed over within the next 0.05 s waits for this prefill.
+    assert policy.route("d0:1", _inputs(5)).reason == "decode_idle"
+    assert policy.stalls.recent_s("d0:1", window_s=10.0) == pytest.approx(0.05)
+    decision = policy.route("d0:1", _inputs(5, running=3))
     assert (decision.route, decision.tpot_increase) == ("local", pytest.approx(0.1 / 1.02))
     assert policy.stalls.recent_s("d0:1", window_s=10.0) == pytest.approx(0.1)
     clock.now += 10.5
