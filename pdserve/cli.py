@@ -106,7 +106,8 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
     parser.add_argument("--max-queued-tokens", type=int, default=65536,
                         help="admission limit: prompt tokens queued here before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--torch-threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's; `pdserve up` splits the cores between workers)")
+                        help="CPU threads for torch (default: torch's, one per core; the workers `pdserve up` starts "
+                        "on one machine each take that many, sleeping at once when idle: OMP_WAIT_POLICY=PASSIVE)")
 
 
 def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
