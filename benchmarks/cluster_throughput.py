@@ -1,7 +1,8 @@
 """The disaggregated cluster against the in-process engine, on the offline benchmark's workload.
 
     python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc]
-                                            [--probes 4] [--probe-len 1000] [--json out.json]
+                                            [--probes 4] [--probe-len 1000] [--prefill-niceness 0]
+                                            [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
@@ -121,6 +122,8 @@ def main() -> None:
                         help="requests of --probe-len tokens sent into a second run of the workload (0: none)")
     parser.add_argument("--probe-len", type=int, default=1000)
     parser.add_argument("--probe-interval-s", type=float, default=1.0)
+    parser.add_argument("--prefill-niceness", type=int, default=0,
+                        help="`pdserve up --prefill-niceness`: the prefill worker yields the cores to the decode worker")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -137,6 +140,7 @@ def main() -> None:
     config = ClusterConfig(
         dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
         redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push,
+        prefill_args=("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else (),
         disaggregation="always",  # every prompt through a prefill worker and a KV handoff: the path measured here
     )
     with LocalCluster(config) as cluster:
@@ -159,6 +163,7 @@ def main() -> None:
     same = sum(tuple(r["tokens"]) == ref for r, ref in zip(results, local.token_ids))
     summary = {
         "workload": {"prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens, "output_len": args.output_len},
+        "prefill_niceness": args.prefill_niceness,
         "in_process": {"wall_s": local.wall_s, "output_tokens_per_s": local_tps},
         "cluster": {
             "transport": args.transport,
@@ -189,7 +194,7 @@ def main() -> None:
         }
     c = summary["cluster"]
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
-    print(f"cluster 1P+1D ({args.transport}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
+    print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
           f"-> {summary['cluster_over_in_process']:.0%} of in-process")
     print(f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, p99 {c['ttft_p99_ms']:.0f} ms; first->second token p50 "
           f"{c['first_to_second_token_p50_ms']:.0f} ms; KV transfer {c['kv_transfer_mean_ms']:.1f} ms per request "

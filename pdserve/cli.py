@@ -34,6 +34,16 @@ TRANSPORTS = ("grpc", "shm", "torch_dist", "cuda_ipc")
 
 
 
+def _niceness(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from error
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be 0-19 (a worker can only lower its own priority), got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -108,6 +118,10 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's, one per core; the workers `pdserve up` starts "
                         "on one machine each take that many, sleeping at once when idle: OMP_WAIT_POLICY=PASSIVE)")
+    parser.add_argument("--niceness", type=_niceness, default=0,
+                        help="raise this worker's niceness by N (0-19) at start, threads and TP ranks included: on a "
+                        "machine shared with other workers it then gets the cores only when they leave them idle "
+                        "(`pdserve up --prefill-niceness`; default 0)")
 
 
 def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
@@ -214,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--tensor-parallel-size of every decode and colocated worker; may differ from "
                     "--prefill-tp (handoffs re-shard the KV heads)")
     up.add_argument("--prefill-workers", type=int, default=1)
+    up.add_argument("--prefill-niceness", type=_niceness, default=0,
+                    help="--niceness of every prefill worker: on this machine its prefills then take the cores the "
+                    "decode workers leave idle, so decode steps slow down less while prompts compute, and a prompt "
+                    "may wait longer for its first token (BENCHMARKS.md, issue 13; default 0: equal shares)")
     up.add_argument("--decode-workers", type=int, default=1)
     up.add_argument("--colocated-workers", type=int, default=0,
                     help="run N workers doing both prefill and decode instead of separate ones")

@@ -101,12 +101,25 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
     return asyncio.run(run())
 
 
+def _raise_niceness(increment: int) -> None:
+    """Lower this process's CPU priority by ``increment``, before the engine, the OpenMP pool and gRPC start threads.
+
+    Linux keeps a niceness per thread and a new thread takes its creator's: the threads that exist
+    already (importing torch starts one) are set one by one, the rest inherit it.
+    """
+    tasks = "/proc/self/task"
+    for thread_id in (int(name) for name in os.listdir(tasks)) if os.path.isdir(tasks) else (0,):
+        os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + increment)
+
+
 def _run_worker(args: argparse.Namespace, role: str) -> int:
     from engine.llm_engine import LLMEngine
     from service_common.server import ServerConfig
     from service_common.worker import WorkerConfig
 
     _setup_logging(args)
+    if args.niceness:
+        _raise_niceness(args.niceness)
     if args.torch_threads:
         import torch
 

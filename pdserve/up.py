@@ -28,9 +28,9 @@ def up_decode_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def up_prefill_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The flags ``up`` passes on to prefill workers only: their tensor parallelism, and the draft when
-    they build its prompt KV."""
-    prefill_args: tuple[str, ...] = ()
+    """The flags ``up`` passes on to prefill workers only: their niceness, their tensor parallelism, and
+    the draft when they build its prompt KV."""
+    prefill_args: tuple[str, ...] = ("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else ()
     if args.prefill_tp != 1:
         prefill_args += ("--tensor-parallel-size", str(args.prefill_tp))
     if args.draft_prompt_kv == "recompute":

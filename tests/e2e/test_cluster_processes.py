@@ -27,7 +27,8 @@ def _tokens(responses: list) -> list[int]:
 async def test_cluster_greedy_equals_transformers_for_each_transport(
     llama_checkpoint: Path, start_cluster, transport: str
 ) -> None:
-    cluster = start_cluster(cluster_config(llama_checkpoint, kv_transport=transport))
+    # The prefill worker yields the cores to the decode worker (`pdserve up --prefill-niceness`).
+    cluster = start_cluster(cluster_config(llama_checkpoint, kv_transport=transport, prefill_args=("--niceness", "5")))
     prompts = random_prompts(LENGTHS, seed=50)
     params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     results = await asyncio.gather(
@@ -44,6 +45,11 @@ async def test_cluster_greedy_equals_transformers_for_each_transport(
     for name in ("prefill-0", "decode-0"):
         environ = Path(f"/proc/{cluster.process(name).pid}/environ").read_bytes().split(b"\0")
         assert b"OMP_WAIT_POLICY=PASSIVE" in environ, name
+    # Every thread of the prefill worker (torch's, gRPC's, the engine's) runs at niceness 5; the decode worker's at 0.
+    for name, niceness in (("prefill-0", 5), ("decode-0", 0)):
+        tasks = Path(f"/proc/{cluster.process(name).pid}/task")
+        nice = {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks.iterdir()}
+        assert nice == {niceness}, name
 
 
 async def _wait_idle(cluster) -> tuple:  # noqa: ANN001 - a LocalCluster
