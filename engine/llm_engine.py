@@ -8,6 +8,7 @@ The engine is single-threaded and knows nothing of asyncio or gRPC; the offline
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from engine.kv_leases import LeaseTable
 from engine.kv_push import LayerPusher
 from engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
+from engine.native import cpu_has_native_bf16
 from engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
 from engine.parallel.kv_shards import ShardedKV, import_on_ranks
 from engine.parallel.sharding import TensorParallelShard, check_tensor_parallel, kv_heads_of_rank
@@ -35,6 +37,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -659,6 +663,11 @@ def _resolve_device(device: str) -> torch.device:
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return auto_dtype(device)
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.warning(
+            "dtype='bfloat16' on a CPU without bf16 units (no avx512_bf16 or amx_bf16): its products are emulated, "
+            "several times slower than float32 (dtype='auto' picks float32 here; quantized layers dequantize to float32)"
+        )
     return TORCH_DTYPES[dtype]
 
 
@@ -670,18 +679,6 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return bool({"amx_bf16", "avx512_bf16"} & set(line.split()))
-    except OSError:
-        pass
-    return False
 
 
 def _load_tokenizer(path: Path) -> object | None:

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from functools import lru_cache
 from pathlib import Path
 
 from engine.default_model import default_cache_dir
@@ -119,3 +120,19 @@ def _cpu_identity() -> bytes:
     except OSError:
         pass
     return flags.encode()
+
+
+@lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86).
+
+    Elsewhere oneDNN emulates bf16 products: 4-8x slower than float32 at 1-32 rows on an AVX2-only
+    AMD EPYC (BENCHMARKS.md, issue 11, session 7)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return bool({"amx_bf16", "avx512_bf16"} & set(line.split()))
+    except OSError:
+        pass
+    return False

@@ -17,7 +17,9 @@
  * Per block b of an activation row (scale d_b, integer sum s_b of its xq):
  *   INT8: acc += d_b * (sum(wu * xq) - 128 * s_b); out = acc * row_scale
  *   INT4: acc += (scale_g * d_b) * sum(q * xq) + minimum_g * (d_b * s_b)
- * Without VNNI (or AVX-512 BW) the same integer sums are computed in portable C.
+ * Without VNNI (or AVX-512 BW) the same integer sums come from AVX2 where the CPU has it (llama.cpp's
+ * `vpmaddubsw` + `vpmaddwd` pairs: 16-bit pair sums that cannot saturate for these value ranges), else
+ * from portable C. All three paths produce the same bits.
  *
  * Work is split over tiles of output rows with OpenMP (when built with it) on `threads` threads.
  */
@@ -25,7 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -34,10 +36,13 @@
 /* Activation rows sharing one pass over a weight tile (their accumulators stay in registers). */
 #define ROW_GROUP 4
 
+/* The integer-product path this build uses: 2 AVX512-VNNI, 1 AVX2 (with FMA and F16C), 0 portable C. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define PDSERVE_VNNI 1
+#define PDSERVE_QUANT_PATH 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_QUANT_PATH 1
 #else
-#define PDSERVE_VNNI 0
+#define PDSERVE_QUANT_PATH 0
 #endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -60,7 +65,7 @@ static uint16_t f32_to_bf16(float f)
     return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-#if !PDSERVE_VNNI
+#if PDSERVE_QUANT_PATH == 0
 static float f16_to_f32(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -151,7 +156,7 @@ static void store_tile(void *out, int is_bf16, int64_t row, int64_t n, int64_t f
     }
 }
 
-#if PDSERVE_VNNI
+#if PDSERVE_QUANT_PATH == 2
 
 ALWAYS_INLINE __m512i broadcast4(const int8_t *p)
 {
@@ -238,6 +243,118 @@ ALWAYS_INLINE void int4_tile(const uint8_t *tile, const uint16_t *scales, const 
     }
 }
 
+#elif PDSERVE_QUANT_PATH == 1 /* AVX2: each 64-byte chunk of a tile is two 32-byte halves, rows 0-7 and 8-15 */
+
+ALWAYS_INLINE __m256i broadcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Per 32-bit lane, the sum of its 4 products w * x (w, x signed in [-127, 127]): |x| times w carrying
+ * x's sign, so `vpmaddubsw` sees an unsigned operand; a pair of products is at most 2 * 127 * 127. */
+ALWAYS_INLINE __m256i dot4_signed(__m256i w, __m256i x4, __m256i x4_abs, __m256i ones)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(x4_abs, _mm256_sign_epi8(w, x4)), ones);
+}
+
+/* INT8: `count` (<= ROW_GROUP) activation rows from `row0` against tile t. The stored w + 128 flipped
+ * back to w by its top bit; the sums are then sum(w * xq), which is the VNNI path's sum(wu * xq) - 128 * s. */
+ALWAYS_INLINE void int8_tile(const uint8_t *tile, const float *row_scales, const QuantizedRows *x, int64_t row0,
+                             int count, int64_t k, float *results)
+{
+    const int64_t blocks = k / QBLOCK;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_GROUP][2];
+    for (int r = 0; r < ROW_GROUP; ++r) {
+        acc[r][0] = _mm256_setzero_ps();
+        acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *w = tile + b * QBLOCK * TILE;
+        for (int r = 0; r < ROW_GROUP; ++r) {
+            if (r >= count) {
+                break;
+            }
+            const int8_t *xq = x->xq + (row0 + r) * k + b * QBLOCK;
+            __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) {
+                const __m256i x4 = broadcast4(xq + c * 4), x4_abs = _mm256_abs_epi8(x4);
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + c * 64)), flip);
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + c * 64 + 32)), flip);
+                low = _mm256_add_epi32(low, dot4_signed(w0, x4, x4_abs, ones));
+                high = _mm256_add_epi32(high, dot4_signed(w1, x4, x4_abs, ones));
+            }
+            const __m256 d = _mm256_set1_ps(x->d[(row0 + r) * blocks + b]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), d, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), d, acc[r][1]);
+        }
+    }
+    const __m256 scales0 = _mm256_loadu_ps(row_scales), scales1 = _mm256_loadu_ps(row_scales + 8);
+    for (int r = 0; r < count; ++r) {
+        _mm256_storeu_ps(results + r * TILE, _mm256_mul_ps(acc[r][0], scales0));
+        _mm256_storeu_ps(results + r * TILE + 8, _mm256_mul_ps(acc[r][1], scales1));
+    }
+}
+
+/* Per 32-bit lane, sum(q_low * x_low) + sum(q_high * x_high) of 4 bytes (q in [0, 15]): every 16-bit
+ * partial sum is at most 4 * 15 * 127. */
+ALWAYS_INLINE __m256i dot8_nibbles(__m256i bytes, __m256i low_mask, __m256i x_low, __m256i x_high, __m256i ones)
+{
+    const __m256i low = _mm256_and_si256(bytes, low_mask);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low), _mm256_maddubs_epi16(high, x_high));
+    return _mm256_madd_epi16(pairs, ones);
+}
+
+/* INT4: `count` (<= ROW_GROUP) activation rows from `row0` against tile t. */
+ALWAYS_INLINE void int4_tile(const uint8_t *tile, const uint16_t *scales, const uint16_t *minimums,
+                             int64_t group_size, const QuantizedRows *x, int64_t row0, int count, int64_t k,
+                             float *results)
+{
+    const int64_t blocks = k / QBLOCK, blocks_per_group = group_size / QBLOCK;
+    const __m256i low_mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_GROUP][2];
+    for (int r = 0; r < ROW_GROUP; ++r) {
+        acc[r][0] = _mm256_setzero_ps();
+        acc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *w = tile + b * (QBLOCK / 2) * TILE;
+        const int64_t g = b / blocks_per_group;
+        const __m256 scale0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE)));
+        const __m256 scale1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE + 8)));
+        const __m256 minimum0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + g * TILE)));
+        const __m256 minimum1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + g * TILE + 8)));
+        for (int r = 0; r < ROW_GROUP; ++r) {
+            if (r >= count) {
+                break;
+            }
+            const int8_t *xq = x->xq + (row0 + r) * k + b * QBLOCK;
+            __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {
+                const __m256i x_low = broadcast4(xq + c * 8), x_high = broadcast4(xq + c * 8 + 4);
+                const __m256i bytes0 = _mm256_loadu_si256((const __m256i *)(w + c * 64));
+                const __m256i bytes1 = _mm256_loadu_si256((const __m256i *)(w + c * 64 + 32));
+                low = _mm256_add_epi32(low, dot8_nibbles(bytes0, low_mask, x_low, x_high, ones));
+                high = _mm256_add_epi32(high, dot8_nibbles(bytes1, low_mask, x_low, x_high, ones));
+            }
+            const int64_t at = (row0 + r) * blocks + b;
+            const float d = x->d[at];
+            const __m256 vd = _mm256_set1_ps(d), vds = _mm256_set1_ps(d * (float)x->sums[at]);
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_mul_ps(scale0, vd), acc[r][0]);
+            acc[r][0] = _mm256_fmadd_ps(minimum0, vds, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_mul_ps(scale1, vd), acc[r][1]);
+            acc[r][1] = _mm256_fmadd_ps(minimum1, vds, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < count; ++r) {
+        _mm256_storeu_ps(results + r * TILE, acc[r][0]);
+        _mm256_storeu_ps(results + r * TILE + 8, acc[r][1]);
+    }
+}
+
 #else /* portable C: the same integer sums and float steps, lane by lane */
 
 static void int8_tile(const uint8_t *tile, const float *row_scales, const QuantizedRows *x, int64_t row0, int count,
@@ -300,10 +417,10 @@ static void int4_tile(const uint8_t *tile, const uint16_t *scales, const uint16_
 
 #endif
 
-/* Whether this build uses AVX512-VNNI (1) or the portable path (0). */
-int64_t pdserve_quant_has_vnni(void)
+/* The integer-product path of this build: 2 AVX512-VNNI, 1 AVX2, 0 portable C. */
+int64_t pdserve_quant_path(void)
 {
-    return PDSERVE_VNNI;
+    return PDSERVE_QUANT_PATH;
 }
 
 /*

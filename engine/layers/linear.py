@@ -21,8 +21,9 @@ dispatch by row count: up to ``kernel_max_rows`` rows (decode batches) the
 kernel reads the small weights directly, the activation quantized to int8 per
 block of 32 (llama.cpp's Q8 approach; AVX512-VNNI dot products); above it, and
 wherever the kernel cannot run (GPU, no C compiler), the weights are
-dequantized to bf16 for this call only and multiplied by ``F.linear`` (no
-dequantized copy is kept, so the memory saving holds).
+dequantized for this call only and multiplied by ``F.linear`` (no dequantized
+copy is kept, so the memory saving holds): to bf16, or to float32 on a CPU
+without bf16 units, where oneDNN emulates bf16 at several times float32's cost.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from engine.layers.quant_kernels import (
     unpack_int8,
     unpack_rows,
 )
+from engine.native import cpu_has_native_bf16
 
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
@@ -58,10 +60,9 @@ _MKL_PACK_BATCH_SIZE = 32
 INT8_KERNEL_MAX_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 256
 LM_HEAD_KERNEL_MAX_ROWS = 256
-# The quantized methods' activations, scales and dequantized weights: bf16 runs
-# on the AMX/AVX512-BF16 units (6.5x float32 at 2,048 rows, issue 11), and
-# aten's int kernels with float32 activations are 10-100x slower than with bf16
-# at 8 rows and up (BENCHMARKS.md, issue 11).
+# The quantized methods' dequantized GEMMs, and the kernels' input for an activation
+# dtype they do not read (float16): bf16 runs on the AMX/AVX512-BF16 units (6.5x
+# float32 at 2,048 rows, BENCHMARKS.md, issue 11); see _dequantized_dtype.
 _GEMM_DTYPE = torch.bfloat16
 
 
@@ -133,8 +134,9 @@ class Int8LinearMethod(LinearMethod):
             gemm = _bound(layer, lambda: kernels.bind_int8(layer.qweight, layer.scales, layer.out_features))
             out = _kernel_output(gemm(_kernel_input(gemm, x)), x)
         else:
-            weight = self._dequantize(layer, _GEMM_DTYPE)
-            out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
+            dtype = _dequantized_dtype(x)
+            weight = self._dequantize(layer, dtype)
+            out = nn.functional.linear(x.to(dtype), weight).to(x.dtype)
         return out if layer.bias is None else out.add_(layer.bias)
 
     @staticmethod
@@ -186,8 +188,9 @@ class Int4LinearMethod(LinearMethod):
             )
             out = _kernel_output(gemm(_kernel_input(gemm, x)), x)
         else:
-            weight = self._dequantize(layer, _GEMM_DTYPE)
-            out = nn.functional.linear(x.to(_GEMM_DTYPE), weight).to(x.dtype)
+            dtype = _dequantized_dtype(x)
+            weight = self._dequantize(layer, dtype)
+            out = nn.functional.linear(x.to(dtype), weight).to(x.dtype)
         return out if layer.bias is None else out.add_(layer.bias)
 
     def dequantize(self, layer: PackedLinear) -> torch.Tensor:
@@ -230,6 +233,16 @@ def _bound(layer: PackedLinear, bind: Callable[[], BoundGemm]) -> BoundGemm:
     if gemm is None or gemm.tensors[0] is not layer.qweight:
         gemm = layer._bound_gemm = bind()
     return gemm
+
+
+def _dequantized_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized layer dequantizes to for ``F.linear``: bf16, except on a CPU without bf16 units,
+    where oneDNN emulates bf16 products (5-13x slower than float32 at 32-2,048 rows on an AVX2 EPYC,
+    BENCHMARKS.md issue 11, session 7): float32 there, bf16 activations widened exactly and the
+    product rounded back to bf16 once, as a bf16 GEMM's float32 accumulator is."""
+    if x.device.type == "cpu" and not cpu_has_native_bf16():
+        return torch.float32
+    return _GEMM_DTYPE
 
 
 def _kernel_input(gemm: BoundGemm, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The kernel quantizes the activation to int8 per block of 32 (llama.cpp's Q8
 approach) and multiplies with AVX512-VNNI int8 dot products, 16 output rows a
-vector; without VNNI it computes the same integer sums in portable C. Its weight
+vector; without VNNI it computes the same integer sums with AVX2, or in portable
+C on a CPU without that (``QuantKernels.isa`` says which). Its weight
 layout (tiles of 16 output rows, per block of 32 input columns; the C file's
 header has the byte order) is what ``Int8LinearMethod`` / ``Int4LinearMethod``
 keep; ``unpack_int8`` / ``unpack_int4`` turn it back into (out, in) integers for
@@ -84,6 +85,10 @@ def unpack_rows(tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     return tiles.transpose(1, 2).reshape(-1, tiles.shape[1])[:out_features]
 
 
+# pdserve_quant_path()'s answers.
+_QUANT_PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
+
+
 class QuantKernels:
     """The compiled INT8/INT4 kernels; the caller passes tensors in ``pack_*``'s layouts (checked by shape).
 
@@ -95,7 +100,8 @@ class QuantKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._int8 = library.pdserve_int8_gemm
         self._int4 = library.pdserve_int4_gemm
-        self.has_vnni = bool(library.pdserve_quant_has_vnni())
+        # Which integer-product code this build runs: the CPU's best that the compiler was allowed.
+        self.isa = _QUANT_PATHS[library.pdserve_quant_path()]
 
     def bind_int8(self, tiles: torch.Tensor, row_scales: torch.Tensor, out_features: int) -> BoundGemm:
         """x (rows, in) float32/bf16 -> x @ W.T (rows, out) in x's dtype; W = (tiles - 128) * row_scales[:, None]."""
@@ -190,7 +196,8 @@ def _check_activation(x: torch.Tensor, in_features: int) -> tuple[int, int]:
 def load_quant_kernels(extra_flags: tuple[str, ...] = ()) -> QuantKernels | None:
     """The compiled kernels, building them on first use; None where they cannot be built on this machine.
 
-    ``extra_flags`` are added to the compiler's (tests build the portable path with ``-mno-avx512vnni``)."""
+    ``extra_flags`` are added to the compiler's (tests build the fallback paths with ``-mno-avx512vnni``
+    and ``-mno-avx2``)."""
     library = _load_library(tuple(extra_flags))
     return None if library is None else QuantKernels(library)
 
@@ -210,6 +217,6 @@ def _load_library(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     library.pdserve_int8_gemm.argtypes = [pointer, pointer, pointer, pointer] + [integer] * 5
     library.pdserve_int4_gemm.restype = integer
     library.pdserve_int4_gemm.argtypes = [pointer, pointer, pointer, pointer, pointer] + [integer] * 6
-    library.pdserve_quant_has_vnni.restype = integer
-    library.pdserve_quant_has_vnni.argtypes = []
+    library.pdserve_quant_path.restype = integer
+    library.pdserve_quant_path.argtypes = []
     return library

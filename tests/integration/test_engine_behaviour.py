@@ -175,6 +175,22 @@ def test_invalid_prompts_raise_value_error_and_leave_the_engine_clean(tiny_llm: 
     assert len(ok.token_ids) >= 1
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_an_explicit_bf16_on_a_cpu_without_bf16_units_warns_that_it_is_emulated(
+    native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: native)
+    with caplog.at_level("WARNING", logger="engine.llm_engine"):
+        assert llm_engine._resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+        assert llm_engine._resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    warnings = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warnings) == (0 if native else 1)
+    if warnings:
+        assert warnings[0].startswith("dtype='bfloat16' on a CPU without bf16 units (no avx512_bf16 or amx_bf16)")
+
+
 def test_dtype_auto_is_bf16_where_the_cpu_runs_it_natively(llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine import llm_engine
 

@@ -128,6 +128,29 @@ def test_quantized_methods_match_a_float64_product_at_every_dispatched_row_count
             assert bool(((out.to(torch.float64) - expected).abs() <= bound).all()), f"{rows} rows"
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
+@pytest.mark.parametrize("method_name", ["int8", "int4"])
+def test_prefill_sized_batches_dequantize_to_bf16_only_where_the_cpu_has_bf16_units(
+    monkeypatch: pytest.MonkeyPatch, method_name: str, native_bf16: bool
+) -> None:
+    # Without bf16 units oneDNN emulates bf16 products at several times float32's cost, so the
+    # dequantized GEMM runs in float32 there, for float32 and bf16 activations alike.
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: native_bf16)
+    for dtype in (torch.float32, torch.bfloat16):
+        linears = _linears(64, [64, 32], True, dtype)
+        method = Int8LinearMethod() if method_name == "int8" else Int4LinearMethod(32)
+        layer = PackedLinear(linears, method)
+        with torch.inference_mode():
+            x = torch.randn(method.kernel_max_rows + 1, 64, dtype=dtype)
+            if native_bf16:
+                product = nn.functional.linear(x.bfloat16(), method._dequantize(layer, torch.bfloat16))
+            else:
+                product = nn.functional.linear(x.float(), method._dequantize(layer, torch.float32))
+            assert torch.equal(layer(x), product.to(dtype) + layer.bias), dtype
+
+
 def test_the_lm_head_is_int8_under_quantization_unless_asked_otherwise() -> None:
     head = _linears(64, [200], False, torch.bfloat16)
     assert isinstance(lm_head_method("int4"), Int8LinearMethod)

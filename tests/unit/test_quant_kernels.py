@@ -138,26 +138,56 @@ def test_a_zero_activation_block_gives_exact_zeros_and_no_nan() -> None:
     _check(out, *_int8_reference(x, q, scales))
 
 
-def test_the_portable_build_without_vnni_computes_the_same_bits() -> None:
-    # A CPU without AVX512-VNNI gets the portable C path: the same integer sums and float steps.
-    portable = qk.load_quant_kernels(("-mno-avx512vnni",))
-    assert portable is not None and not portable.has_vnni
+@pytest.mark.parametrize(
+    ("flags", "isa"), [(("-mno-avx512vnni",), "avx2"), (("-mno-avx512vnni", "-mno-avx2"), "portable")]
+)
+def test_the_builds_for_cpus_without_vnni_or_avx2_compute_the_same_bits(flags: tuple[str, ...], isa: str) -> None:
+    # A CPU without AVX512-VNNI gets the AVX2 path, one without AVX2 the portable C path: the same integer
+    # sums and float steps. Row counts cover full and partial row groups.
+    fallback = qk.load_quant_kernels(flags)
+    assert fallback is not None
+    if isa == "avx2" and "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2: the AVX2 build cannot run here")
+    assert fallback.isa == isa
     torch.manual_seed(4)
     q8, scales8 = _int8_case(50, 96)
     row_scales = torch.zeros(64)
     row_scales[:50] = scales8
     q4, scale4, minimum4 = _int4_case(50, 128, 64)
-    for rows in (1, 6):
+    for rows in (1, 6, 9):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        int8 = [k.int8_gemm(x, qk.pack_int8(q8), row_scales, 50) for k in (KERNELS, portable)]
+        int8 = [k.int8_gemm(x, qk.pack_int8(q8), row_scales, 50) for k in (KERNELS, fallback)]
         x4 = torch.randn(rows, 128)
         int4 = [
             k.int4_gemm(x4, qk.pack_int4(q4), qk.pack_rows(scale4), qk.pack_rows(minimum4), 64, 50)
-            for k in (KERNELS, portable)
+            for k in (KERNELS, fallback)
         ]
         assert torch.equal(int8[0], int8[1]) and torch.equal(int4[0], int4[1])
         _check(int8[1], *_int8_reference(x, q8, scales8))
         _check(int4[1], *_int4_reference(x4, q4, scale4, minimum4, 64))
+
+
+def test_extreme_int8_values_do_not_saturate_the_16_bit_pair_sums() -> None:
+    # The AVX2 path sums pairs of products in 16 bits: |w| = |xq| = 127 everywhere is its worst case
+    # (2 * 127 * 127 = 32,258 < 32,767). Every build must give the exact integer sum.
+    q = torch.full((16, 64), -127, dtype=torch.int8)
+    q[::2] = 127
+    scales = torch.ones(16)
+    x = torch.ones(1, 64)
+    x[0, ::3] = -1.0  # xq = +-127 in every block
+    for kernels in (KERNELS, qk.load_quant_kernels(("-mno-avx512vnni",))):
+        assert kernels is not None
+        out = kernels.int8_gemm(x, qk.pack_int8(q), scales, 16)
+        expected = (q.to(torch.float64) * x.to(torch.float64)).sum(dim=1) / 127.0 * 127.0
+        assert torch.equal(out[0], expected.to(torch.float32))
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split())
+    return set()
 
 
 def test_pack_and_unpack_round_trip_with_padding() -> None:
