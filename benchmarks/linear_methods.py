@@ -1,6 +1,6 @@
 """Side-by-side timings of the linear methods' kernels at the engine's projection shapes (issue 11).
 
-    python -m benchmarks.linear_methods [--threads 2] [--rows 1,8,32,256,2048] [--repeats 7] [--json out.json]
+    python -m benchmarks.linear_methods [--threads 2] [--rows 1,8,32,256,2048] [--repeats 7] [--fallback-builds] [--json out.json]
 
 For every projection of the embedded default model (SmolLM2-135M: q/k/v fused
 576->960, o 576->576, gate/up fused 576->3072, down 1536->576, LM head
@@ -21,7 +21,11 @@ per-kernel, not per-step. Candidates:
   ``_weight_int4pack_mm_for_cpu`` with bf16 activations, which the methods ran before
   (group 32, the weights packed here in aten's layouts);
 - ``int8 deq+bf16`` / ``int4 deq+bf16``: the quantized methods' multi-row path,
-  dequantizing the weight to bf16 for the call and running ``F.linear``.
+  dequantizing the weight for the call and running ``F.linear`` (to bf16; to float32
+  on a CPU without bf16 units, where the label says ``deq+fp32``);
+- with ``--fallback-builds``: ``int8 kernel avx2`` / ``int8 kernel portable`` (and INT4),
+  the same kernels built for a CPU without AVX512-VNNI, or without AVX2 either, where
+  this CPU runs such a build (same bits, BENCHMARKS.md issue 11, session 7).
 
 The LM head is only ever computed for sampled rows (at most max_num_seqs), so it
 is not timed at 2,048 rows; the int kernels are not timed at 2,048 rows
@@ -38,7 +42,8 @@ from torch import nn
 
 from benchmarks.decode_step import _alternate
 from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
-from engine.layers.quant_kernels import unpack_int4, unpack_int8, unpack_rows
+from engine.layers.quant_kernels import load_quant_kernels, unpack_int4, unpack_int8, unpack_rows
+from engine.native import cpu_has_native_bf16
 
 SHAPES = {
     "q/k/v": (576, 960),
@@ -49,12 +54,14 @@ SHAPES = {
 }
 
 
-def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> dict:
+def _candidates(in_features: int, out_features: int, rows: int, slow: bool, fallbacks: dict) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False)
     fp32 = PackedLinear([linear])
     weight_bf16 = linear.weight.detach().to(torch.bfloat16)
-    onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, rows)
+    # oneDNN's prepacked bf16 GEMM needs AVX512-BW/VL/DQ (or AVX-NE-CONVERT); an AVX2 CPU has no such path.
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, rows) if onednn_bf16 else None
     int8, int4 = PackedLinear([linear], Int8LinearMethod()), PackedLinear([linear], Int4LinearMethod(32))
     x = torch.randn(rows, in_features)
     x_bf16 = x.to(torch.bfloat16)
@@ -70,8 +77,11 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> d
         "fp32 mkl": lambda: fp32(x),
         "fp32 F.linear": lambda: nn.functional.linear(x, linear.weight),
         "bf16 F.linear": lambda: nn.functional.linear(x_bf16, weight_bf16),
-        "bf16 onednn packed": lambda: torch.ops.mkldnn._linear_pointwise(x_bf16, onednn_weight, None, "none", [], ""),
     }
+    if onednn_weight is not None:
+        candidates["bf16 onednn packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
+            x_bf16, onednn_weight, None, "none", [], ""
+        )
     if rows < 2048 or slow:
         if kernels is not None:
             candidates |= {
@@ -80,15 +90,35 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool) -> d
                     x_bf16, int4.qweight, int4.scales, int4.minimums, 32, out_features
                 ),
             }
+        for isa, build in fallbacks.items():
+            candidates |= {
+                f"int8 kernel {isa}": lambda build=build: build.int8_gemm(x_bf16, int8.qweight, int8.scales, out_features),
+                f"int4 kernel {isa}": lambda build=build: build.int4_gemm(
+                    x_bf16, int4.qweight, int4.scales, int4.minimums, 32, out_features
+                ),
+            }
         candidates |= {
             "aten int8": lambda: torch._weight_int8pack_mm(x_bf16, q8, scales8),
             "aten int4": lambda: torch._weight_int4pack_mm_for_cpu(x_bf16, aten_int4, 32, aten_scales_zeros),
         }
+    dequantized = "deq+bf16" if cpu_has_native_bf16() else "deq+fp32"
     candidates |= {
-        "int8 deq+bf16": lambda: _force(int8, x_bf16),
-        "int4 deq+bf16": lambda: _force(int4, x_bf16),
+        f"int8 {dequantized}": lambda: _force(int8, x_bf16),
+        f"int4 {dequantized}": lambda: _force(int4, x_bf16),
     }
     return candidates
+
+
+def _fallback_builds() -> dict:
+    """The kernels built for CPUs without AVX512-VNNI (and without AVX2 too), by path, where that path differs
+    from this machine's own build."""
+    own = load_quant_kernels()
+    builds = {}
+    for flags in (("-mno-avx512vnni",), ("-mno-avx512vnni", "-mno-avx2")):
+        build = load_quant_kernels(flags)
+        if build is not None and (own is None or build.isa != own.isa) and build.isa not in builds:
+            builds[build.isa] = build
+    return builds
 
 
 def _force(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -108,9 +138,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--slow", action="store_true", help="also time the aten int kernels at 2,048 rows")
+    parser.add_argument(
+        "--fallback-builds", action="store_true", help="also time the kernels' AVX2 and portable builds where they differ"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    fallbacks = _fallback_builds() if args.fallback_builds else {}
     results = []
     with torch.inference_mode():
         for shape in args.shapes.split(","):
@@ -118,7 +152,7 @@ def main() -> None:
             for rows in (int(r) for r in args.rows.split(",")):
                 if shape == "lm_head" and rows >= 2048:
                     continue
-                timings = _alternate(_candidates(in_features, out_features, rows, args.slow), args.repeats)
+                timings = _alternate(_candidates(in_features, out_features, rows, args.slow, fallbacks), args.repeats)
                 results.append({"shape": shape, "rows": rows, "timings": timings})
                 best = min(timings, key=lambda name: timings[name]["min_ms"])
                 cells = "  ".join(f"{name}={t['min_ms'] * 1000:.0f}" for name, t in timings.items())
