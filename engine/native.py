@@ -126,7 +126,7 @@ def _cpu_identity() -> bytes:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86).
 
-    Elsewhere oneDNN emulates bf16 products: 4-8x slower than float32 at 1-32 rows on an AVX2-only
+    Elsewhere oneDNN emulates bf16 products: 3-10x slower than float32 at 32-2,048 rows on an AVX2-only
     AMD EPYC (BENCHMARKS.md, issue 11, session 7)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:

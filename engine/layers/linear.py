@@ -237,7 +237,7 @@ def _bound(layer: PackedLinear, bind: Callable[[], BoundGemm]) -> BoundGemm:
 
 def _dequantized_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a quantized layer dequantizes to for ``F.linear``: bf16, except on a CPU without bf16 units,
-    where oneDNN emulates bf16 products (5-13x slower than float32 at 32-2,048 rows on an AVX2 EPYC,
+    where oneDNN emulates bf16 products (3-10x slower than float32 at 32-2,048 rows on an AVX2 EPYC,
     BENCHMARKS.md issue 11, session 7): float32 there, bf16 activations widened exactly and the
     product rounded back to bf16 once, as a bf16 GEMM's float32 accumulator is."""
     if x.device.type == "cpu" and not cpu_has_native_bf16():
