@@ -123,16 +123,21 @@ def _cpu_identity() -> bytes:
 
 
 @lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (Linux x86); empty where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86).
 
     Elsewhere oneDNN emulates bf16 products: 3-10x slower than float32 at 32-2,048 rows on an AVX2-only
     AMD EPYC (BENCHMARKS.md, issue 11, session 7)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return bool({"amx_bf16", "avx512_bf16"} & set(line.split()))
-    except OSError:
-        pass
-    return False
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.layers import quant_kernels as qk
+from engine.native import cpu_flags
 
 KERNELS = qk.load_quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this machine")
@@ -146,7 +147,7 @@ def test_the_builds_for_cpus_without_vnni_or_avx2_compute_the_same_bits(flags: t
     # sums and float steps. Row counts cover full and partial row groups.
     fallback = qk.load_quant_kernels(flags)
     assert fallback is not None
-    if isa == "avx2" and "avx2" not in _cpu_flags():
+    if isa == "avx2" and "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2: the AVX2 build cannot run here")
     assert fallback.isa == isa
     torch.manual_seed(4)
@@ -180,14 +181,6 @@ def test_extreme_int8_values_do_not_saturate_the_16_bit_pair_sums() -> None:
         out = kernels.int8_gemm(x, qk.pack_int8(q), scales, 16)
         expected = (q.to(torch.float64) * x.to(torch.float64)).sum(dim=1) / 127.0 * 127.0
         assert torch.equal(out[0], expected.to(torch.float32))
-
-
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return set(line.split())
-    return set()
 
 
 def test_pack_and_unpack_round_trip_with_padding() -> None:
