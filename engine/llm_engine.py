@@ -40,6 +40,7 @@ from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_dra
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class EngineStats:
     """A load snapshot, for routing and metrics."""
