@@ -11,9 +11,13 @@ and hot in cache after the warm-up, as in a decode loop over a small model
 whose layer weights fit the L2/L3 only partly, so read the figures as
 per-kernel, not per-step. Candidates:
 
-- ``fp32 mkl``: the float32 method (MKL packed GEMM), what the engine runs today;
+- ``fp32 mkl``: MKL's packed GEMM, the float32 method on CPUs where pdserve's dense kernel does not serve;
 - ``fp32 F.linear``; ``bf16 F.linear`` (oneDNN; AMX where present);
-- ``bf16 onednn packed``: ``mkldnn._linear_pointwise`` on a weight prepacked by ``mkldnn._reorder_linear_weight``;
+- ``bf16 onednn packed``: ``mkldnn._linear_pointwise`` on a weight prepacked by ``mkldnn._reorder_linear_weight``,
+  the bf16 method where the dense kernel does not serve;
+- ``fp32 dense kernel`` / ``bf16 dense kernel``: pdserve's own (engine/kernels/dense_gemm.c), what the
+  unquantized method runs where ``dense_kernel_serves_this_cpu`` (the bf16 one only where this CPU has
+  AVX512-BF16);
 - ``int8 kernel`` / ``int4 kernel``: pdserve's own kernels (engine/kernels/quant_gemv.c:
   int8 activations per block of 32, AVX512-VNNI), what the quantized methods run up to
   ``kernel_max_rows``; INT4 at group 32, the default;
@@ -41,6 +45,7 @@ import torch
 from torch import nn
 
 from benchmarks.decode_step import _alternate
+from engine.layers.dense_kernels import load_dense_kernels, pack_dense
 from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
 from engine.layers.quant_kernels import load_quant_kernels, unpack_int4, unpack_int8, unpack_rows
 from engine.native import cpu_has_native_bf16
@@ -57,8 +62,10 @@ SHAPES = {
 def _candidates(in_features: int, out_features: int, rows: int, slow: bool, fallbacks: dict) -> dict:
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=False)
-    fp32 = PackedLinear([linear])
-    weight_bf16 = linear.weight.detach().to(torch.bfloat16)
+    weight = linear.weight.detach()
+    mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    weight_bf16 = weight.to(torch.bfloat16)
+    dense = load_dense_kernels()
     # oneDNN's prepacked bf16 GEMM needs AVX512-BW/VL/DQ (or AVX-NE-CONVERT); an AVX2 CPU has no such path.
     onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight_bf16, rows) if onednn_bf16 else None
@@ -74,10 +81,16 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool, fall
     scale4, minimum4 = unpack_rows(int4.scales, out_features).float(), unpack_rows(int4.minimums, out_features).float()
     aten_scales_zeros = torch.stack([scale4.t(), (minimum4 + 8 * scale4).t()], dim=-1).to(torch.bfloat16).contiguous()
     candidates = {
-        "fp32 mkl": lambda: fp32(x),
+        "fp32 mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl_weight, weight, None, rows),
         "fp32 F.linear": lambda: nn.functional.linear(x, linear.weight),
         "bf16 F.linear": lambda: nn.functional.linear(x_bf16, weight_bf16),
     }
+    if dense is not None:
+        fp32_dense = dense.bind(pack_dense(weight), None, out_features)
+        candidates["fp32 dense kernel"] = lambda: fp32_dense(x)
+        if dense.isa[torch.bfloat16] != "portable":
+            bf16_dense = dense.bind(pack_dense(weight_bf16), None, out_features)
+            candidates["bf16 dense kernel"] = lambda: bf16_dense(x_bf16)
     if onednn_weight is not None:
         candidates["bf16 onednn packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
             x_bf16, onednn_weight, None, "none", [], ""

@@ -6,7 +6,9 @@ model's dtype, the engine's LM head default): ``float32``, ``bfloat16``, ``bfloa
 ``bfloat16:int4:int8``, ``bfloat16::int8`` (bf16 weights, int8 KV), ``bfloat16:int4::float``
 (INT4 layers with the LM head left in bf16; ``int8`` asks for the quantized head, the default
 under quantization), ``bfloat16:int4:::eager`` (every step layer by layer: ``enforce_eager=True``;
-``fused`` asks for the fused decode step, the default). Parts that are not set are not passed
+``fused`` asks for the fused decode step, the default; ``library`` keeps unquantized layers off pdserve's
+dense kernels, on the libraries torch calls (MKL for float32, oneDNN for bf16) and, in bf16, layer by
+layer: the engine before issue 11's session 8, on a CPU where the kernels serve). Parts that are not set are not passed
 to ``LLM`` at all, so a setting the engine of this checkout does not know yet
 fails at construction, and the benchmarks report it as unsupported instead of crashing.
 """
@@ -22,7 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 LM_HEADS = ("float", "int8")
-EXECUTIONS = ("fused", "eager")
+EXECUTIONS = ("fused", "eager", "library")
 REFERENCE = "float32"
 
 T = TypeVar("T")
@@ -61,7 +63,7 @@ class PrecisionSetting:
             kwargs["kv_cache_dtype"] = self.kv_cache_dtype
         if self.lm_head is not None:
             kwargs["quantize_lm_head"] = self.lm_head == "int8"
-        if self.execution is not None:
+        if self.execution in ("fused", "eager"):
             kwargs["enforce_eager"] = self.execution == "eager"
         return kwargs
 
@@ -101,8 +103,17 @@ def parse_settings(texts: list[str]) -> list[PrecisionSetting]:
 def build_llm(setting: PrecisionSetting, **llm_kwargs: Any) -> Any:
     """An ``LLM`` in ``setting``; whatever the constructor raises (unknown keyword, refused value) propagates."""
     from engine import LLM
+    from engine.layers import linear
 
-    return LLM(**setting.llm_kwargs(), **llm_kwargs)
+    if setting.execution != "library":
+        return LLM(**setting.llm_kwargs(), **llm_kwargs)
+    # The weights are packed while the model loads: with the kernels switched off then, they stay off.
+    kernels = linear._dense_kernels
+    linear._dense_kernels = lambda dtype: None
+    try:
+        return LLM(**setting.llm_kwargs(), **llm_kwargs)
+    finally:
+        linear._dense_kernels = kernels
 
 
 class Unsupported(Exception):

@@ -88,6 +88,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
         pushed = self.inbox.take(handoff) if request.kv_pushed else None
+        if not request.kv_pushed:
+            # The prefill worker did not see its push confirmed in time (or pushed elsewhere): this request
+            # pulls, so a push of it that is here, or completes later, would hold blocks nobody claims.
+            self.inbox.discard(handoff.request_id)
         reservation = None
         if pushed is not None:
             # From here on the request owns the blocks the push wrote (the engine frees them with it).

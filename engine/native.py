@@ -135,6 +135,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo names it ("AuthenticAMD", "GenuineIntel"); empty where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[-1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86).
 

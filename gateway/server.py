@@ -249,11 +249,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             if not finished:
                 # Client cancel, deadline or a failed decode: stop the decode
-                # worker's request and free the prefill worker's pinned blocks,
-                # and the blocks a push holds there if its Decode never took them.
+                # worker's request and free the prefill worker's pinned blocks.
                 self._release_prefill(prefill, request_id)
-                if push_to is not None and prefill_response.kv_pushed:
-                    self._drop_push(push_to, request_id)
+            if push_to is not None and not (finished and decode is push_to):
+                # The blocks a push holds on push_to if no Decode there took it: the request ended before
+                # its Decode ran, or another decode worker served it. A push confirmed too late for the
+                # prefill worker to say kv_pushed still lands there, so this does not depend on that flag;
+                # a Decode that ran on push_to took the push or, told to pull, dropped it itself.
+                self._drop_push(push_to, request_id)
 
     async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:
         """What ``push_to`` caches of the prompt, by the prefix index (auto routing looked it up already)."""

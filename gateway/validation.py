@@ -115,7 +115,8 @@ def _check_sampling_params(params: generation_pb2.SamplingParams, limits: Reques
         raise ValueError(
             f"sampling_params.logit_bias holds {len(params.logit_bias)} entries; the limit is {limits.max_logit_bias}"
         )
-    for token_id, bias in params.logit_bias.items():
+    # A protobuf map's order is not kept across the wire: sorted, the error names the same entry every time.
+    for token_id, bias in sorted(params.logit_bias.items()):
         if not -100.0 <= bias <= 100.0:
             raise ValueError(f"sampling_params.logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
     if len(params.stop) > limits.max_stop_strings:

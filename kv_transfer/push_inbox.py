@@ -256,6 +256,14 @@ class PushInbox:
             if isinstance(error, ValueError):
                 raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, f"header.layout: {error}") from error
             raise
+        if header.request_id in self._dropped:
+            # The gateway's DropPush came while the blocks were being reserved: it found no entry to drop,
+            # and a push registered now would hold the blocks until it expired.
+            self.landing.free(reservation)
+            if segment is not None:
+                segment.close()
+            raise PushRejected(grpc.StatusCode.ABORTED,
+                               f"the KV push of {header.request_id!r} was dropped here (its request ended)")
         shm_blocks = None
         if segment is not None:
             shm_blocks = torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment_size)

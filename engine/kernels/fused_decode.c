@@ -1,6 +1,6 @@
 /*
  * The whole decoder of a Llama-family model (every layer, then the final norm) for one decode step, in one
- * C call: bfloat16 activations, INT8/INT4 projections, short queries over the paged KV cache.
+ * C call: bfloat16 activations, INT8/INT4 or bf16 projections, short queries over the paged KV cache.
  *
  * At batch 1 the model's arithmetic is a few milliseconds; the Python and torch dispatch around the ~10
  * kernel calls of each layer (rotary alone is eight small torch ops) costs about as much again. This file
@@ -8,7 +8,9 @@
  * the unfused bfloat16 path's (tests/unit/test_fused_decode.py):
  *
  *   h        = rms_norm(residual += delta)                   fused_ops.c (delta: the previous layer's MLP out)
- *   qkv      = h @ Wqkv.T (+ bias, rounded to bf16)         quant_gemv.c; the bias add is torch's bf16 add_
+ *   qkv      = h @ Wqkv.T (+ bias, rounded to bf16)         quant_gemv.c, the bias add torch's bf16 add_; or
+ *                                                            dense_gemm.c for unquantized bf16 weights, the
+ *                                                            bias added to the float32 sum before rounding
  *   q, k     = qkv[q | k] * cos + rotate_half(qkv[q | k]) * sin, each product and the sum rounded to
  *              bfloat16, cos and sin rounded to bfloat16 first: engine/models/rope.py's apply_rotary in torch
  *   cache    <- k, v at the step's slots                     paged_attention.c's pdserve_store_kv
@@ -22,21 +24,23 @@
  * off for everything after it (which the rotary needs too: torch rounds each product).
  */
 #include "quant_gemv.c"
+#include "dense_gemm.c"
 #include "paged_attention.c"
 #include "fused_ops.c"
 
-enum projection_kind { PROJECTION_INT8 = 1, PROJECTION_INT4 = 2 };
+enum projection_kind { PROJECTION_INT8 = 1, PROJECTION_INT4 = 2, PROJECTION_BF16 = 3 };
 
-/* One packed projection, as engine/layers/quant_kernels.py keeps it (see quant_gemv.c's header). */
+/* One packed projection, as engine/layers/quant_kernels.py (INT8, INT4) or engine/layers/dense_kernels.py
+ * (bf16) keeps it: see quant_gemv.c's and dense_gemm.c's headers. */
 typedef struct {
     int64_t kind;            /* projection_kind */
-    const uint8_t *qweight;  /* the kernel's tiles */
+    const uint8_t *qweight;  /* the kernel's tiles (bf16: its panels) */
     const void *scales;      /* INT8: float32 per padded output row; INT4: float16 (tiles, groups, 16) */
     const uint16_t *minimums; /* INT4 only */
     int64_t group_size;      /* INT4 only */
     const uint16_t *bias;    /* (out_features,) bfloat16, or NULL */
     int64_t out_features;
-    int64_t in_features;     /* a multiple of 32: the tiles' width */
+    int64_t in_features;     /* INT8/INT4: a multiple of 32, the tiles' width; bf16: even */
     int64_t parallel;        /* 1: split over the step's threads (as BoundGemm does above 64 KiB of weight) */
 } pdserve_projection;
 
@@ -74,11 +78,16 @@ typedef struct {
     const pdserve_layer *layers; /* num_layers of them */
 } pdserve_model;
 
-/* out (rows, out_features) bf16 = x (rows, in_features) bf16 @ W.T, then + bias as torch's bf16 add_ rounds it. */
+/* out (rows, out_features) bf16 = x (rows, in_features) bf16 @ W.T, then + bias as torch's bf16 add_ rounds it
+ * (bf16 weights: the bias inside the kernel, as the layer-by-layer path's call adds it). */
 static int64_t project(const pdserve_projection *p, void *out, const void *x, int64_t rows, int64_t threads)
 {
     const int64_t used_threads = p->parallel ? threads : 1;
     int64_t status;
+    if (p->kind == PROJECTION_BF16) {
+        return pdserve_bf16_gemm(out, x, (const uint16_t *)p->qweight, p->bias, rows, p->out_features,
+                                 p->in_features, used_threads);
+    }
     if (p->kind == PROJECTION_INT8) {
         status = pdserve_int8_gemm(out, x, p->qweight, (const float *)p->scales, rows, p->out_features,
                                    p->in_features, 1, used_threads);

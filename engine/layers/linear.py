@@ -8,9 +8,11 @@ loading, and how a forward multiplies by it, belongs to its ``LinearMethod``
 then ``apply``):
 
 - ``UnquantizedLinearMethod``: the checkpoint's floats in the model dtype.
-  On CPU in float32 the matrix is also kept in MKL's packed GEMM format; in
-  bf16/fp16 it is ``F.linear`` (oneDNN, on the AMX tile units where the CPU
-  has them; BENCHMARKS.md, issue 11).
+  On CPU in float32 the matrix is also kept in MKL's packed GEMM format, and
+  in bf16 as oneDNN's prepacked GEMM (on the AMX tile units where the CPU has
+  them), except where pdserve's own dense kernel serves better (bf16 on
+  AVX512-BF16 without AMX, float32 on AMD CPUs with AVX-512): it keeps the
+  only copy (engine/layers/dense_kernels.py; BENCHMARKS.md, issue 11).
 - ``Int8LinearMethod``: weight-only INT8, one symmetric scale per output channel.
 - ``Int4LinearMethod``: weight-only INT4, asymmetric, a float16 scale and
   minimum per ``group_size`` input columns of each output channel (Q4_1's form).
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from engine.config import INT4_GROUP_SIZES
+from engine.layers.dense_kernels import BoundDenseGemm, DenseKernels, dense_kernel_serves_this_cpu, load_dense_kernels, pack_dense
 from engine.layers.quant_kernels import (
     QBLOCK,
     TILE,
@@ -85,16 +88,30 @@ class LinearMethod(ABC):
 class UnquantizedLinearMethod(LinearMethod):
     """The weights as loaded, in the model dtype.
 
-    On CPU: float32 as an MKL packed GEMM; bf16 as a oneDNN prepacked GEMM
+    On CPU, where pdserve's dense kernel beats the library torch calls
+    (engine/layers/dense_kernels.py: bf16 with AVX512-BF16 and no AMX, float32
+    on AMD CPUs with AVX-512), the weight is kept only in the kernel's panels
+    and every row count runs on it (float32 sums, in an order of its own).
+    Otherwise float32 is an MKL packed GEMM, and bf16 a oneDNN prepacked GEMM
     (bit for bit ``F.linear``'s result, about 20% faster at 1-256 rows,
     BENCHMARKS.md issue 11). ``F.linear`` elsewhere.
     """
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
+        layer.out_features, layer.in_features = layer.weight.shape
+        layer._dense_gemm = _dense_kernel_gemm(layer.weight, layer.bias)
+        if layer._dense_gemm is not None:
+            # The panels are the one copy (a tied head's embedding stays with the embedding layer).
+            del layer.weight
+            return
         layer._mkl_weight = _mkl_packed(layer.weight)
         layer._onednn_weight = _onednn_packed(layer.weight)
 
     def apply(self, layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        gemm = layer._dense_gemm
+        if gemm is not None:
+            out = gemm(x.to(gemm.dtype).contiguous())
+            return out if x.dtype == gemm.dtype else out.to(x.dtype)
         if layer._onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer._onednn_weight, layer.bias, "none", [], "")
         if layer._mkl_weight is None:
@@ -286,6 +303,7 @@ class PackedLinear(nn.Module):
         self.method = method or UnquantizedLinearMethod()
         self._mkl_weight: torch.Tensor | None = None
         self._onednn_weight: torch.Tensor | None = None
+        self._dense_gemm: BoundDenseGemm | None = None
         self._quant_kernels: QuantKernels | None = None
         self._bound_gemm: BoundGemm | None = None
         self.method.process_weights_after_loading(self)
@@ -297,6 +315,8 @@ class PackedLinear(nn.Module):
         """Bytes of the tensors this layer keeps for its weight and bias (packed GEMM copies counted at their dense size)."""
         tensors = [*self.parameters(recurse=False), *self.buffers(recurse=False)]
         tensors += [t for t in (self._mkl_weight, self._onednn_weight) if t is not None]
+        if self._dense_gemm is not None:
+            tensors.append(self._dense_gemm.panels)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -319,6 +339,27 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     # As for MKL, the batch size is a blocking hint; any batch size computes correctly.
     return torch.ops.mkldnn._reorder_linear_weight(weight, _MKL_PACK_BATCH_SIZE)
+
+
+def _dense_kernel_gemm(weight: torch.Tensor, bias: torch.Tensor | None) -> BoundDenseGemm | None:
+    """The product by ``weight`` through pdserve's dense kernel, or None where the library torch calls serves
+    better or the kernel cannot run (not CPU, another dtype, a bf16 weight of odd width, no C compiler)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if (weight.dtype == torch.bfloat16 and weight.shape[1] % 2) or (bias is not None and bias.dtype != weight.dtype):
+        return None
+    kernels = _dense_kernels(weight.dtype)
+    if kernels is None:
+        return None
+    return kernels.bind(pack_dense(weight.detach()), None if bias is None else bias.detach().contiguous(), weight.shape[0])
+
+
+def _dense_kernels(dtype: torch.dtype) -> DenseKernels | None:
+    """The dense kernels where they beat the library for ``dtype`` on this CPU, built for it (tests replace this
+    function to run them on other CPUs)."""
+    if not dense_kernel_serves_this_cpu(dtype):
+        return None
+    return load_dense_kernels()
 
 
 def check_int4_group_size(in_features: int, group_size: int) -> None:

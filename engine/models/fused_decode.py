@@ -11,11 +11,12 @@ kernel's plan). The C side calls the very kernels the unfused path calls, in the
 same order and with the same rounding, so hidden states are bit for bit the
 unfused bfloat16 path's (tests/unit/test_fused_decode.py).
 
-It serves bfloat16 models on CPU whose projections are all INT8/INT4 (the C
-kernels' layout), with SiLU MLPs, for steps whose every token the paged
+It serves bfloat16 models on CPU whose projections all run pdserve's C
+kernels: INT8/INT4, or unquantized bf16 on a CPU with AVX512-BF16 and no AMX
+(engine/layers/dense_kernels.py), with SiLU MLPs, for steps whose every token the paged
 attention kernel attends (decodes, and the short chunks a speculative step
 verifies) and of at most ``FUSED_DECODE_MAX_ROWS`` tokens. Everything else —
-float32 (the exactness oracle), GPU, unquantized weights, tensor parallelism,
+float32 (the exactness oracle), GPU, bf16 weights oneDNN serves, tensor parallelism,
 no C compiler, prefill chunks, larger batches, forward hooks on the decoder
 layers (the KV pusher's), ``enforce_eager=True`` — runs the
 model's layer-by-layer forward; ``LlamaForCausalLM.forward`` is the one place
@@ -35,7 +36,8 @@ from torch import nn
 
 from engine.attention.sdpa import SdpaMetadata
 from engine.kv_cache import QuantizedKV
-from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
+from engine.layers.dense_kernels import _PARALLEL_MIN_BYTES as _DENSE_PARALLEL_MIN_BYTES
+from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
 from engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
 from engine.native import compile_kernel, torch_openmp_flags
 
@@ -54,7 +56,7 @@ FUSED_DECODE_MAX_ROWS = 32
 _MAX_HEAD_DIM = 256
 _QBLOCK = 32
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-_INT8, _INT4 = 1, 2
+_INT8, _INT4, _BF16 = 1, 2, 3
 _STATUS_ERRORS = {
     -1: "the fused decode step could not allocate its scratch memory",
     -2: "the fused decode step was given attention it cannot serve (a query longer than its context?)",
@@ -250,17 +252,24 @@ def build_fused_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(_fits(projection) for projection in projections):
             return None
-        # Bit for bit the layer-by-layer path only where that path runs the same kernels.
-        max_rows = min([max_rows] + [projection.method.kernel_max_rows for projection in projections])
+        # Bit for bit the layer-by-layer path only where that path runs the same kernels (the bf16 kernel
+        # serves every row count; the quantized methods dequantize above theirs).
+        max_rows = min([max_rows] + [
+            projection.method.kernel_max_rows for projection in projections
+            if not isinstance(projection.method, UnquantizedLinearMethod)
+        ])
     library = _load_library()
     return None if library is None else FusedDecoder(library, model, max_rows)
 
 
 def _fits(projection: nn.Module) -> bool:
-    # A tensor-parallel wrapper (an all-reduce after the product) or an unquantized method is not served.
+    # A tensor-parallel wrapper (an all-reduce after the product) is not served, nor a layer without a C kernel.
+    if type(projection) is not PackedLinear:
+        return False
+    if isinstance(projection.method, UnquantizedLinearMethod):
+        return projection._dense_gemm is not None and projection._dense_gemm.dtype == torch.bfloat16
     return (
-        type(projection) is PackedLinear
-        and isinstance(projection.method, (Int8LinearMethod, Int4LinearMethod))
+        isinstance(projection.method, (Int8LinearMethod, Int4LinearMethod))
         and projection._quant_kernels is not None
         and projection.in_features % _QBLOCK == 0
         and (projection.bias is None or projection.bias.dtype == torch.bfloat16)
@@ -268,6 +277,17 @@ def _fits(projection: nn.Module) -> bool:
 
 
 def _projection(layer: PackedLinear) -> _Projection:
+    gemm = layer._dense_gemm
+    if gemm is not None:
+        return _Projection(
+            kind=_BF16,
+            qweight=gemm.panels.data_ptr(),
+            bias=None if gemm.bias is None else gemm.bias.data_ptr(),
+            out_features=gemm.out_features,
+            in_features=gemm.in_features,
+            # As BoundDenseGemm splits a projection over threads.
+            parallel=int(gemm.panels.numel() * gemm.panels.element_size() >= _DENSE_PARALLEL_MIN_BYTES),
+        )
     int4 = isinstance(layer.method, Int4LinearMethod)
     return _Projection(
         kind=_INT4 if int4 else _INT8,

@@ -92,7 +92,7 @@ def gather_split_logits(
 ) -> torch.Tensor:  # (rows, hidden) -> (rows, vocab)
     """Rank 0's half of a split head: its part's logits joined with every other rank's, in vocabulary order."""
     parts = [head.own(hidden_rows)]  # (rows, vocab part of rank 0)
-    vocab_size = head.own.weight.shape[0] + head.rest.weight.shape[0]
+    vocab_size = head.own.out_features + head.rest.out_features
     for rank in range(1, group.world_size):
         part = vocab_range(vocab_size, group.world_size, rank)
         buffer = torch.empty((hidden_rows.shape[0], len(part)), dtype=parts[0].dtype, device=comm_device)

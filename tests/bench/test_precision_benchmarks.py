@@ -127,6 +127,9 @@ def test_settings_parse_with_unset_parts_and_float32_first() -> None:
     eager = parse_setting("bfloat16:int4:::eager")
     assert eager == PrecisionSetting("bfloat16", "int4", execution="eager") and eager.name == "bfloat16:int4:::eager"
     assert eager.llm_kwargs() == {"dtype": "bfloat16", "quantization": "int4", "enforce_eager": True}
+    library = parse_setting("bfloat16::::library")
+    assert library == PrecisionSetting("bfloat16", execution="library") and library.name == "bfloat16::::library"
+    assert library.llm_kwargs() == {"dtype": "bfloat16"}
     assert PrecisionSetting("bfloat16", None, "int8").name == "bfloat16::int8"
     assert PrecisionSetting("bfloat16", "int8").name == "bfloat16:int8"
     assert PrecisionSetting("bfloat16", "int4", "int8").base == PrecisionSetting("bfloat16", "int4")
@@ -266,3 +269,19 @@ def test_roofline_bound_uses_the_settings_bytes_and_rate() -> None:
     # 2 × 1000 params × 2 rows + 2 layers × 4 × 2 heads × 4 dims × 2 queries × 6 positions (6.5 rounded).
     assert bound["compute_bound_s"] == pytest.approx((4000 + 2 * 4 * 2 * 4 * 2 * 6) / 2e3)
     assert bound["measured_step_s"] == 2.0
+
+
+def test_the_library_execution_keeps_layers_off_pdserves_dense_kernels(
+    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.layers import linear
+    from engine.layers.dense_kernels import load_dense_kernels
+
+    kernels = load_dense_kernels()  # the native build: its portable bf16 path where the CPU lacks AVX512-BF16
+    monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: kernels)
+    for text, on_kernel in (("bfloat16::::library", False), ("bfloat16", True), ("float32::::library", False)):
+        llm = precision.build_llm(parse_setting(text), model=str(llama_checkpoint), num_kv_blocks=16)
+        model = llm.engine.model
+        assert (model.model.layers[0].self_attn.qkv_proj._dense_gemm is not None) == on_kernel, text
+        assert (model.fused_decoder is not None) == on_kernel, text
+    assert linear._dense_kernels(torch.float32) is kernels, "the switch is put back after construction"

@@ -356,3 +356,64 @@ async def test_a_push_arriving_after_its_request_was_dropped_is_refused_and_the_
     assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
     assert cluster.prefill.servicer.pusher.num_failed == 1
     await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+async def test_a_drop_that_comes_while_the_push_reserves_its_blocks_frees_them_at_once(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The DropPush finds no entry yet (the push is still reserving on the engine thread); the push must
+    # not register afterwards, or its blocks stay held until expiry (the soak test caught 12 such blocks).
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
+    inbox = cluster.decode.servicer.inbox
+    reserve = inbox.landing.reserve
+    reserved = []
+
+    async def reserve_then_dropped(layout, first_block: int, end_block: int):  # noqa: ANN001, ANN202
+        reservation = await reserve(layout, first_block, end_block)
+        reserved.append(reservation)
+        inbox.discard("dropped-while-reserving")
+        return reservation
+
+    inbox.landing.reserve = reserve_then_dropped
+    prompt = random_prompts([70], seed=136)[0]
+    request = generation_pb2.GenerateRequest(
+        request_id="dropped-while-reserving", prompt_token_ids=prompt, sampling_params=PARAMS
+    )
+    # The refused push is pulled instead: the output is unchanged.
+    assert _tokens(await cluster.generate(request)) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    assert len(reserved) == 1 and reserved[0] is not None
+    assert (len(inbox), inbox.num_bytes, inbox.num_expired) == (0, 0, 0)
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+    assert cluster.prefill.servicer.pusher.num_failed == 1
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_dropped_when_the_request_pulls(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The decode worker completed the push, but its confirmation reached the prefill worker after the
+    # wait for it ended (a short client deadline bounds that wait): the prefill worker answers
+    # kv_pushed=false, the request pulls, and the complete push must not sit in the inbox until expiry.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
+    inbox = cluster.decode.servicer.inbox
+    pusher = cluster.prefill.servicer.pusher
+    finish = pusher.finish
+
+    async def confirmed_too_late(request_id: str, timeout_s: float) -> bool:
+        await wait_until(lambda: request_id in inbox._entries and inbox._entries[request_id].complete,
+                         "the push complete on the decode worker")
+        await finish(request_id, 0.0)  # ends the push as a timed-out wait does
+        return False
+
+    pusher.finish = confirmed_too_late
+    prompt = random_prompts([70], seed=137)[0]
+    request = generation_pb2.GenerateRequest(request_id="confirmed-late", prompt_token_ids=prompt, sampling_params=PARAMS)
+    assert _tokens(await cluster.generate(request)) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    report = (await cluster.loads())[1]
+    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+    await wait_until(lambda: len(inbox) == 0, "the unclaimed push dropped", timeout_s=5.0)
+    assert (inbox.num_bytes, inbox.num_expired) == (0, 0)
+    await _assert_nothing_held(cluster)

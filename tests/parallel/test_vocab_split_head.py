@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.layers import linear
 from engine.llm import LLM
 from engine.model_loader import load_hf_config, load_model
 from engine.parallel import vocab_head
@@ -47,7 +48,11 @@ def test_vocab_ranges_cover_the_vocabulary_once_in_order_when_it_does_not_divide
         check_tensor_parallel(llama_config(6, 6, bias=False, vocab_size=2), 3)
 
 
-def test_a_follower_keeps_only_its_part_of_an_untied_head_and_rank_0_all_of_it_once(odd_vocab: Path) -> None:
+def test_a_follower_keeps_only_its_part_of_an_untied_head_and_rank_0_all_of_it_once(
+    odd_vocab: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The weights as loaded (the library path keeps them; pdserve's dense kernel keeps its own panels instead).
+    monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: None)
     hf_config = load_hf_config(odd_vocab)
 
     def load(rank: int) -> torch.nn.Module:
@@ -72,7 +77,8 @@ def test_a_follower_keeps_only_its_part_of_an_untied_head_and_rank_0_all_of_it_o
     torch.testing.assert_close(head(hidden), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_tied_heads_parts_are_views_of_the_embedding(qwen2: Path) -> None:
+def test_a_tied_heads_parts_are_views_of_the_embedding(qwen2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: None)  # the weights as loaded, as above
     model = load_model(qwen2, load_hf_config(qwen2), 64, torch.float32, torch.device("cpu"),
                        shard=TensorParallelShard(2, 3))
     embedding = model.model.embed_tokens.weight

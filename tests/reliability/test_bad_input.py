@@ -120,6 +120,11 @@ CORPUS = [
     # logit_bias.
     _bad("logit_bias_above_100", _params(logit_bias={5: 100.5}), "sampling_params.logit_bias[5] must be in"),
     _bad("logit_bias_nan", _params(logit_bias={5: float("nan")}), "sampling_params.logit_bias[5]"),
+    # Several entries out of range: the smallest token id is named, whatever order the map crossed the wire in.
+    _bad(
+        "logit_bias_several_out_of_range", _params(logit_bias={40: 101.0, 8: -101.0, 300: 100.5, 9: 150.0}),
+        "sampling_params.logit_bias[8] must be in [-100, 100], got -101.0",
+    ),
     _bad("logit_bias_key_at_vocab", _params(logit_bias={VOCAB_SIZE: 1.0}), f"sampling_params.logit_bias key {VOCAB_SIZE}"),
     _bad("logit_bias_too_many", _params(logit_bias={i: 1.0 for i in range(1025)}), "sampling_params.logit_bias holds"),
     # request_id.

@@ -2,8 +2,8 @@
 
 Both paths run the same decode steps on two copies of one prefilled KV pool;
 hidden states and every byte of the pools must be equal after each step, on
-the tiny Llama (GQA, llama3 RoPE) and Qwen2 (q/k/v biases) checkpoints, INT8
-and INT4, bf16 and int8 KV, batch 1 and the largest batch the fused path takes,
+the tiny Llama (GQA, llama3 RoPE) and Qwen2 (q/k/v biases) checkpoints, INT8,
+INT4 and unquantized bf16 weights, bf16 and int8 KV, batch 1 and the largest batch the fused path takes,
 positions crossing block boundaries, and a speculative step's short chunks.
 """
 
@@ -17,6 +17,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention.backend import AttentionBatch, select_backend
 from engine.kv_cache import KVCache
+from engine.layers import linear as linear_module
+from engine.layers.dense_kernels import load_dense_kernels
 from engine.model_loader import load_hf_config, load_model
 from engine.models.fused_decode import FUSED_DECODE_MAX_ROWS, build_fused_decoder
 from engine.models.llama import LlamaForCausalLM
@@ -33,7 +35,7 @@ class Pair:
     def __init__(self, checkpoint: Path, quantization: str, kv_dtype: torch.dtype) -> None:
         hf_config = load_hf_config(checkpoint)
         self.model = load_model(checkpoint, hf_config, 256, torch.bfloat16, CPU, quantization, 32)
-        assert self.model.fused_decoder is not None, "a bf16 INT8/INT4 model on CPU must get the fused step"
+        assert self.model.fused_decoder is not None, "a bf16 model on pdserve's CPU kernels must get the fused step"
         self.fused = self.model.fused_decoder
         self.backend = select_backend("cpu_paged", CPU, torch.bfloat16, kv_dtype)
         pools = [KVCache(len(self.model.model.layers), NUM_BLOCKS, BLOCK_SIZE, self.model.num_kv_heads,
@@ -102,10 +104,22 @@ class Pair:
 
 SETTINGS = [
     pytest.param("int8", torch.bfloat16, id="int8-bf16kv"),
+    pytest.param(None, torch.bfloat16, id="bf16-bf16kv"),
     pytest.param("int4", torch.bfloat16, id="int4-bf16kv"),
     pytest.param("int8", torch.int8, id="int8-int8kv"),
     pytest.param("int4", torch.int8, id="int4-int8kv"),
+    pytest.param(None, torch.int8, id="bf16-int8kv"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def dense_kernels_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unquantized bf16 layers on pdserve's dense kernel on every CPU: its native build, the portable path where
+    the CPU lacks AVX512-BF16 (the engine itself uses the kernel only on AVX512-BF16 without AMX), so that
+    the fused step, which compiles the same kernel natively, serves them here too."""
+    kernels = load_dense_kernels()
+    assert kernels is not None
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: kernels)
 
 
 @pytest.mark.parametrize(("quantization", "kv_dtype"), SETTINGS)
@@ -126,7 +140,7 @@ def test_fused_decode_steps_equal_the_layer_by_layer_path_bit_for_bit(
         last = pair.greedy(fused)
 
 
-@pytest.mark.parametrize(("quantization", "kv_dtype"), SETTINGS[:2])
+@pytest.mark.parametrize(("quantization", "kv_dtype"), SETTINGS[:3])
 def test_fused_verify_chunks_equal_the_layer_by_layer_path(checkpoint: Path, quantization: str, kv_dtype: torch.dtype) -> None:
     # A speculative step verifies a few tokens per sequence over its cached context: also one fused call.
     pair = Pair(checkpoint, quantization, kv_dtype)
@@ -167,7 +181,9 @@ def test_steps_the_fused_path_does_not_serve_run_layer_by_layer(llama_checkpoint
     assert pair.fused.serves(1, one_decode)
 
 
-def test_only_bf16_quantized_cpu_models_get_the_fused_step(llama_checkpoint: Path) -> None:
+def test_only_bf16_cpu_models_on_pdserve_kernels_get_the_fused_step(
+    llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     hf_config = load_hf_config(llama_checkpoint)
 
     def loaded(dtype: torch.dtype, quantization: str | None, **options: bool) -> LlamaForCausalLM:
@@ -175,7 +191,11 @@ def test_only_bf16_quantized_cpu_models_get_the_fused_step(llama_checkpoint: Pat
 
     assert loaded(torch.bfloat16, "int4").fused_decoder is not None
     assert loaded(torch.float32, "int8").fused_decoder is None  # float32: the exactness oracle, never fused
-    assert loaded(torch.bfloat16, None).fused_decoder is None  # unquantized projections: oneDNN, layer by layer
+    assert loaded(torch.float32, None).fused_decoder is None  # even with its projections on the dense kernel
+    assert loaded(torch.bfloat16, None).fused_decoder is not None  # bf16 projections on pdserve's bf16 kernel
+    with monkeypatch.context() as patch:
+        patch.setattr(linear_module, "_dense_kernels", lambda dtype: None)  # AMX, or no AVX512-BF16: oneDNN, layer by layer
+        assert loaded(torch.bfloat16, None).fused_decoder is None
     assert loaded(torch.bfloat16, "int8", enforce_eager=True).fused_decoder is None
     model = loaded(torch.bfloat16, "int8")
     model.model.layers[1].self_attn.o_proj.method.__class__ = type("Other", (type(model.model.layers[1].self_attn.o_proj.method),), {})
@@ -199,7 +219,7 @@ def test_fused_decode_rejects_a_position_outside_the_rotary_tables(llama_checkpo
     assert torch.equal(pair.pools[0].data, pool_before)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", None])
 def test_greedy_generations_are_equal_with_and_without_the_fused_step(checkpoint: Path, quantization: str) -> None:
     prompts = random_prompts([7, 30, 61], seed=4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

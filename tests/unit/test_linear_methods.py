@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers import linear as linear_module
 from engine.layers.linear import (
     INT4_KERNEL_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
@@ -35,7 +36,9 @@ def _linears(in_features: int, outs: list[int], bias: bool, dtype: torch.dtype) 
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs oneDNN bf16 on this CPU")
-def test_the_bf16_method_is_f_linear_bit_for_bit_through_a_prepacked_weight() -> None:
+def test_the_bf16_method_is_f_linear_bit_for_bit_through_a_prepacked_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where pdserve's dense kernel does not serve (AMX, or no AVX512-BF16); tests/unit/test_dense_kernels.py covers it.
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: None)
     linears = _linears(576, [1536, 1536], True, torch.bfloat16)
     packed = PackedLinear(linears)
     assert packed._onednn_weight is not None and packed._mkl_weight is None
@@ -47,8 +50,10 @@ def test_the_bf16_method_is_f_linear_bit_for_bit_through_a_prepacked_weight() ->
             assert torch.equal(packed(x), nn.functional.linear(x, weight, bias)), f"{rows} rows"
 
 
-def test_the_float32_method_is_the_mkl_packed_gemm_bit_for_bit() -> None:
-    # What PackedLinear computed before the seam existed, called directly.
+def test_the_float32_method_is_the_mkl_packed_gemm_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What PackedLinear computed before the seam existed, called directly, where pdserve's dense kernel does
+    # not serve (Intel CPUs; tests/unit/test_dense_kernels.py covers the kernel).
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: None)
     linears = _linears(576, [576, 192, 192], True, torch.float32)
     packed = PackedLinear(linears)
     weight = torch.cat([l.weight.detach() for l in linears])
@@ -173,7 +178,8 @@ def test_weight_memory_of_each_method_in_bytes() -> None:
     # Two values a byte, and a float16 scale and minimum per 64 inputs of each output channel.
     assert int4.weight_bytes() == out_features * in_features // 2 + (in_features // 64) * out_features * 2 * 2 + bias_bytes
     bf16 = PackedLinear([l.to(torch.bfloat16) for l in linears])
-    # The weight, its oneDNN prepacked copy (where the CPU has bf16), and the bias.
+    # The weight and its oneDNN prepacked copy (where the CPU has bf16), or pdserve's bf16 kernel's panels
+    # alone (AVX512-BF16 without AMX), and the bias.
     copies = 2 if bf16._onednn_weight is not None else 1
     assert bf16.weight_bytes() == copies * out_features * in_features * 2 + out_features * 2
     assert not hasattr(int8, "weight") and not hasattr(int4, "weight"), "the float weight is not kept"

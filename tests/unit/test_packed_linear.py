@@ -1,4 +1,6 @@
-"""PackedLinear: fused projections (MKL packed GEMM on CPU float32) compute what the separate nn.Linear layers do."""
+"""PackedLinear: fused projections compute what the separate nn.Linear layers do, on CPU float32 through MKL's packed
+GEMM and through pdserve's dense kernel (engine/layers/dense_kernels.py; each path pinned here, whichever this CPU
+would pick)."""
 
 from __future__ import annotations
 
@@ -6,18 +8,37 @@ import pytest
 import torch
 from torch import nn
 
+from engine.layers import linear as linear_module
+from engine.layers.dense_kernels import load_dense_kernels
 from engine.models.llama import PackedLinear
+
+
+@pytest.fixture(params=["library", "dense"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    kernels = load_dense_kernels() if request.param == "dense" else None
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: kernels)
+    return request.param
+
+
+@pytest.fixture
+def library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: None)
 
 
 @pytest.mark.parametrize(
     ("in_features", "outs", "bias"),
     [(576, [576, 192, 192], False), (576, [1536, 1536], False), (1536, [576], False), (64, [48, 16, 16], True)],
 )
-def test_packed_linear_equals_the_separate_layers_at_every_batch_size(in_features: int, outs: list[int], bias: bool) -> None:
+def test_packed_linear_equals_the_separate_layers_at_every_batch_size(
+    in_features: int, outs: list[int], bias: bool, path: str
+) -> None:
     torch.manual_seed(0)
     linears = [nn.Linear(in_features, out, bias=bias) for out in outs]
     packed = PackedLinear(linears)
-    assert packed._mkl_weight is not None, "CPU float32 with MKL takes the packed GEMM"
+    if path == "library":
+        assert packed._mkl_weight is not None, "CPU float32 with MKL takes the packed GEMM"
+    else:
+        assert packed._dense_gemm is not None and packed._mkl_weight is None
     with torch.inference_mode():
         # One packed copy serves decode batches of any size and prefill chunks alike.
         for num_tokens in (1, 2, 3, 7, 8, 31, 32, 33, 100, 2048):
@@ -28,7 +49,7 @@ def test_packed_linear_equals_the_separate_layers_at_every_batch_size(in_feature
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_missing_bias_among_biased_layers_is_zero() -> None:
+def test_a_missing_bias_among_biased_layers_is_zero(path: str) -> None:
     torch.manual_seed(1)
     with_bias, without = nn.Linear(8, 4, bias=True), nn.Linear(8, 2, bias=False)
     packed = PackedLinear([with_bias, without])
@@ -39,7 +60,7 @@ def test_a_missing_bias_among_biased_layers_is_zero() -> None:
         torch.testing.assert_close(packed(x), torch.cat([with_bias(x), without(x)], dim=1), rtol=1e-5, atol=1e-6)
 
 
-def test_half_precision_keeps_f_linear() -> None:
+def test_half_precision_keeps_f_linear(library: None) -> None:
     torch.manual_seed(2)
     linears = [nn.Linear(32, 16).to(torch.bfloat16), nn.Linear(32, 8).to(torch.bfloat16)]
     packed = PackedLinear(linears)
@@ -50,7 +71,7 @@ def test_half_precision_keeps_f_linear() -> None:
         assert torch.equal(packed(x), expected)
 
 
-def test_a_single_layer_shares_its_weight_tensor() -> None:
+def test_a_single_layer_shares_its_weight_tensor(library: None) -> None:
     # A tied LM head must stay the embedding's storage, not a second copy of the largest matrix.
     embedding = nn.Embedding(100, 16)
     head = nn.Linear(16, 100, bias=False)
