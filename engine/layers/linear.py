@@ -101,8 +101,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.out_features, layer.in_features = layer.weight.shape
         layer._dense_gemm = _dense_kernel_gemm(layer.weight, layer.bias)
         if layer._dense_gemm is not None:
-            # The panels are the one copy (a tied head's embedding stays with the embedding layer).
+            # The panels are the one copy (a tied head's embedding stays with the embedding layer); a buffer,
+            # so that the model's buffers account for them, but not a checkpoint entry.
             del layer.weight
+            layer.register_buffer("dense_panels", layer._dense_gemm.panels, persistent=False)
             return
         layer._mkl_weight = _mkl_packed(layer.weight)
         layer._onednn_weight = _onednn_packed(layer.weight)
@@ -315,8 +317,6 @@ class PackedLinear(nn.Module):
         """Bytes of the tensors this layer keeps for its weight and bias (packed GEMM copies counted at their dense size)."""
         tensors = [*self.parameters(recurse=False), *self.buffers(recurse=False)]
         tensors += [t for t in (self._mkl_weight, self._onednn_weight) if t is not None]
-        if self._dense_gemm is not None:
-            tensors.append(self._dense_gemm.panels)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
