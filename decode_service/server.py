@@ -87,10 +87,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
-        pushed = self.inbox.take(handoff) if request.kv_pushed else None
-        if not request.kv_pushed:
+        if request.kv_pushed:
+            pushed = self.inbox.take(handoff)
+        else:
             # The prefill worker did not see its push confirmed in time (or pushed elsewhere): this request
             # pulls, so a push of it that is here, or completes later, would hold blocks nobody claims.
+            pushed = None
             self.inbox.discard(handoff.request_id)
         reservation = None
         if pushed is not None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
 from engine.native import compile_kernel, cpu_flags, cpu_vendor, torch_openmp_flags
 
 logger = logging.getLogger(__name__)
@@ -33,8 +34,6 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parents[1] / "kernels" / "dense_gemm.c"
 # Output rows of one panel.
 PANEL = 32
-# Below this many weight bytes a call stays on one thread (a fork/join costs more than it saves).
-_PARALLEL_MIN_BYTES = 64 * 1024
 _BF16_PATHS = {0: "portable", 1: "avx512_bf16"}
 _F32_PATHS = {0: "portable", 1: "avx2", 2: "avx512"}
 
@@ -100,7 +99,8 @@ class BoundDenseGemm:
         self.out_features = out_features
         self.in_features = panels.shape[1] * (2 if self.dtype == torch.bfloat16 else 1)
         self._function = function
-        self._parallel = panels.numel() * panels.element_size() >= _PARALLEL_MIN_BYTES
+        # Small weights stay on one thread, as the quantized kernels' do; the fused decode step reads this too.
+        self.parallel = panels.numel() * panels.element_size() >= _PARALLEL_MIN_BYTES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
         # The C side trusts these layouts; anything else would read the wrong memory.
@@ -112,7 +112,7 @@ class BoundDenseGemm:
         out = torch.empty((rows, self.out_features), dtype=self.dtype)
         if rows == 0:
             return out
-        threads = torch.get_num_threads() if self._parallel else 1
+        threads = torch.get_num_threads() if self.parallel else 1
         self._function(
             out.data_ptr(), x.data_ptr(), self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
             rows, self.out_features, self.in_features, threads,

@@ -37,7 +37,13 @@ import torch
 from torch import nn
 
 from engine.config import INT4_GROUP_SIZES
-from engine.layers.dense_kernels import BoundDenseGemm, DenseKernels, dense_kernel_serves_this_cpu, load_dense_kernels, pack_dense
+from engine.layers.dense_kernels import (
+    BoundDenseGemm,
+    DenseKernels,
+    dense_kernel_serves_this_cpu,
+    load_dense_kernels,
+    pack_dense,
+)
 from engine.layers.quant_kernels import (
     QBLOCK,
     TILE,

@@ -36,7 +36,6 @@ from torch import nn
 
 from engine.attention.sdpa import SdpaMetadata
 from engine.kv_cache import QuantizedKV
-from engine.layers.dense_kernels import _PARALLEL_MIN_BYTES as _DENSE_PARALLEL_MIN_BYTES
 from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
 from engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
 from engine.native import compile_kernel, torch_openmp_flags
@@ -285,8 +284,7 @@ def _projection(layer: PackedLinear) -> _Projection:
             bias=None if gemm.bias is None else gemm.bias.data_ptr(),
             out_features=gemm.out_features,
             in_features=gemm.in_features,
-            # As BoundDenseGemm splits a projection over threads.
-            parallel=int(gemm.panels.numel() * gemm.panels.element_size() >= _DENSE_PARALLEL_MIN_BYTES),
+            parallel=int(gemm.parallel),
         )
     int4 = isinstance(layer.method, Int4LinearMethod)
     return _Projection(
