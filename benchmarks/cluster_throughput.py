@@ -2,7 +2,7 @@
 
     python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc]
                                             [--probes 4] [--probe-len 1000] [--prefill-niceness 0]
-                                            [--json out.json]
+                                            [--disaggregation always] [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
@@ -20,6 +20,11 @@ ITL (mean gap between later tokens), their ratio, and the handoff's cost as the
 client sees it (gap - ITL: what the second token waits for beyond a decode
 step), next to what the transport alone takes to move the same bytes between
 two idle processes (``benchmarks.kv_transfer``, measured before any worker starts).
+
+``--disaggregation`` is the gateway's: ``always`` (the default here) sends every
+prompt through the prefill worker and a KV handoff, the path this benchmark
+measures; ``auto`` (``pdserve up``'s default) lets the gateway prefill a prompt
+on the decode worker where that is cheaper, and the report counts its routes.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 import grpc
 
 from benchmarks import kv_transfer
+from benchmarks.disaggregation_sweep import gateway_routes
 from benchmarks.pdserve_runner import PdserveSettings, run_pdserve
 from benchmarks.workload import make_warmup_workload, make_workload
 from pdserve.launcher import ClusterConfig, LocalCluster
@@ -124,6 +130,8 @@ def main() -> None:
     parser.add_argument("--probe-interval-s", type=float, default=1.0)
     parser.add_argument("--prefill-niceness", type=int, default=0,
                         help="`pdserve up --prefill-niceness`: the prefill worker yields the cores to the decode worker")
+    parser.add_argument("--disaggregation", default="always", choices=["always", "auto"],
+                        help="the gateway's: always (every prompt handed off, the default here) or auto")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -139,15 +147,17 @@ def main() -> None:
 
     config = ClusterConfig(
         dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
-        redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push,
+        redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push, metrics_port=0,
         prefill_args=("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else (),
-        disaggregation="always",  # every prompt through a prefill worker and a KV handoff: the path measured here
+        disaggregation=args.disaggregation,
     )
     with LocalCluster(config) as cluster:
         asyncio.run(_drive(cluster.endpoint, warmup.prompt_lists(), warmup.output_len))
         before = asyncio.run(_decode_report(cluster.decode_addresses[0]))
+        routes_before = gateway_routes(cluster)
         results, wall = asyncio.run(_drive(cluster.endpoint, workload.prompt_lists(), workload.output_len))
         after = asyncio.run(_decode_report(cluster.decode_addresses[0]))
+        routes = {k: v - routes_before.get(k, 0.0) for k, v in gateway_routes(cluster).items()}
         # A workload like the first, of other prompts: nothing of it is cached yet.
         second = make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, VOCAB_SIZE, args.seed + 2)
         probe_results = asyncio.run(_drive_with_probes(
@@ -164,6 +174,8 @@ def main() -> None:
     summary = {
         "workload": {"prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens, "output_len": args.output_len},
         "prefill_niceness": args.prefill_niceness,
+        "disaggregation": args.disaggregation,
+        "routes": {k: v for k, v in routes.items() if v},
         "in_process": {"wall_s": local.wall_s, "output_tokens_per_s": local_tps},
         "cluster": {
             "transport": args.transport,
@@ -194,8 +206,10 @@ def main() -> None:
         }
     c = summary["cluster"]
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
-    print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
+    print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}, disaggregation "
+          f"{args.disaggregation}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
           f"-> {summary['cluster_over_in_process']:.0%} of in-process")
+    print("the gateway's routes: " + ", ".join(f"{k} {v:g}" for k, v in sorted(summary["routes"].items())))
     print(f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, p99 {c['ttft_p99_ms']:.0f} ms; first->second token p50 "
           f"{c['first_to_second_token_p50_ms']:.0f} ms; KV transfer {c['kv_transfer_mean_ms']:.1f} ms per request "
           f"({c['kv_transfer_mean_mib']:.1f} MiB, {transfers} transfers, {c['kv_pushes']} of them pushed)")

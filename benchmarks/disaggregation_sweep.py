@@ -54,7 +54,8 @@ def _cluster(name: str, threads: int, num_kv_blocks: int) -> LocalCluster:
     ))
 
 
-def _routes(cluster: LocalCluster) -> dict[str, float]:
+def gateway_routes(cluster: LocalCluster) -> dict[str, float]:
+    """The gateway's prefill-route counters so far, as ``{"route/reason": count}`` (its ``/metrics``)."""
     port = cluster.metrics_ports["gateway"]
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     routes = {}
@@ -143,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[float, dict[str, dict[str, Any]]] = {rate: {} for rate in rates}
 
     def drive(name: str, cluster: LocalCluster, index: int, rate: float) -> None:
-        before = _routes(cluster) if name == "auto" else None
+        before = gateway_routes(cluster) if name == "auto" else None
         metrics = _bench(cluster.endpoint, args.out_dir / f"{name}_{rate:g}.json", rate, args.num_prompts,
                          seed=300 + index, warmup=args.warmup)
         routes = None
         if before is not None:
-            after = _routes(cluster)
+            after = gateway_routes(cluster)
             routes = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
         runs[rate][name] = _row(rate, name, metrics, routes)
         print(json.dumps(runs[rate][name]), flush=True)

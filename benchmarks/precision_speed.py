@@ -5,7 +5,10 @@
 setting: W1 offline throughput (the ``offline_throughput`` workload), the prefill-only
 pass, batch-1 decode tokens/s, weight and KV memory, and the decode step at the W1
 batch against its own roofline bound (its bytes per weight and per KV element, and
-the matmul rate of its compute dtype). Settings alternate within each repeat so a
+the matmul rate of its compute dtype). The step is timed directly: the W1 requests
+are stepped through the engine and the median of ``--timed-steps`` steps in which
+every one of them decodes is taken, at those steps' own mean context; the step
+derived from W1 minus the prefill-only pass is printed beside it. Settings alternate within each repeat so a
 noisy neighbour slows all of them alike; every figure is the best of ``--repeats``.
 benchmarks/README.md explains each figure.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 
 from benchmarks.machine_limits import MATMUL_SHAPES, MachineLimits, measure_machine_limits
 from benchmarks.precision import PrecisionSetting, failure_line, parse_settings, with_llm
-from benchmarks.roofline import ModelCost, decode_step_bound, model_cost
+from benchmarks.roofline import ModelCost, decode_step_bound, model_cost, step_bound
 from benchmarks.workload import RunResult, Workload, make_warmup_workload, make_workload, timed
 
 # Rotary tables are buffers of the model but no weights: no step reads them whole.
@@ -45,10 +49,15 @@ class SettingFigures:
     weight_bytes_read_per_step: int = 0
     kv_bytes_per_token: float = 0.0
     w1_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The median of the timed all-decode steps at the W1 batch, and the mean context they attended to.
+    step_s: float = float("inf")
+    step_context: float = 0.0
 
     def keep_best(self, other: SettingFigures) -> None:
         for name in ("w1_s", "prefill_s", "batch1_full_s", "batch1_prefill_s", "setup_s"):
             setattr(self, name, min(getattr(self, name), getattr(other, name)))
+        if other.step_s < self.step_s:
+            self.step_s, self.step_context = other.step_s, other.step_context
         self.weight_memory_bytes = other.weight_memory_bytes
         self.weight_bytes_read_per_step = other.weight_bytes_read_per_step
         self.kv_bytes_per_token = other.kv_bytes_per_token
@@ -100,13 +109,47 @@ def measure_linear_gflops(dtype: torch.dtype, repeats: int = 8, min_time_s: floa
     return best
 
 
-def run_setting(llm: Any, workload: Workload, warmup: Workload, batch1: Workload) -> SettingFigures:
+def time_decode_steps(engine: Any, workload: Workload, num_steps: int) -> tuple[float, float]:
+    """(median seconds, mean context) of ``num_steps`` engine steps in which every W1 request decodes.
+
+    The requests are stepped until one step gives each of them a token (the last
+    prefill chunk done); each of the next ``num_steps`` steps must do the same.
+    """
+    batch = len(workload.prompts)
+    for prompt in workload.prompt_lists():
+        engine.add_request(prompt, _greedy(workload.output_len))
+    while len(engine.step()) < batch:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the W1 requests finished before all of them decoded in one step")
+    times, contexts = [], []
+    try:
+        for _ in range(num_steps):
+            running = engine.scheduler.running
+            if len(running) != batch:
+                raise RuntimeError(f"{len(running)} of {batch} requests left to decode: lower --timed-steps")
+            # A decode step feeds each sequence's newest token, which attends to all of its tokens.
+            contexts.append(statistics.mean(seq.num_tokens for seq in running))
+            started = time.perf_counter()
+            stepped = len(engine.step())
+            times.append(time.perf_counter() - started)
+            if stepped != batch:
+                raise RuntimeError(f"a timed step decoded {stepped} of {batch} requests")
+    finally:
+        while engine.has_unfinished_requests():
+            engine.step()
+    return statistics.median(times), statistics.mean(contexts)
+
+
+def run_setting(
+    llm: Any, workload: Workload, warmup: Workload, batch1: Workload, timed_steps: int = 0
+) -> SettingFigures:
     """One pass of every timed figure on one engine (prefix caching off, so repeated prompts recompute)."""
     llm.generate(warmup.prompt_lists(), _greedy(warmup.output_len))
     outputs, w1_s = timed(lambda: llm.generate(workload.prompt_lists(), _greedy(workload.output_len)))
     _, prefill_s = timed(lambda: llm.generate(workload.prompt_lists(), _greedy(1)))
     _, batch1_full_s = timed(lambda: llm.generate(batch1.prompt_lists(), _greedy(batch1.output_len)))
     _, batch1_prefill_s = timed(lambda: llm.generate(batch1.prompt_lists(), _greedy(1)))
+    step_s, step_context = time_decode_steps(llm.engine, workload, timed_steps) if timed_steps else (float("inf"), 0.0)
     memory, read = weight_bytes(llm.engine.model)
     return SettingFigures(
         w1_s=w1_s,
@@ -117,6 +160,8 @@ def run_setting(llm: Any, workload: Workload, warmup: Workload, batch1: Workload
         weight_bytes_read_per_step=read,
         kv_bytes_per_token=kv_bytes_per_token(llm.engine.kv_cache),
         w1_token_ids=tuple(tuple(o.token_ids) for o in outputs),
+        step_s=step_s,
+        step_context=step_context,
     )
 
 
@@ -134,12 +179,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch1-prompt-len", type=int, default=128)
     parser.add_argument("--batch1-output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--timed-steps", type=int, default=24,
+        help="all-decode steps at the W1 batch timed one by one, their median reported (0: none)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="alternating passes over the settings; best kept")
     parser.add_argument("--skip-machine-limits", action="store_true", help="no roofline bounds")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
     if args.output_len < 2 or args.batch1_output_len < 2:
         parser.error("--output-len and --batch1-output-len must be at least 2 (decode is timed past the first token)")
+    if not 0 <= args.timed_steps <= args.output_len // 2:
+        parser.error("--timed-steps must be between 0 and half of --output-len (every W1 request decodes in each)")
     try:
         args.settings = parse_settings(args.setting)
     except ValueError as error:
@@ -173,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
                 def run(llm: Any) -> SettingFigures:
                     setup_s = time.perf_counter() - start  # construction, outside every timed figure
-                    return dataclasses.replace(run_setting(llm, workload, warmup, batch1), setup_s=setup_s)
+                    figures = run_setting(llm, workload, warmup, batch1, args.timed_steps)
+                    return dataclasses.replace(figures, setup_s=setup_s)
 
                 result_figures = with_llm(setting, run, model=args.model, enable_prefix_caching=False)
                 figures.setdefault(setting, SettingFigures()).keep_best(result_figures)
@@ -249,8 +301,14 @@ def build_report(
             )
             w1 = RunResult(name="w1", wall_s=f.w1_s, token_ids=())
             prefill = RunResult(name="prefill", wall_s=f.prefill_s, token_ids=())
-            row["decode_step"] = decode_step_bound(setting_cost, workload, best_limits, batch_size, w1, prefill, gflops)
-            row["decode_step"]["gflops"] = gflops
+            row["decode_step_from_w1"] = decode_step_bound(
+                setting_cost, workload, best_limits, batch_size, w1, prefill, gflops
+            )
+            if f.step_context:
+                row["decode_step"] = step_bound(setting_cost, best_limits, batch_size, f.step_context, f.step_s, gflops)
+            for step in (row.get("decode_step"), row["decode_step_from_w1"]):
+                if step is not None:
+                    step["gflops"] = gflops
         rows.append(row)
     return {
         "workload": {
@@ -261,6 +319,7 @@ def build_report(
             "batch1_output_len": args.batch1_output_len,
         },
         "repeats": args.repeats,
+        "timed_steps": args.timed_steps,
         "machine_limits": best_limits.summary() if best_limits is not None else None,
         "linear_gflops": linear_gflops,
         "settings": rows,
@@ -276,13 +335,14 @@ def print_report(report: dict[str, Any]) -> None:
         )
     print(
         f"\n{'setting':<20}{'W1 tok/s':>9}{'x fp32':>7}{'prefill tok/s':>14}{'b1 tok/s':>9}{'x fp32':>7}"
-        f"{'weights MB':>11}{'KV B/tok':>9}{'step ms':>8}{'bound ms':>9}{'of bound':>9}  same greedy"
+        f"{'weights MB':>11}{'KV B/tok':>9}{'step ms':>8}{'bound ms':>9}{'of bound':>9}"
+        f"{'W1 step':>8}{'of bound':>9}  same greedy"
     )
     for row in report["settings"]:
         if "error" in row:
             print(f"{row['setting']:<20}  {row['error']}")
             continue
-        step = row.get("decode_step")
+        step, w1_step = row.get("decode_step"), row.get("decode_step_from_w1")
         print(
             f"{row['setting']:<20}{row['w1_tokens_per_s']:>9.1f}{row.get('w1_vs_float32', float('nan')):>7.2f}"
             f"{row['prefill_tokens_per_s']:>14.0f}{row['batch1_decode_tokens_per_s']:>9.1f}"
@@ -290,7 +350,11 @@ def print_report(report: dict[str, Any]) -> None:
             f"{row['kv_bytes_per_token']:>9.0f}"
             + (
                 f"{step['measured_step_s'] * 1e3:>8.1f}{step['roofline_bound_s'] * 1e3:>9.1f}"
-                f"{step['fraction_of_roofline_bound']:>9.1%}" if step else ""
+                f"{step['fraction_of_roofline_bound']:>9.1%}" if step else f"{'-':>8}{'-':>9}{'-':>9}"
+            )
+            + (
+                f"{w1_step['measured_step_s'] * 1e3:>8.1f}{w1_step['fraction_of_roofline_bound']:>9.1%}"
+                if w1_step else ""
             )
             + f"  {row.get('w1_greedy_same_as_float32', '')}"
         )

@@ -134,12 +134,27 @@ def decode_step_bound(
     # Step j (1 .. output_len-1) feeds the token sampled at step j-1 at context prompt_len + j;
     # the mean of prompt_len + j over those steps is mean_prompt_len + output_len / 2.
     mean_context = workload.mean_prompt_len + workload.output_len / 2
+    measured_s = (full.wall_s - prefill_only.wall_s) / (workload.output_len - 1)
+    return step_bound(cost, limits, batch_size, mean_context, measured_s, gflops)
+
+
+def step_bound(
+    cost: ModelCost,
+    limits: MachineLimits,
+    batch_size: int,
+    mean_context: float,
+    measured_s: float,
+    gflops: float | None = None,
+) -> dict[str, Any]:
+    """One decode step of ``batch_size`` sequences at ``mean_context`` tokens, measured in ``measured_s``.
+
+    The bound is the larger of reading the weights and the batch's KV once at the
+    best bandwidth and the step's FLOPs at ``gflops`` (None: the best float32 rate).
+    """
     kv_bytes = batch_size * mean_context * cost.kv_bytes_per_token
     memory_bound_s = (cost.weight_bytes + kv_bytes) / (limits.best_gbps * 1e9)
     step_flops = 2 * cost.compute_params * batch_size + cost.attention_flops(batch_size, round(mean_context))
     compute_bound_s = step_flops / ((gflops or limits.best_gflops) * 1e9)
-    num_steps = workload.output_len - 1
-    measured_s = (full.wall_s - prefill_only.wall_s) / num_steps
     return {
         "batch_size": batch_size,
         "mean_context_len": mean_context,

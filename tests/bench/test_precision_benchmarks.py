@@ -285,3 +285,30 @@ def test_the_library_execution_keeps_layers_off_pdserves_dense_kernels(
         assert (model.model.layers[0].self_attn.qkv_proj._dense_gemm is not None) == on_kernel, text
         assert (model.fused_decoder is not None) == on_kernel, text
     assert linear._dense_kernels(torch.float32) is kernels, "the switch is put back after construction"
+
+
+def test_timed_decode_steps_time_only_steps_where_every_request_decodes(llama_checkpoint: Path) -> None:
+    from benchmarks.precision_speed import time_decode_steps
+    from benchmarks.workload import Workload
+
+    llm = precision.build_llm(parse_setting("float32"), model=str(llama_checkpoint), num_kv_blocks=32)
+    engine = llm.engine
+    workload = Workload(prompts=((1, 2, 3), (4, 5, 6, 7, 8), (9, 10, 11, 12)), output_len=8)
+    step_s, context = time_decode_steps(engine, workload, 3)
+    # One step prefills all three prompts and samples their first tokens; the three timed
+    # steps then attend to prompt + 1, + 2 and + 3 tokens: the mean prompt length 4, plus 2.
+    assert context == 4 + 2
+    assert step_s > 0
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="0 of 3 requests left to decode: lower --timed-steps"):
+        time_decode_steps(engine, workload, 8)  # the first requests finish after 8 tokens
+    assert not engine.has_unfinished_requests()
+
+
+def test_speed_cli_bounds_the_timed_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import precision_speed
+
+    assert precision_speed.parse_args([]).timed_steps == 24
+    with pytest.raises(SystemExit):
+        precision_speed.parse_args(["--output-len", "16", "--timed-steps", "9"])
+    assert "--timed-steps must be between 0 and half of --output-len" in capsys.readouterr().err

@@ -207,3 +207,24 @@ def test_inputs_the_kernel_cannot_read_raise_value_errors_naming_them() -> None:
     q4, scale, minimum = _int4_case(16, 64, 32)
     with pytest.raises(ValueError, match=r"scales must be contiguous float16 of shape \(1, 2, 16\)"):
         KERNELS.int4_gemm(torch.randn(1, 64), qk.pack_int4(q4), qk.pack_rows(scale.float()), qk.pack_rows(minimum), 32, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_ties_round_half_to_even_in_every_build(dtype: torch.dtype) -> None:
+    # max |x| = 127 makes the activation's scale exactly 1, so x * (127 / max|x|) lands on the ties
+    # themselves: xq = round half to even (0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -2.5 -> -2), in every build.
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5])
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 32] = 127.0, -127.0
+    x[0, 1:9], x[0, 40:48] = ties, -ties
+    weights = torch.ones(16, 64, dtype=torch.int8)
+    weights[:, 32:] = -1
+    expected = float(torch.round(x[0, :32]).sum() - torch.round(x[0, 32:]).sum())
+    assert expected == 127 + 0 + 2 + 2 - 0 - 2 - 2 + 4 - 4 + 127
+    for kernels in (KERNELS, qk.load_quant_kernels(("-mno-avx512vnni",)),
+                    qk.load_quant_kernels(("-mno-avx512vnni", "-mno-avx2"))):
+        assert kernels is not None
+        if kernels.isa == "avx2" and "avx2" not in cpu_flags():
+            continue
+        out = kernels.int8_gemm(x.to(dtype), qk.pack_int8(weights), torch.ones(16), 16)
+        assert torch.equal(out[0], torch.full((16,), expected, dtype=dtype)), kernels.isa
