@@ -153,7 +153,12 @@ static void quantize_row(const void *x, int is_bf16, int64_t k, int8_t *xq, floa
 #endif
 }
 
-static int quantize_rows(const void *x, int is_bf16, int64_t rows, int64_t k, QuantizedRows *out)
+/* Activation elements from which quantizing splits its rows over the threads (below, a parallel region
+ * costs more than it saves). */
+#define PARALLEL_QUANTIZE_MIN_ELEMENTS 16384
+
+/* Every row quantized on its own, so splitting the rows over `threads` changes no bit. */
+static int quantize_rows(const void *x, int is_bf16, int64_t rows, int64_t k, int64_t threads, QuantizedRows *out)
 {
     const int64_t blocks = k / QBLOCK;
     if (rows <= 0) {
@@ -169,6 +174,9 @@ static int quantize_rows(const void *x, int is_bf16, int64_t rows, int64_t k, Qu
         return -1;
     }
     const size_t element = is_bf16 ? 2 : 4;
+    (void)threads; /* unused without OpenMP */
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && rows > 1 && rows * k >= PARALLEL_QUANTIZE_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         quantize_row((const char *)x + (size_t)(r * k) * element, is_bf16, k, out->xq + r * k, out->d + r * blocks,
                      out->sums + r * blocks);
@@ -471,7 +479,7 @@ int64_t pdserve_int8_gemm(void *out, const void *x, const uint8_t *qweight, cons
                           int64_t n, int64_t k, int64_t is_bf16, int64_t threads)
 {
     QuantizedRows quantized;
-    if (quantize_rows(x, (int)is_bf16, rows, k, &quantized) != 0) {
+    if (quantize_rows(x, (int)is_bf16, rows, k, threads, &quantized) != 0) {
         free_rows(&quantized);
         return -1;
     }
@@ -501,7 +509,7 @@ int64_t pdserve_int4_gemm(void *out, const void *x, const uint8_t *qweight, cons
                           int64_t is_bf16, int64_t threads)
 {
     QuantizedRows quantized;
-    if (quantize_rows(x, (int)is_bf16, rows, k, &quantized) != 0) {
+    if (quantize_rows(x, (int)is_bf16, rows, k, threads, &quantized) != 0) {
         free_rows(&quantized);
         return -1;
     }

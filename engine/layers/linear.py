@@ -19,8 +19,9 @@ then ``apply``):
 
 The quantized methods keep their weights in the layout of pdserve's own CPU
 kernels (engine/layers/quant_kernels.py, engine/kernels/quant_gemv.c) and
-dispatch by row count: up to ``kernel_max_rows`` rows (decode batches) the
-kernel reads the small weights directly, the activation quantized to int8 per
+dispatch by row count: up to ``kernel_max_rows`` rows (every row count on a
+CPU with AVX512-VNNI and no AMX, else decode batches) the kernel reads the
+small weights directly, the activation quantized to int8 per
 block of 32 (llama.cpp's Q8 approach; AVX512-VNNI dot products); above it, and
 wherever the kernel cannot run (GPU, no C compiler), the weights are
 dequantized for this call only and multiplied by ``F.linear`` (no dequantized
@@ -58,17 +59,22 @@ from engine.layers.quant_kernels import (
     unpack_int8,
     unpack_rows,
 )
-from engine.native import cpu_has_native_bf16
+from engine.native import cpu_flags, cpu_has_native_bf16
 
 # A typical decode batch; see _mkl_packed.
 _MKL_PACK_BATCH_SIZE = 32
 # Above these many rows the quantized methods dequantize to bf16 and use the
-# bf16 GEMM; at or below them pdserve's int8 kernels win (on an AVX512-VNNI CPU
-# without AMX the crossover is 256-512 rows at the default model's shapes,
-# 1 thread: BENCHMARKS.md, issue 11, third session).
+# bf16 GEMM; at or below them pdserve's int8 kernels win. Where the CPU has
+# AVX512-VNNI and no AMX the kernels win at every row count since issue 11's
+# ninth session (at 2,048 rows INT8 1.7x and INT4 1.5x faster than dequantizing,
+# and faster than the bf16 kernel; BENCHMARKS.md, session 9), so there they take
+# every row count (see quant_kernel_max_rows); elsewhere (AMX tiles, AVX2 only)
+# the cut-off stays where it was measured, 256 rows (third session).
 INT8_KERNEL_MAX_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 256
 LM_HEAD_KERNEL_MAX_ROWS = 256
+# A kernel_max_rows no batch reaches.
+NO_ROW_LIMIT = 2**62
 # The quantized methods' dequantized GEMMs, and the kernels' input for an activation
 # dtype they do not read (float16): bf16 runs on the AMX/AVX512-BF16 units (6.5x
 # float32 at 2,048 rows, BENCHMARKS.md, issue 11); see _dequantized_dtype.
@@ -137,8 +143,8 @@ class Int8LinearMethod(LinearMethod):
     columns to 32 with zeros; ``scales`` (padded out,) float32.
     """
 
-    def __init__(self, kernel_max_rows: int = INT8_KERNEL_MAX_ROWS) -> None:
-        self.kernel_max_rows = kernel_max_rows
+    def __init__(self, kernel_max_rows: int | None = None) -> None:
+        self.kernel_max_rows = quant_kernel_max_rows(INT8_KERNEL_MAX_ROWS) if kernel_max_rows is None else kernel_max_rows
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         weight = layer.weight.detach().to(torch.float32)  # (out, in)
@@ -185,9 +191,9 @@ class Int4LinearMethod(LinearMethod):
     ``minimums`` (out / 16, in / group_size, 16) float16.
     """
 
-    def __init__(self, group_size: int, kernel_max_rows: int = INT4_KERNEL_MAX_ROWS) -> None:
+    def __init__(self, group_size: int, kernel_max_rows: int | None = None) -> None:
         self.group_size = group_size
-        self.kernel_max_rows = kernel_max_rows
+        self.kernel_max_rows = quant_kernel_max_rows(INT4_KERNEL_MAX_ROWS) if kernel_max_rows is None else kernel_max_rows
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         out_features, in_features = layer.weight.shape
@@ -375,6 +381,15 @@ def check_int4_group_size(in_features: int, group_size: int) -> None:
             f"quantization_group_size={group_size} cannot serve a projection with in_features={in_features}: "
             f"it must be one of {INT4_GROUP_SIZES} and divide in_features"
         )
+
+
+def quant_kernel_max_rows(cut_off: int) -> int:
+    """The quantized methods' default ``kernel_max_rows``: every row count on a CPU with AVX512-VNNI and
+    no AMX tiles (the kernels measured fastest there at prefill sizes too), else ``cut_off``."""
+    flags = cpu_flags()
+    if "avx512_vnni" in flags and not flags & {"amx_bf16", "amx_int8"}:
+        return NO_ROW_LIMIT
+    return cut_off
 
 
 def linear_method(quantization: str | None, group_size: int) -> LinearMethod:

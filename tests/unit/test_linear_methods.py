@@ -14,6 +14,8 @@ from engine.layers import linear as linear_module
 from engine.layers.linear import (
     INT4_KERNEL_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
+    LM_HEAD_KERNEL_MAX_ROWS,
+    NO_ROW_LIMIT,
     Int4LinearMethod,
     Int8LinearMethod,
     PackedLinear,
@@ -106,11 +108,14 @@ def _activation_steps(x: torch.Tensor) -> torch.Tensor:
     # INT4 groups of 32 must divide in_features: the INT8-only shapes do not.
     [(*shape, "int8") for shape in SHAPES + INT8_ONLY_SHAPES] + [(*shape, "int4") for shape in SHAPES],
 )
+@pytest.mark.parametrize("cut_off", [None, 256], ids=["default_cut_off", "cut_off_256"])
 def test_quantized_methods_match_a_float64_product_at_every_dispatched_row_count(
-    in_features: int, outs: list[int], method_name: str, dtype: torch.dtype
+    in_features: int, outs: list[int], method_name: str, dtype: torch.dtype, cut_off: int | None
 ) -> None:
+    # The default cut-off (every row count on the kernel where the CPU has VNNI and no AMX) and the
+    # 256 rows of other CPUs, which sends prefill-sized batches through the dequantized GEMM.
     linears = _linears(in_features, outs, True, dtype)
-    method = Int8LinearMethod() if method_name == "int8" else Int4LinearMethod(32)
+    method = Int8LinearMethod(cut_off) if method_name == "int8" else Int4LinearMethod(32, cut_off)
     layer = PackedLinear(linears, method)
     assert layer._quant_kernels is not None, "the CPU kernels build on this machine"
     weight = method.dequantize(layer).to(torch.float64)  # what the method multiplies by
@@ -145,7 +150,7 @@ def test_prefill_sized_batches_dequantize_to_bf16_only_where_the_cpu_has_bf16_un
     monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: native_bf16)
     for dtype in (torch.float32, torch.bfloat16):
         linears = _linears(64, [64, 32], True, dtype)
-        method = Int8LinearMethod() if method_name == "int8" else Int4LinearMethod(32)
+        method = Int8LinearMethod(INT8_KERNEL_MAX_ROWS) if method_name == "int8" else Int4LinearMethod(32, INT4_KERNEL_MAX_ROWS)
         layer = PackedLinear(linears, method)
         with torch.inference_mode():
             x = torch.randn(method.kernel_max_rows + 1, 64, dtype=dtype)
@@ -154,6 +159,24 @@ def test_prefill_sized_batches_dequantize_to_bf16_only_where_the_cpu_has_bf16_un
             else:
                 product = nn.functional.linear(x.float(), method._dequantize(layer, torch.float32))
             assert torch.equal(layer(x), product.to(dtype) + layer.bias), dtype
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"avx512f", "avx512_vnni"}, NO_ROW_LIMIT),  # Zen 4, Cooper Lake: the kernels win at every size
+        ({"avx512f", "avx512_vnni", "amx_bf16", "amx_int8"}, INT8_KERNEL_MAX_ROWS),  # AMX tiles run bf16
+        ({"avx2", "fma"}, INT8_KERNEL_MAX_ROWS),  # no VNNI: the AVX2 kernels up to 256 rows
+    ],
+)
+def test_the_kernels_take_every_row_count_only_on_vnni_cpus_without_amx(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], expected: int
+) -> None:
+    monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset(flags))
+    assert Int8LinearMethod().kernel_max_rows == expected
+    assert Int4LinearMethod(32).kernel_max_rows == expected
+    assert Int8LinearMethod(64).kernel_max_rows == 64  # an explicit cut-off is kept
+    assert lm_head_method("int4").kernel_max_rows == LM_HEAD_KERNEL_MAX_ROWS
 
 
 def test_the_lm_head_is_int8_under_quantization_unless_asked_otherwise() -> None:

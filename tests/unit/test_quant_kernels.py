@@ -108,11 +108,12 @@ def test_int4_kernel_is_the_exact_integer_product_up_to_float32_sums(
 
 
 def test_threads_split_the_rows_without_changing_a_bit() -> None:
-    # Large enough to run on several threads (the kernel splits tiles of output rows, sums stay per row).
+    # Large enough to run on several threads (the kernel splits tiles of output rows, sums stay per row),
+    # and 40 rows of 576: enough elements that the activation's quantization splits its rows too.
     torch.manual_seed(3)
     q, scale, minimum = _int4_case(3072, 576, 32)
     tiles, scales, minimums = qk.pack_int4(q), qk.pack_rows(scale), qk.pack_rows(minimum)
-    x = torch.randn(5, 576, dtype=torch.bfloat16)
+    x = torch.randn(40, 576, dtype=torch.bfloat16)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
