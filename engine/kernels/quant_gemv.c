@@ -248,6 +248,61 @@ ALWAYS_INLINE void int8_tile(const uint8_t *tile, const float *row_scales, const
     }
 }
 
+#define PAIR_ROW_GROUP 4
+/* Activation rows from which int8 GEMMs take tiles in pairs: measured on a Zen 4 (BENCHMARKS.md, issue 11,
+ * session 9), pairs ran 1.1-1.2x faster from 32 rows, and slower at 1-8 rows of a weight streamed from
+ * memory (the LM head: 0.64x at 1 row, 0.78x at 8). */
+#define PAIR_MIN_ROWS 16
+
+/* INT8: `count` (<= PAIR_ROW_GROUP) activation rows from `row0` against two tiles at once, so that each
+ * broadcast of 4 activation bytes feeds two vpdpbusd (one per tile). Each tile's sums are int8_tile's. */
+ALWAYS_INLINE void int8_tile_pair(const uint8_t *tile_a, const uint8_t *tile_b, const float *scales_a,
+                                  const float *scales_b, const QuantizedRows *x, int64_t row0, int count, int64_t k,
+                                  float *results_a, float *results_b)
+{
+    const int64_t blocks = k / QBLOCK;
+    __m512 acc_a[PAIR_ROW_GROUP], acc_b[PAIR_ROW_GROUP];
+    for (int r = 0; r < PAIR_ROW_GROUP; ++r) {
+        acc_a[r] = _mm512_setzero_ps();
+        acc_b[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *wa = tile_a + b * QBLOCK * TILE, *wb = tile_b + b * QBLOCK * TILE;
+        __m512i sum_a[PAIR_ROW_GROUP], sum_b[PAIR_ROW_GROUP];
+        for (int r = 0; r < PAIR_ROW_GROUP; ++r) {
+            sum_a[r] = _mm512_setzero_si512();
+            sum_b[r] = _mm512_setzero_si512();
+        }
+        for (int c = 0; c < 8; ++c) {
+            const __m512i chunk_a = _mm512_loadu_si512((const void *)(wa + c * 64));
+            const __m512i chunk_b = _mm512_loadu_si512((const void *)(wb + c * 64));
+            for (int r = 0; r < PAIR_ROW_GROUP; ++r) {
+                if (r >= count) {
+                    break;
+                }
+                const __m512i x4 = broadcast4(x->xq + (row0 + r) * k + b * QBLOCK + c * 4);
+                sum_a[r] = _mm512_dpbusd_epi32(sum_a[r], chunk_a, x4);
+                sum_b[r] = _mm512_dpbusd_epi32(sum_b[r], chunk_b, x4);
+            }
+        }
+        for (int r = 0; r < PAIR_ROW_GROUP; ++r) {
+            if (r >= count) {
+                break;
+            }
+            const int64_t at = (row0 + r) * blocks + b;
+            const __m512i correction = _mm512_set1_epi32(128 * x->sums[at]);
+            const __m512 d = _mm512_set1_ps(x->d[at]);
+            acc_a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum_a[r], correction)), d, acc_a[r]);
+            acc_b[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum_b[r], correction)), d, acc_b[r]);
+        }
+    }
+    const __m512 row_scales_a = _mm512_loadu_ps(scales_a), row_scales_b = _mm512_loadu_ps(scales_b);
+    for (int r = 0; r < count; ++r) {
+        _mm512_storeu_ps(results_a + r * TILE, _mm512_mul_ps(acc_a[r], row_scales_a));
+        _mm512_storeu_ps(results_b + r * TILE, _mm512_mul_ps(acc_b[r], row_scales_b));
+    }
+}
+
 /* INT4: `count` (<= ROW_GROUP) activation rows from `row0` against tile t. */
 ALWAYS_INLINE void int4_tile(const uint8_t *tile, const uint16_t *scales, const uint16_t *minimums,
                              int64_t group_size, const QuantizedRows *x, int64_t row0, int count, int64_t k,
@@ -484,6 +539,36 @@ int64_t pdserve_int8_gemm(void *out, const void *x, const uint8_t *qweight, cons
         return -1;
     }
     const int64_t tiles = (n + TILE - 1) / TILE;
+#if PDSERVE_QUANT_PATH == 2 && !defined(PDSERVE_NO_TILE_PAIRS)
+    /* From PAIR_MIN_ROWS rows, tiles in pairs (the last one alone when their number is odd); fewer rows
+     * stream the weight, which one tile at a time reads in order. */
+    const int64_t step = rows >= PAIR_MIN_ROWS ? 2 : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t pair = 0; pair < (tiles + step - 1) / step; ++pair) {
+        const int64_t t = step * pair;
+        float results[2][ROW_GROUP * TILE];
+        const uint8_t *tile = qweight + t * k * TILE;
+        if (step == 1 || t + 1 == tiles) {
+            for (int64_t row0 = 0; row0 < rows; row0 += ROW_GROUP) {
+                const int count = rows - row0 < ROW_GROUP ? (int)(rows - row0) : ROW_GROUP;
+                int8_tile(tile, row_scales + t * TILE, &quantized, row0, count, k, results[0]);
+                for (int r = 0; r < count; ++r) {
+                    store_tile(out, (int)is_bf16, row0 + r, n, t * TILE, results[0] + r * TILE);
+                }
+            }
+            continue;
+        }
+        for (int64_t row0 = 0; row0 < rows; row0 += PAIR_ROW_GROUP) {
+            const int count = rows - row0 < PAIR_ROW_GROUP ? (int)(rows - row0) : PAIR_ROW_GROUP;
+            int8_tile_pair(tile, tile + k * TILE, row_scales + t * TILE, row_scales + (t + 1) * TILE, &quantized,
+                           row0, count, k, results[0], results[1]);
+            for (int r = 0; r < count; ++r) {
+                store_tile(out, (int)is_bf16, row0 + r, n, t * TILE, results[0] + r * TILE);
+                store_tile(out, (int)is_bf16, row0 + r, n, (t + 1) * TILE, results[1] + r * TILE);
+            }
+        }
+    }
+#else
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; ++t) {
         float results[ROW_GROUP * TILE];
@@ -496,6 +581,7 @@ int64_t pdserve_int8_gemm(void *out, const void *x, const uint8_t *qweight, cons
             }
         }
     }
+#endif
     free_rows(&quantized);
     return 0;
 }

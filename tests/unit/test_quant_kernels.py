@@ -229,3 +229,20 @@ def test_activation_ties_round_half_to_even_in_every_build(dtype: torch.dtype) -
             continue
         out = kernels.int8_gemm(x.to(dtype), qk.pack_int8(weights), torch.ones(16), 16)
         assert torch.equal(out[0], torch.full((16,), expected, dtype=dtype)), kernels.isa
+
+
+def test_int8_tiles_taken_in_pairs_give_the_bits_of_one_tile_at_a_time() -> None:
+    # From PAIR_MIN_ROWS (16) rows the VNNI build reads two tiles of output rows per pass; a build with
+    # -DPDSERVE_NO_TILE_PAIRS reads one. Odd and even tile counts, full and partial row groups.
+    single = qk.load_quant_kernels(("-DPDSERVE_NO_TILE_PAIRS",))
+    assert single is not None and single.isa == KERNELS.isa
+    torch.manual_seed(6)
+    for out_features in (40, 50, 64):  # 3, 4 and 4 tiles of 16
+        q, scales = _int8_case(out_features, 96)
+        row_scales = torch.zeros(qk.padded(out_features, qk.TILE))
+        row_scales[:out_features] = scales
+        for rows in (1, 15, 16, 17, 33):
+            x = torch.randn(rows, 96, dtype=torch.bfloat16)
+            paired = KERNELS.int8_gemm(x, qk.pack_int8(q), row_scales, out_features)
+            assert torch.equal(paired, single.int8_gemm(x, qk.pack_int8(q), row_scales, out_features)), (out_features, rows)
+            _check(paired, *_int8_reference(x, q, scales))
