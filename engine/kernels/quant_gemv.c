@@ -526,6 +526,20 @@ int64_t pdserve_quant_path(void)
     return PDSERVE_QUANT_PATH;
 }
 
+/* Every activation row against tile t alone, in row groups, into out. */
+static void int8_one_tile(void *out, int is_bf16, const uint8_t *qweight, const float *row_scales,
+                          const QuantizedRows *quantized, int64_t rows, int64_t n, int64_t k, int64_t t)
+{
+    float results[ROW_GROUP * TILE];
+    for (int64_t row0 = 0; row0 < rows; row0 += ROW_GROUP) {
+        const int count = rows - row0 < ROW_GROUP ? (int)(rows - row0) : ROW_GROUP;
+        int8_tile(qweight + t * k * TILE, row_scales + t * TILE, quantized, row0, count, k, results);
+        for (int r = 0; r < count; ++r) {
+            store_tile(out, is_bf16, row0 + r, n, t * TILE, results + r * TILE);
+        }
+    }
+}
+
 /*
  * out (rows, n) = x (rows, k) @ W.T for INT8 tiles (see the header). Returns 0, or -1 when out of memory.
  * qweight: (ceil(n / 16) tiles) x (k / 32 blocks) x 512 bytes; row_scales: ceil(n / 16) * 16 floats.
@@ -543,21 +557,19 @@ int64_t pdserve_int8_gemm(void *out, const void *x, const uint8_t *qweight, cons
     /* From PAIR_MIN_ROWS rows, tiles in pairs (the last one alone when their number is odd); fewer rows
      * stream the weight, which one tile at a time reads in order. */
     const int64_t step = rows >= PAIR_MIN_ROWS ? 2 : 1;
+#else
+    const int64_t step = 1;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t pair = 0; pair < (tiles + step - 1) / step; ++pair) {
-        const int64_t t = step * pair;
-        float results[2][ROW_GROUP * TILE];
-        const uint8_t *tile = qweight + t * k * TILE;
+    for (int64_t unit = 0; unit < (tiles + step - 1) / step; ++unit) {
+        const int64_t t = step * unit;
         if (step == 1 || t + 1 == tiles) {
-            for (int64_t row0 = 0; row0 < rows; row0 += ROW_GROUP) {
-                const int count = rows - row0 < ROW_GROUP ? (int)(rows - row0) : ROW_GROUP;
-                int8_tile(tile, row_scales + t * TILE, &quantized, row0, count, k, results[0]);
-                for (int r = 0; r < count; ++r) {
-                    store_tile(out, (int)is_bf16, row0 + r, n, t * TILE, results[0] + r * TILE);
-                }
-            }
+            int8_one_tile(out, (int)is_bf16, qweight, row_scales, &quantized, rows, n, k, t);
             continue;
         }
+#if PDSERVE_QUANT_PATH == 2 && !defined(PDSERVE_NO_TILE_PAIRS)
+        float results[2][PAIR_ROW_GROUP * TILE];
+        const uint8_t *tile = qweight + t * k * TILE;
         for (int64_t row0 = 0; row0 < rows; row0 += PAIR_ROW_GROUP) {
             const int count = rows - row0 < PAIR_ROW_GROUP ? (int)(rows - row0) : PAIR_ROW_GROUP;
             int8_tile_pair(tile, tile + k * TILE, row_scales + t * TILE, row_scales + (t + 1) * TILE, &quantized,
@@ -567,21 +579,8 @@ int64_t pdserve_int8_gemm(void *out, const void *x, const uint8_t *qweight, cons
                 store_tile(out, (int)is_bf16, row0 + r, n, (t + 1) * TILE, results[1] + r * TILE);
             }
         }
-    }
-#else
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; ++t) {
-        float results[ROW_GROUP * TILE];
-        const uint8_t *tile = qweight + t * k * TILE;
-        for (int64_t row0 = 0; row0 < rows; row0 += ROW_GROUP) {
-            const int count = rows - row0 < ROW_GROUP ? (int)(rows - row0) : ROW_GROUP;
-            int8_tile(tile, row_scales + t * TILE, &quantized, row0, count, k, results);
-            for (int r = 0; r < count; ++r) {
-                store_tile(out, (int)is_bf16, row0 + r, n, t * TILE, results + r * TILE);
-            }
-        }
-    }
 #endif
+    }
     free_rows(&quantized);
     return 0;
 }
