@@ -2,7 +2,7 @@
 
     python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc]
                                             [--probes 4] [--probe-len 1000] [--prefill-niceness 0]
-                                            [--disaggregation always] [--json out.json]
+                                            [--disaggregation always] [--repeats 1] [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
@@ -24,7 +24,16 @@ two idle processes (``benchmarks.kv_transfer``, measured before any worker start
 ``--disaggregation`` is the gateway's: ``always`` (the default here) sends every
 prompt through the prefill worker and a KV handoff, the path this benchmark
 measures; ``auto`` (``pdserve up``'s default) lets the gateway prefill a prompt
-on the decode worker where that is cheaper, and the report counts its routes.
+on the decode worker where that is cheaper, and the report counts its routes;
+``never`` prefills every prompt on the decode worker: the served path without a
+handoff, which tells what the serving itself costs against the in-process engine.
+
+``--repeats N``: the in-process engine and the cluster run N times each,
+alternated (the in-process run first in even rounds, the cluster's first in odd
+ones), each round on prompts of its own so that nothing is cached; the cluster
+stays up between rounds. On a shared machine whose speed drifts by tens of
+percent within minutes, one pair says little: the report gives every round's
+ratio and their median.
 """
 
 from __future__ import annotations
@@ -113,6 +122,18 @@ async def _decode_report(address: str) -> worker_pb2.LoadReport:
         return await worker_pb2_grpc.DecodeWorkerStub(channel).Load(worker_pb2.LoadRequest(), timeout=10)
 
 
+def round_seed(seed: int, index: int) -> int:
+    """The workload seed of round ``index``: the first round's is ``seed`` itself (a one-round run is the
+    benchmark it always was); later rounds' stay clear of ``seed + 2``, the probes' workload."""
+    return seed if index == 0 else seed + 1000 * index
+
+
+def round_order(index: int) -> tuple[str, str]:
+    """Which side runs first in round ``index``: in-process in even rounds, the cluster in odd ones, so that a
+    machine that speeds up or slows down through the run favours neither."""
+    return ("in_process", "cluster") if index % 2 == 0 else ("cluster", "in_process")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -130,16 +151,21 @@ def main() -> None:
     parser.add_argument("--probe-interval-s", type=float, default=1.0)
     parser.add_argument("--prefill-niceness", type=int, default=0,
                         help="`pdserve up --prefill-niceness`: the prefill worker yields the cores to the decode worker")
-    parser.add_argument("--disaggregation", default="always", choices=["always", "auto"],
-                        help="the gateway's: always (every prompt handed off, the default here) or auto")
+    parser.add_argument("--disaggregation", default="always", choices=["always", "auto", "never"],
+                        help="the gateway's: always (every prompt handed off, the default here), auto, or never "
+                             "(every prompt prefilled on the decode worker: the served path without a handoff)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of in-process and cluster runs, alternated, each on prompts of its own")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
-    workload = make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, VOCAB_SIZE, args.seed)
+    workloads = [make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, VOCAB_SIZE,
+                               round_seed(args.seed, i)) for i in range(args.repeats)]
+    workload = workloads[0]
     warmup = make_warmup_workload(workload, VOCAB_SIZE, args.seed)
     settings = PdserveSettings(None, 16, args.num_kv_blocks, 256, 2048, True)
-    local = run_pdserve(settings, workload, warmup)
-    local_tps = local.num_output_tokens / local.wall_s
     rng = random.Random(args.seed + 1)
     probes = [[rng.randrange(VOCAB_SIZE) for _ in range(args.probe_len)] for _ in range(args.probes)]
     # Before any worker starts: the transport on an idle machine, for the probes' bytes.
@@ -151,11 +177,20 @@ def main() -> None:
         prefill_args=("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else (),
         disaggregation=args.disaggregation,
     )
+    rounds: list[dict] = []
     with LocalCluster(config) as cluster:
         asyncio.run(_drive(cluster.endpoint, warmup.prompt_lists(), warmup.output_len))
         before = asyncio.run(_decode_report(cluster.decode_addresses[0]))
         routes_before = gateway_routes(cluster)
-        results, wall = asyncio.run(_drive(cluster.endpoint, workload.prompt_lists(), workload.output_len))
+        for i, round_workload in enumerate(workloads):
+            timed_round: dict = {}
+            for side in round_order(i):
+                if side == "in_process":
+                    timed_round["local"] = run_pdserve(settings, round_workload, warmup)
+                else:
+                    timed_round["cluster"] = asyncio.run(
+                        _drive(cluster.endpoint, round_workload.prompt_lists(), round_workload.output_len))
+            rounds.append(timed_round)
         after = asyncio.run(_decode_report(cluster.decode_addresses[0]))
         routes = {k: v - routes_before.get(k, 0.0) for k, v in gateway_routes(cluster).items()}
         # A workload like the first, of other prompts: nothing of it is cached yet.
@@ -163,14 +198,27 @@ def main() -> None:
         probe_results = asyncio.run(_drive_with_probes(
             cluster.endpoint, second.prompt_lists(), second.output_len, probes, args.probe_interval_s
         )) if probes else []
+    local = rounds[0]["local"]
+    local_tps = local.num_output_tokens / local.wall_s
+    results, wall = rounds[0]["cluster"]
+    ratios = []
+    identical = 0
+    for timed_round in rounds:
+        round_results, round_wall = timed_round["cluster"]
+        round_local = timed_round["local"]
+        ratios.append(sum(len(r["tokens"]) for r in round_results) / round_wall
+                      / (round_local.num_output_tokens / round_local.wall_s))
+        identical += sum(tuple(r["tokens"]) == ref for r, ref in zip(round_results, round_local.token_ids))
     output_tokens = sum(len(r["tokens"]) for r in results)
     cluster_tps = output_tokens / wall
-    ttft = [r["ttft"] for r in results]
-    second = [r["second"] for r in results]
+    # Latencies over every round's requests.
+    every = [r for timed_round in rounds for r in timed_round["cluster"][0]]
+    ttft = [r["ttft"] for r in every]
+    second = [r["second"] for r in every]
+    # Handoffs counted over every round; the per-request means below hold for any number of rounds.
     transfers = after.kv_transfers - before.kv_transfers
     transfer_s = (after.kv_receive_seconds - before.kv_receive_seconds) / max(1, transfers)
     transfer_mb = (after.kv_bytes_received - before.kv_bytes_received) / max(1, transfers) / 2**20
-    same = sum(tuple(r["tokens"]) == ref for r, ref in zip(results, local.token_ids))
     summary = {
         "workload": {"prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens, "output_len": args.output_len},
         "prefill_niceness": args.prefill_niceness,
@@ -189,8 +237,14 @@ def main() -> None:
             "kv_transfers": transfers,
             "kv_pushes": after.kv_pushes - before.kv_pushes,
         },
-        "cluster_over_in_process": cluster_tps / local_tps,
-        "identical_outputs": f"{same}/{len(results)}",
+        "cluster_over_in_process": statistics.median(ratios),
+        "rounds": [
+            {"in_process_tokens_per_s": r["local"].num_output_tokens / r["local"].wall_s,
+             "cluster_tokens_per_s": sum(len(x["tokens"]) for x in r["cluster"][0]) / r["cluster"][1],
+             "cluster_over_in_process": ratio, "first": round_order(i)[0]}
+            for i, (r, ratio) in enumerate(zip(rounds, ratios))
+        ],
+        "identical_outputs": f"{identical}/{len(every)}",
     }
     if probe_results:
         assert unloaded is not None
@@ -208,7 +262,13 @@ def main() -> None:
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
     print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}, disaggregation "
           f"{args.disaggregation}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
-          f"-> {summary['cluster_over_in_process']:.0%} of in-process")
+          f"-> {cluster_tps / local_tps:.0%} of in-process")
+    if len(rounds) > 1:
+        for i, r in enumerate(summary["rounds"]):
+            print(f"  round {i + 1} ({r['first'].replace('_', '-')} first): in-process {r['in_process_tokens_per_s']:.1f}, "
+                  f"cluster {r['cluster_tokens_per_s']:.1f} output tokens/s -> {r['cluster_over_in_process']:.0%}")
+        print(f"cluster / in-process over {len(rounds)} rounds: median {statistics.median(ratios):.0%} "
+              f"(min {min(ratios):.0%}, max {max(ratios):.0%})")
     print("the gateway's routes: " + ", ".join(f"{k} {v:g}" for k, v in sorted(summary["routes"].items())))
     print(f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, p99 {c['ttft_p99_ms']:.0f} ms; first->second token p50 "
           f"{c['first_to_second_token_p50_ms']:.0f} ms; KV transfer {c['kv_transfer_mean_ms']:.1f} ms per request "

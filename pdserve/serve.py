@@ -114,6 +114,7 @@ def _raise_niceness(increment: int) -> None:
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
     from engine.llm_engine import LLMEngine
+    from engine.openmp import on_a_passing_thread
     from service_common.server import ServerConfig
     from service_common.worker import WorkerConfig
 
@@ -127,7 +128,10 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     # Read before the model loads, so a wrong certificate path fails at once.
     server_tls = server_tls_from_args(args)
     client_tls = client_tls_from_args(args)  # a prefill worker dials decode workers to push KV
-    engine = LLMEngine(engine_config(args))
+    # Loaded on a thread that ends, so that the engine thread is the process's only OpenMP pool: a second
+    # one (the main thread's) makes every parallel region of every step sleep and wake (engine/openmp.py).
+    config = engine_config(args)
+    engine = on_a_passing_thread(lambda: LLMEngine(config))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                  grace_s=args.drain_seconds, tls=server_tls,
                                  health_port=args.health_port)

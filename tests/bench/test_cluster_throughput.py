@@ -1,0 +1,45 @@
+"""``benchmarks.cluster_throughput``'s rounds: which prompts each round runs, which side goes first, the CLI's bounds."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmarks import cluster_throughput
+from benchmarks.cluster_throughput import round_order, round_seed
+
+
+def test_the_first_round_keeps_the_seed_and_later_rounds_stay_clear_of_the_probes_workload() -> None:
+    # One round is the benchmark as it was: the workload of --seed itself.
+    assert [round_seed(0, i) for i in range(4)] == [0, 1000, 2000, 3000]
+    assert [round_seed(7, i) for i in range(3)] == [7, 1007, 2007]
+    # The probe phase's burst uses seed + 2; no round may run those prompts (they would be cached).
+    assert all(round_seed(s, i) != s + 2 for s in range(5) for i in range(50))
+
+
+def test_the_sides_alternate_which_runs_first() -> None:
+    assert [round_order(i) for i in range(4)] == [
+        ("in_process", "cluster"),
+        ("cluster", "in_process"),
+        ("in_process", "cluster"),
+        ("cluster", "in_process"),
+    ]
+
+
+@pytest.mark.parametrize("repeats", ["0", "-2"])
+def test_the_cli_refuses_fewer_than_one_round(repeats: str, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["cluster_throughput", "--repeats", repeats])
+    with pytest.raises(SystemExit) as exit_info:
+        cluster_throughput.main()  # refused before anything runs: no engine, no cluster
+    assert exit_info.value.code == 2
+    assert f"--repeats must be >= 1, got {repeats}" in capsys.readouterr().err
+
+
+def test_the_cli_offers_never_for_the_served_path_without_a_handoff(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["cluster_throughput", "--disaggregation", "sometimes"])
+    with pytest.raises(SystemExit):
+        cluster_throughput.main()
+    assert "choose from 'always', 'auto', 'never'" in capsys.readouterr().err
