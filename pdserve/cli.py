@@ -117,7 +117,8 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="admission limit: prompt tokens queued here before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's, one per core; the workers `pdserve up` starts "
-                        "on one machine each take that many, sleeping at once when idle: OMP_WAIT_POLICY=PASSIVE)")
+                        "on one machine each take that many and, where there is more than one, sleep at once when idle: "
+                        "OMP_WAIT_POLICY=PASSIVE)")
     parser.add_argument("--niceness", type=_niceness, default=0,
                         help="raise this worker's niceness by N (0-19) at start, threads and TP ranks included: on a "
                         "machine shared with other workers it then gets the cores only when they leave them idle "

@@ -284,14 +284,26 @@ class LocalCluster:
                 raise StartupError(f"redis-server did not start on port {port}: {_cause(self.log_of('redis'))}")
             time.sleep(0.05)
 
+    def engines_share_cores(self) -> bool:
+        """Whether more than one engine process of this cluster computes on this machine's cores: several
+        workers, or one worker with tensor-parallel ranks (processes of their own)."""
+        config = self.config
+        return len(self.worker_names()) > 1 or any(
+            size > 1 for args in (config.engine_args, config.prefill_args, config.decode_args)
+            for size in _tensor_parallel_sizes(args)
+        )
+
     def _spawn(self, name: str, command: list[str]) -> None:
-        # Every engine process of this cluster shares the machine's cores. OpenMP
-        # threads that spin while they wait steal those cores from the other
-        # engine's busy threads; sleeping at once lifted the cluster from 87% to
-        # 93% of the in-process engine's throughput (BENCHMARKS.md). A value the
-        # user set wins.
+        # Where several engine processes share the machine's cores, OpenMP threads
+        # that spin while they wait steal those cores from the other engine's busy
+        # threads: sleeping at once lifted the cluster from 87% to 93% of the
+        # in-process engine's throughput, and any spin at all loses while both
+        # compute (BENCHMARKS.md, issue 3 and session 10). One engine alone keeps
+        # libgomp's short spin between parallel regions: its decode steps took
+        # 51-58 ms against 63-79 ms asleep (session 10). A value the user set wins.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if self.engines_share_cores():
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self._commands[name] = command
         argv = command if name == "redis" else [sys.executable, "-m", "pdserve", *command]
         log_file = open(self._tmp / f"{name}.log", "ab")  # noqa: SIM115 - kept open for the child's lifetime
@@ -359,3 +371,15 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def _tensor_parallel_sizes(args: tuple[str, ...]) -> list[int]:
+    """The values ``--tensor-parallel-size`` takes in ``args`` (either ``--flag N`` or ``--flag=N``)."""
+    flag = "--tensor-parallel-size"
+    sizes = []
+    for index, arg in enumerate(args):
+        value = args[index + 1] if arg == flag and index + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith(flag + "=") else None)
+        if value is not None and value.isdigit():
+            sizes.append(int(value))
+    return sizes

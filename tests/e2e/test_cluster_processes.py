@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -114,6 +115,12 @@ async def test_colocated_worker_equals_transformers_and_moves_only_the_partial_b
         assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS)
     report = await load(cluster.decode_addresses[0], "decode")
     assert report.role == "colocated"
+    # The only engine on the machine: its OpenMP threads keep libgomp's wait policy (whatever the test's
+    # environment says), not the PASSIVE that several engines sharing the cores get.
+    environ = Path(f"/proc/{cluster.process('colocated-0').pid}/environ").read_bytes().split(b"\0")
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    assert [e for e in environ if e.startswith(b"OMP_WAIT_POLICY=")] == (
+        [f"OMP_WAIT_POLICY={policy}".encode()] if policy is not None else [])
     # Full prompt blocks come from the worker's own prefix cache; only partial last blocks travel.
     partial = sum(1 for p in prompts if len(p) % 16)
     assert report.kv_transfers == partial
