@@ -38,7 +38,7 @@ def test_an_error_is_raised_on_the_calling_thread_as_it_was() -> None:
 
 # Run in a fresh interpreter: this test process's main thread has an OpenMP pool already.
 _POOLS = """
-import os, torch
+import os, time, torch
 from engine.openmp import on_a_passing_thread
 
 torch.set_num_threads(2)
@@ -53,10 +53,19 @@ def parallel_op():
     return float((torch.ones(1 << 22) * 2).sum())
 
 
+def settled(expected):
+    # A joined thread and its pool's worker leave the kernel's task list a moment after join() returns.
+    deadline = time.monotonic() + 10
+    while threads() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
+
 before = threads()
 assert on_a_passing_thread(parallel_op) == 2.0 * (1 << 22)
-after_passing = threads()
+after_passing = settled(before)
 parallel_op()
+time.sleep(0.5)  # the main thread's pool does not go away, however long one waits
 after_main = threads()
 print(before, after_passing, after_main)
 """
