@@ -29,8 +29,8 @@ on the decode worker where that is cheaper, and the report counts its routes;
 handoff, which tells what the serving itself costs against the in-process engine.
 
 ``--repeats N``: the in-process engine and the cluster run N times each,
-alternated (the in-process run first in even rounds, the cluster's first in odd
-ones), each round on prompts of its own so that nothing is cached; the cluster
+alternated (the in-process run first in rounds 1, 3, ..., the cluster's first in
+rounds 2, 4, ...), each round on prompts of its own so that nothing is cached; the cluster
 stays up between rounds. On a shared machine whose speed drifts by tens of
 percent within minutes, one pair says little: the report gives every round's
 ratio and their median.

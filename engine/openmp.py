@@ -14,8 +14,8 @@ machine. With libgomp's default wait policy its float32 decode steps took
 run, alternated), and a 32-row ``F.linear`` plus a SiLU took 27-39% longer on a
 second thread once the main thread had a pool (BENCHMARKS.md, session 10).
 Loading on a thread that ends leaves the engine thread the only pool. Under
-``OMP_WAIT_POLICY=PASSIVE``, which ``pdserve up`` sets because its engines
-share the cores, every region sleeps anyway, and this changes nothing.
+``OMP_WAIT_POLICY=PASSIVE``, which ``pdserve up`` sets where several of its
+engines share the cores, every region sleeps anyway, and this changes nothing.
 """
 
 from __future__ import annotations
