@@ -376,10 +376,6 @@ def _free_port(host: str) -> int:
 def _tensor_parallel_sizes(args: tuple[str, ...]) -> list[int]:
     """The values ``--tensor-parallel-size`` takes in ``args`` (either ``--flag N`` or ``--flag=N``)."""
     flag = "--tensor-parallel-size"
-    sizes = []
-    for index, arg in enumerate(args):
-        value = args[index + 1] if arg == flag and index + 1 < len(args) else (
-            arg.split("=", 1)[1] if arg.startswith(flag + "=") else None)
-        if value is not None and value.isdigit():
-            sizes.append(int(value))
-    return sizes
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == flag]
+    values += [arg.removeprefix(flag + "=") for arg in args if arg.startswith(flag + "=")]
+    return [int(value) for value in values if value.isdigit()]
