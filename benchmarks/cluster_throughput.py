@@ -2,6 +2,7 @@
 
     python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc]
                                             [--probes 4] [--probe-len 1000] [--prefill-niceness 0]
+                                            [--openmp-spin adaptive]
                                             [--disaggregation always] [--repeats 1] [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
@@ -151,6 +152,9 @@ def main() -> None:
     parser.add_argument("--probe-interval-s", type=float, default=1.0)
     parser.add_argument("--prefill-niceness", type=int, default=0,
                         help="`pdserve up --prefill-niceness`: the prefill worker yields the cores to the decode worker")
+    parser.add_argument("--openmp-spin", default="adaptive", choices=["adaptive", "libgomp"],
+                        help="the workers' --openmp-spin (libgomp: `pdserve up` then starts them with "
+                        "OMP_WAIT_POLICY=PASSIVE, as before the governor)")
     parser.add_argument("--disaggregation", default="always", choices=["always", "auto", "never"],
                         help="the gateway's: always (every prompt handed off, the default here), auto, or never "
                              "(every prompt prefilled on the decode worker: the served path without a handoff)")
@@ -172,7 +176,8 @@ def main() -> None:
     unloaded = _transport_unloaded(args.transport, args.probe_len) if probes else None
 
     config = ClusterConfig(
-        dtype="float32", port=0, kv_transport=args.transport, engine_args=("--num-kv-blocks", str(args.num_kv_blocks)),
+        dtype="float32", port=0, kv_transport=args.transport,
+        engine_args=("--num-kv-blocks", str(args.num_kv_blocks), "--openmp-spin", args.openmp_spin),
         redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push, metrics_port=0,
         prefill_args=("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else (),
         disaggregation=args.disaggregation,
@@ -224,6 +229,7 @@ def main() -> None:
     summary = {
         "workload": {"prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens, "output_len": args.output_len},
         "prefill_niceness": args.prefill_niceness,
+        "openmp_spin": args.openmp_spin,
         "disaggregation": args.disaggregation,
         "routes": {k: v for k, v in routes.items() if v},
         "in_process": {"wall_s": local.wall_s, "output_tokens_per_s": local_tps},
@@ -257,8 +263,8 @@ def main() -> None:
         }
     c = summary["cluster"]
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
-    print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}, disaggregation "
-          f"{args.disaggregation}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
+    print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}, openmp spin "
+          f"{args.openmp_spin}, disaggregation {args.disaggregation}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
           f"-> {cluster_tps / local_tps:.0%} of in-process")
     if len(rounds) > 1:
         for i, r in enumerate(summary["rounds"]):

@@ -41,8 +41,9 @@ class AsyncEngine:
     ``generate`` and ``import_request`` yield cumulative ``RequestOutput``s until
     the request finishes; cancelling the consuming task aborts the request on
     the engine. ``on_block_events`` (if given) is called on the engine thread
-    after every step that stored or evicted prefix blocks. Leases on held KV
-    (``engine.leases``) expire between steps.
+    after every step that stored or evicted prefix blocks, ``before_step`` (if
+    given) on the engine thread before every step (``SpinGovernor.update``).
+    Leases on held KV (``engine.leases``) expire between steps.
     """
 
     def __init__(
@@ -50,9 +51,11 @@ class AsyncEngine:
         engine: LLMEngine,
         on_block_events: Callable[[list[BlockEvent]], None] | None = None,
         idle_wait_s: float = 0.05,
+        before_step: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_block_events = on_block_events
+        self._before_step = before_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_StreamItem]]] = {}
@@ -349,6 +352,8 @@ class AsyncEngine:
                 # Blocks allocated by a command: the transfer starts now, not after the next step.
                 self._deliver_kv_slots()
                 if engine.has_work():
+                    if self._before_step is not None:
+                        self._before_step()
                     outputs = engine.step()
                     # Before the outputs reach anyone: a Load right after one must see this step.
                     self.latest_stats = engine.stats()

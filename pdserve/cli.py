@@ -117,8 +117,12 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="admission limit: prompt tokens queued here before new requests get RESOURCE_EXHAUSTED")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's, one per core; the workers `pdserve up` starts "
-                        "on one machine each take that many and, where there is more than one, sleep at once when idle: "
-                        "OMP_WAIT_POLICY=PASSIVE)")
+                        "on one machine each take that many)")
+    parser.add_argument("--openmp-spin", default="adaptive", choices=["adaptive", "libgomp"],
+                        help="adaptive: torch's OpenMP threads spin between parallel regions only while other "
+                        "processes leave this worker's CPUs idle, and sleep at once while they compute there (read "
+                        "from /proc/stat every 0.2 s); libgomp: as OMP_WAIT_POLICY and GOMP_SPINCOUNT say. "
+                        "OMP_WAIT_POLICY=PASSIVE turns spinning off either way (default: adaptive)")
     parser.add_argument("--niceness", type=_niceness, default=0,
                         help="raise this worker's niceness by N (0-19) at start, threads and TP ranks included: on a "
                         "machine shared with other workers it then gets the cores only when they leave them idle "

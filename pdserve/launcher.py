@@ -287,22 +287,35 @@ class LocalCluster:
     def engines_share_cores(self) -> bool:
         """Whether more than one engine process of this cluster computes on this machine's cores: several
         workers, or one worker with tensor-parallel ranks (processes of their own)."""
+        return len(self.worker_names()) > 1 or any(size > 1 for size in self._tensor_parallel_sizes())
+
+    def engines_sleep_at_once(self) -> bool:
+        """Whether its workers get ``OMP_WAIT_POLICY=PASSIVE``: engines share the cores and some of them do not
+        turn their spin off themselves while the others compute (``--openmp-spin``, engine/openmp.py): a
+        worker given ``--openmp-spin libgomp``, or tensor-parallel ranks (only a worker's own process has
+        the governor)."""
         config = self.config
-        return len(self.worker_names()) > 1 or any(
-            size > 1 for args in (config.engine_args, config.prefill_args, config.decode_args)
-            for size in _tensor_parallel_sizes(args)
+        return self.engines_share_cores() and (
+            any(size > 1 for size in self._tensor_parallel_sizes())
+            or any(value == "libgomp" for args in (config.engine_args, config.prefill_args, config.decode_args)
+                   for value in _option_values(args, "--openmp-spin"))
         )
+
+    def _tensor_parallel_sizes(self) -> list[int]:
+        config = self.config
+        return [size for args in (config.engine_args, config.prefill_args, config.decode_args)
+                for size in _tensor_parallel_sizes(args)]
 
     def _spawn(self, name: str, command: list[str]) -> None:
         # Where several engine processes share the machine's cores, OpenMP threads
         # that spin while they wait steal those cores from the other engine's busy
-        # threads: sleeping at once lifted the cluster from 87% to 93% of the
-        # in-process engine's throughput, and any spin at all loses while both
-        # compute (BENCHMARKS.md, issue 3 and session 10). One engine alone keeps
-        # libgomp's short spin between parallel regions: its decode steps took
-        # 51-58 ms against 63-79 ms asleep (session 10). A value the user set wins.
+        # threads: any spin at all loses while both compute (BENCHMARKS.md, issue 3
+        # and session 10), while one engine computing alone steps faster spinning
+        # (51-58 ms against 63-79 ms asleep, session 10). Each worker's governor
+        # (--openmp-spin adaptive, the default) switches its spin off while others
+        # compute on its CPUs; processes without one sleep at once. A value the user set wins.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}
-        if self.engines_share_cores():
+        if self.engines_sleep_at_once():
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self._commands[name] = command
         argv = command if name == "redis" else [sys.executable, "-m", "pdserve", *command]
@@ -373,9 +386,12 @@ def _free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
-def _tensor_parallel_sizes(args: tuple[str, ...]) -> list[int]:
-    """The values ``--tensor-parallel-size`` takes in ``args`` (either ``--flag N`` or ``--flag=N``)."""
-    flag = "--tensor-parallel-size"
+def _option_values(args: tuple[str, ...], flag: str) -> list[str]:
+    """The values ``flag`` takes in ``args`` (either ``--flag VALUE`` or ``--flag=VALUE``)."""
     values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == flag]
-    values += [arg.removeprefix(flag + "=") for arg in args if arg.startswith(flag + "=")]
-    return [int(value) for value in values if value.isdigit()]
+    return values + [arg.removeprefix(flag + "=") for arg in args if arg.startswith(flag + "=")]
+
+
+def _tensor_parallel_sizes(args: tuple[str, ...]) -> list[int]:
+    """The values ``--tensor-parallel-size`` takes in ``args``."""
+    return [int(value) for value in _option_values(args, "--tensor-parallel-size") if value.isdigit()]

@@ -142,6 +142,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         redis_prefix=args.redis_prefix,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        openmp_spin=args.openmp_spin,
     )
     advertise = _advertise_host(args)
     if role == "prefill":

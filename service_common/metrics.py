@@ -24,6 +24,7 @@ from service_common.errors import status_for
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats
+    from engine.openmp import SpinGovernor
     from protos.pdserve.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -163,9 +164,11 @@ class RequestTracker:
 class WorkerMetrics:
     """A worker's engine load (read at scrape time), prefix-cache hits and KV transfers."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], spin_governor: SpinGovernor | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(engine_stats))
+        if spin_governor is not None:
+            self.registry.register(_SpinGovernorCollector(spin_governor))
         self.prefix_cache_hit_tokens = Counter(
             "pdserve_prefix_cache_hit_tokens", "Prompt tokens prefilled here that were already in the cache",
             registry=self.registry,
@@ -215,6 +218,25 @@ class _EngineStatsCollector(Collector):
                                   value=stats.spec_num_draft_tokens)
         yield CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens", "Proposed tokens the target kept",
                                   value=stats.spec_num_accepted_tokens)
+
+
+class _SpinGovernorCollector(Collector):
+    """The OpenMP spin governor's state (``--openmp-spin adaptive``), read when scraped."""
+
+    def __init__(self, governor: SpinGovernor) -> None:
+        self.governor = governor
+
+    def collect(self) -> Iterable[Metric]:
+        governor = self.governor
+        yield GaugeMetricFamily("pdserve_openmp_spin_throttled",
+                                "1 while OpenMP threads sleep at once because other processes compute on this "
+                                "worker's CPUs, 0 while they spin between parallel regions",
+                                value=1 if governor.throttled else 0)
+        yield CounterMetricFamily("pdserve_openmp_spin_switches", "Times the OpenMP spin was turned off or on",
+                                  value=governor.switches)
+        yield GaugeMetricFamily("pdserve_openmp_other_processes_cpus",
+                                "CPUs other processes used on this worker's CPUs in the governor's last window",
+                                value=governor.others_cpus)
 
 
 class MetricsEndpoint:

@@ -22,6 +22,7 @@ from service_common.errors import Overloaded
 from service_common.metrics import MetricsEndpoint, WorkerMetrics
 from engine.block_manager import BlockEvent, BlockStored
 from engine.llm_engine import LLMEngine
+from engine.openmp import spin_governor
 from protos.pdserve.v1.internal import worker_pb2
 from service_common.server import Server, ServerConfig
 
@@ -43,6 +44,9 @@ class WorkerConfig:
     # instead of waiting in an unbounded queue. An idle worker admits any request.
     max_queued_requests: int = 256
     max_queued_tokens: int = 65536
+    # engine/openmp.py's SPIN_MODES: "adaptive" lets libgomp spin only while other processes leave this
+    # one's CPUs idle (``pdserve prefill|decode|colocated``'s default); "libgomp" leaves it to libgomp.
+    openmp_spin: str = "libgomp"
 
 
 class WorkerRuntime:
@@ -52,8 +56,16 @@ class WorkerRuntime:
         self.config = config
         self.engine = engine
         self.epoch = time.time_ns()
-        self.async_engine = AsyncEngine(engine, on_block_events=self._on_block_events)
-        self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats)
+        self.spin_governor = spin_governor(config.openmp_spin)
+        if self.spin_governor is not None:
+            log.info("OpenMP spin: adaptive (%d threads on %d CPUs; off while other processes use over %.2f of them)",
+                     self.spin_governor.threads, self.spin_governor.cpus,
+                     self.spin_governor.headroom + self.spin_governor.busy_cpus)
+        self.async_engine = AsyncEngine(
+            engine, on_block_events=self._on_block_events,
+            before_step=self.spin_governor.update if self.spin_governor is not None else None,
+        )
+        self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats, spin_governor=self.spin_governor)
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch = BlockEventBatch()
@@ -124,6 +136,8 @@ class WorkerRuntime:
         if self._redis is not None:
             await self._redis.aclose()
         await self.async_engine.stop()
+        if self.spin_governor is not None:
+            self.spin_governor.close()
 
     def load_fields(self) -> dict[str, float]:
         stats = self.async_engine.latest_stats

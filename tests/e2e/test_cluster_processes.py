@@ -42,10 +42,15 @@ async def test_cluster_greedy_equals_transformers_for_each_transport(
     # Every lease was released and every decode sequence freed.
     report = await load(cluster.decode_addresses[0], "decode")
     assert (report.num_running, report.num_free_blocks) == (0, 256)
-    # The engines share this machine's cores, so their OpenMP threads sleep instead of spinning.
+    # The engines share this machine's cores: each governs its OpenMP spin (--openmp-spin adaptive), so the
+    # launcher leaves OMP_WAIT_POLICY as the test's environment has it.
+    policy = os.environ.get("OMP_WAIT_POLICY")
     for name in ("prefill-0", "decode-0"):
         environ = Path(f"/proc/{cluster.process(name).pid}/environ").read_bytes().split(b"\0")
-        assert b"OMP_WAIT_POLICY=PASSIVE" in environ, name
+        assert [e for e in environ if e.startswith(b"OMP_WAIT_POLICY=")] == (
+            [f"OMP_WAIT_POLICY={policy}".encode()] if policy is not None else []), name
+        governed = "OpenMP spin: adaptive" in cluster.log_of(name)
+        assert governed is ((policy or "").lower() != "passive" and len(os.sched_getaffinity(0)) > 1), name
     # Every thread of the prefill worker (torch's, gRPC's, the engine's) runs at niceness 5; the decode worker's at 0.
     for name, niceness in (("prefill-0", 5), ("decode-0", 0)):
         tasks = Path(f"/proc/{cluster.process(name).pid}/task")

@@ -160,3 +160,37 @@ def test_worker_scaling_signals_are_the_engine_snapshot_at_scrape_time() -> None
     assert _value(samples, "pdserve_engine_requests_running") == 3.0
     assert _value(samples, "pdserve_engine_requests_waiting") == 2.0
     assert _value(samples, "pdserve_kv_cache_usage_ratio") == 0.75
+
+
+def test_worker_metrics_show_the_openmp_spin_governor() -> None:
+    from prometheus_client import generate_latest
+
+    from engine.llm_engine import EngineStats
+    from engine.openmp import SpinGovernor
+    from service_common.metrics import WorkerMetrics
+
+    stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,
+                        num_held=0, num_preemptions=0)
+    clock, busy = [0.0], [0.0]
+    governor = SpinGovernor(2, 2, lambda size: None, read_busy_s=lambda: busy[0], read_own_s=lambda: 0.0,
+                            clock=lambda: clock[0])
+
+    def scrape() -> dict:
+        text = generate_latest(WorkerMetrics(lambda: stats, spin_governor=governor).registry).decode()
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    assert _value(scrape(), "pdserve_openmp_spin_throttled") == 0.0
+    governor.update()
+    clock[0], busy[0] = 0.5, 0.75  # others used 1.5 CPUs
+    governor.update()
+    try:
+        samples = scrape()
+        assert _value(samples, "pdserve_openmp_spin_throttled") == 1.0
+        assert _value(samples, "pdserve_openmp_spin_switches_total") == 1.0
+        assert _value(samples, "pdserve_openmp_other_processes_cpus") == 1.5
+    finally:
+        governor.close()
+    # Without a governor (--openmp-spin libgomp, PASSIVE, one thread) there is nothing to show.
+    text = generate_latest(WorkerMetrics(lambda: stats).registry).decode()
+    assert "pdserve_openmp" not in text
