@@ -46,9 +46,7 @@ async def test_cluster_greedy_equals_transformers_for_each_transport(
     # launcher leaves OMP_WAIT_POLICY as the test's environment has it.
     policy = os.environ.get("OMP_WAIT_POLICY")
     for name in ("prefill-0", "decode-0"):
-        environ = Path(f"/proc/{cluster.process(name).pid}/environ").read_bytes().split(b"\0")
-        assert [e for e in environ if e.startswith(b"OMP_WAIT_POLICY=")] == (
-            [f"OMP_WAIT_POLICY={policy}".encode()] if policy is not None else []), name
+        assert _wait_policy_settings(cluster.process(name).pid) == _this_wait_policy(), name
         governed = "OpenMP spin: adaptive" in cluster.log_of(name)
         assert governed is ((policy or "").lower() != "passive" and len(os.sched_getaffinity(0)) > 1), name
     # Every thread of the prefill worker (torch's, gRPC's, the engine's) runs at niceness 5; the decode worker's at 0.
@@ -56,6 +54,18 @@ async def test_cluster_greedy_equals_transformers_for_each_transport(
         tasks = Path(f"/proc/{cluster.process(name).pid}/task")
         nice = {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks.iterdir()}
         assert nice == {niceness}, name
+
+
+def _wait_policy_settings(pid: int) -> list[bytes]:
+    """The ``OMP_WAIT_POLICY=...`` entries of process ``pid``'s environment (none where it is not set)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return [entry for entry in environ if entry.startswith(b"OMP_WAIT_POLICY=")]
+
+
+def _this_wait_policy() -> list[bytes]:
+    """What ``_wait_policy_settings`` gives for a child that inherits this process's environment unchanged."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return [f"OMP_WAIT_POLICY={policy}".encode()] if policy is not None else []
 
 
 async def _wait_idle(cluster) -> tuple:  # noqa: ANN001 - a LocalCluster
@@ -122,10 +132,7 @@ async def test_colocated_worker_equals_transformers_and_moves_only_the_partial_b
     assert report.role == "colocated"
     # The only engine on the machine: its OpenMP threads keep libgomp's wait policy (whatever the test's
     # environment says), not the PASSIVE that several engines sharing the cores get.
-    environ = Path(f"/proc/{cluster.process('colocated-0').pid}/environ").read_bytes().split(b"\0")
-    policy = os.environ.get("OMP_WAIT_POLICY")
-    assert [e for e in environ if e.startswith(b"OMP_WAIT_POLICY=")] == (
-        [f"OMP_WAIT_POLICY={policy}".encode()] if policy is not None else [])
+    assert _wait_policy_settings(cluster.process("colocated-0").pid) == _this_wait_policy()
     # Full prompt blocks come from the worker's own prefix cache; only partial last blocks travel.
     partial = sum(1 for p in prompts if len(p) % 16)
     assert report.kv_transfers == partial
