@@ -287,24 +287,23 @@ class LocalCluster:
     def engines_share_cores(self) -> bool:
         """Whether more than one engine process of this cluster computes on this machine's cores: several
         workers, or one worker with tensor-parallel ranks (processes of their own)."""
-        return len(self.worker_names()) > 1 or any(size > 1 for size in self._tensor_parallel_sizes())
+        return len(self.worker_names()) > 1 or self._has_tensor_parallel_ranks()
 
     def engines_sleep_at_once(self) -> bool:
         """Whether its workers get ``OMP_WAIT_POLICY=PASSIVE``: engines share the cores and some of them do not
         turn their spin off themselves while the others compute (``--openmp-spin``, engine/openmp.py): a
         worker given ``--openmp-spin libgomp``, or tensor-parallel ranks (only a worker's own process has
         the governor)."""
-        config = self.config
-        return self.engines_share_cores() and (
-            any(size > 1 for size in self._tensor_parallel_sizes())
-            or any(value == "libgomp" for args in (config.engine_args, config.prefill_args, config.decode_args)
-                   for value in _option_values(args, "--openmp-spin"))
-        )
+        return self.engines_share_cores() and (self._has_tensor_parallel_ranks() or any(
+            value == "libgomp" for args in self._worker_args() for value in _option_values(args, "--openmp-spin")))
 
-    def _tensor_parallel_sizes(self) -> list[int]:
+    def _has_tensor_parallel_ranks(self) -> bool:
+        return any(size > 1 for args in self._worker_args() for size in _tensor_parallel_sizes(args))
+
+    def _worker_args(self) -> tuple[tuple[str, ...], ...]:
+        """Every argument list some worker gets on top of the launcher's own."""
         config = self.config
-        return [size for args in (config.engine_args, config.prefill_args, config.decode_args)
-                for size in _tensor_parallel_sizes(args)]
+        return config.engine_args, config.prefill_args, config.decode_args
 
     def _spawn(self, name: str, command: list[str]) -> None:
         # Where several engine processes share the machine's cores, OpenMP threads
