@@ -1,12 +1,14 @@
 """The two Hugging Face transformers baselines: static batches with ``generate`` and ``generate_batch``.
 
-Both run greedy decoding in float32 on the same model object, loaded from the same
-folder pdserve loads. EOS is switched off rather than suppressed, to match
+Both run greedy decoding on the same model object, loaded from the same folder
+pdserve loads, in the dtype and on the device pdserve runs (float32 on the CPU by
+default). EOS is switched off rather than suppressed, to match
 pdserve's ``ignore_eos=True``: a greedy EOS is emitted and decoding goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,11 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from benchmarks.workload import RunResult, Workload, timed
 
 
-def load_hf_model(model_path: str | Path) -> Any:
-    """The float32 reference model with SDPA attention, its EOS switched off for generation."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+def load_hf_model(model_path: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    """The reference model with SDPA attention, its EOS switched off for generation."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    ).to(device)
     model.eval()
     # generate() fills every generation-config field left at None from model.generation_config,
     # so EOS must be cleared here: with it unset, generate neither stops at EOS nor (as
@@ -52,7 +56,7 @@ def run_hf_static(model: Any, workload: Workload, batch_size: int, name: str = "
             token_ids.extend(_generate_left_padded(model, batch, config))
         return token_ids
 
-    with torch.inference_mode():
+    with torch.inference_mode(), same_attention_kernels(model):
         token_ids, wall_s = timed(run)
     return RunResult(name=name, wall_s=wall_s, token_ids=tuple(token_ids), details={"batch_size": batch_size})
 
@@ -66,7 +70,9 @@ def _generate_left_padded(
     for row, prompt in enumerate(batch):
         input_ids[row, padded_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         attention_mask[row, padded_len - len(prompt) :] = 1
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    output = model.generate(
+        input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device), generation_config=config
+    )
     generated = output[:, padded_len:]  # (batch, generated_len)
     # Every row runs to max_new_tokens here; a row that stopped early would be padded,
     # and its padding must not be counted as generated.
@@ -100,6 +106,18 @@ def continuous_batching_config(
     )
 
 
+def same_attention_kernels(model: Any) -> contextlib.AbstractContextManager[object]:
+    """On CUDA, SDPA's kernels as pdserve's engine chooses them (no cuDNN attention), so neither side
+    pays cuDNN's graph build for every new sequence length; nothing on the CPU."""
+    if model.device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    from engine.attention.sdpa import CUDA_SDPA_BACKENDS
+
+    return sdpa_kernel(CUDA_SDPA_BACKENDS)
+
+
 def run_hf_continuous(
     model: Any, workload: Workload, cb_config: ContinuousBatchingConfig, name: str = "hf_continuous"
 ) -> RunResult:
@@ -121,7 +139,7 @@ def run_hf_continuous(
             inputs=workload.prompt_lists(), generation_config=config, continuous_batching_config=cb_config
         )
 
-    with torch.inference_mode():
+    with torch.inference_mode(), same_attention_kernels(model):
         outputs, wall_s = timed(run)
     # generate_batch returns results keyed by request id in input order; it logs and
     # drops failed requests rather than raising, so check that every prompt came back.

@@ -1,7 +1,8 @@
 """A stand-in prefill worker for the transfer benchmark: serves one held request of a given layout.
 
-``python -m benchmarks.kv_sender NUM_LAYERS KV_HEADS HEAD_DIM BLOCK_SIZE NUM_BLOCKS`` prints its port,
-serves FetchKV / StageKV / ReleaseKV on 127.0.0.1 until SIGTERM.
+``python -m benchmarks.kv_sender NUM_LAYERS KV_HEADS HEAD_DIM BLOCK_SIZE NUM_BLOCKS [DEVICE]`` prints its
+port, serves FetchKV / StageKV / ReleaseKV on 127.0.0.1 until SIGTERM. The blocks live on DEVICE (default
+cpu; cuda:0 for the cuda_ipc transport), as a prefill worker's KV pool would.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.ReleaseKVResponse()
 
 
-async def serve(layers: int, heads: int, head_dim: int, block_size: int, num_blocks: int) -> None:
+async def serve(layers: int, heads: int, head_dim: int, block_size: int, num_blocks: int, device: str) -> None:
     blocks = torch.randn(layers, 2, num_blocks, block_size, heads, head_dim, generator=torch.Generator().manual_seed(0))
-    kv = KVSenderServicer(_HeldBlocks(blocks), TransferConfig(shm_prefix="pdserve_bench_"))
+    kv = KVSenderServicer(_HeldBlocks(blocks.to(device)), TransferConfig(shm_prefix="pdserve_bench_", device=device))
     server = grpc.aio.server(options=INTERNAL_GRPC_OPTIONS)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(kv), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -64,4 +65,5 @@ async def serve(layers: int, heads: int, head_dim: int, block_size: int, num_blo
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(*(int(a) for a in sys.argv[1:6])))
+    sizes = [int(a) for a in sys.argv[1:6]]
+    asyncio.run(serve(*sizes, sys.argv[6] if len(sys.argv) > 6 else "cpu"))

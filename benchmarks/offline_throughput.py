@@ -2,7 +2,8 @@
 
 Run ``python -m benchmarks.offline_throughput --help``; benchmarks/README.md
 explains each printed figure. Every system runs in this one process on the same
-prompts, greedy, float32, with EOS ignored, and is timed after a short warm-up.
+prompts, greedy, with EOS ignored, and is timed after a short warm-up: float32 on
+the CPU by default; ``--device cuda --dtype bfloat16`` runs every system on a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     workload.add_argument("--seed", type=int, default=0, help="seeds the prompts' lengths and token ids")
     engine = parser.add_argument_group("pdserve engine")
     engine.add_argument("--model", default=None, help="model folder or hub id; default: the embedded SmolLM2-135M")
+    engine.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="weights and activations of every system (default float32, the exactness oracle's)",
+    )
+    engine.add_argument(
+        "--device", default="cpu",
+        help="cpu or cuda[:N]: where every system runs; the machine limits are measured on the CPU only",
+    )
     engine.add_argument("--block-size", type=int, default=16, help="KV block size; also HF's page_size")
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from free memory")
     engine.add_argument("--max-num-seqs", type=int, default=256, help="also HF's max_requests_per_batch")
@@ -58,14 +67,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     runs.add_argument("--skip-pdserve", action="store_true")
     runs.add_argument("--skip-hf-static", action="store_true")
     runs.add_argument("--skip-hf-cb", action="store_true", help="skip transformers' continuous batching")
-    runs.add_argument("--skip-machine-limits", action="store_true")
+    runs.add_argument("--skip-machine-limits", action="store_true", help="implied by a --device other than cpu")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    hf_model, hf_load_s = timed(lambda: load_hf_model(_model_path(args.model)))
+    args.skip_machine_limits = not measures_machine_limits(args)
+    hf_model, hf_load_s = timed(lambda: load_hf_model(_model_path(args.model), args.dtype, args.device))
     vocab_size = hf_model.config.vocab_size
     workload = make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, vocab_size, args.seed)
     warmup = make_warmup_workload(workload, vocab_size, args.seed)
@@ -84,6 +94,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
         print(f"\nwrote {args.json}")
     return report
+
+
+def measures_machine_limits(args: argparse.Namespace) -> bool:
+    """The limits, and the roofline built on them, are the CPU's matrix and memory rates: CPU runs only."""
+    return not args.skip_machine_limits and args.device == "cpu"
 
 
 def run_systems(
@@ -110,6 +125,8 @@ def run_systems(
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
             attention_backend=args.attention_backend,
+            dtype=args.dtype,
+            device=args.device,
         )
         # run_pdserve builds a fresh engine and warms it up on every call.
         attempt(PDSERVE, lambda: fastest_of(args.repeats, lambda: run_pdserve(settings, workload, warmup)))

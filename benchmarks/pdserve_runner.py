@@ -23,6 +23,8 @@ class PdserveSettings:
     max_num_batched_tokens: int
     enable_prefix_caching: bool
     attention_backend: str = "auto"
+    dtype: str = "float32"
+    device: str = "cpu"
 
 
 def run_pdserve(
@@ -40,7 +42,8 @@ def run_pdserve(
     llm, setup_s = timed(
         lambda: LLM(
             model=settings.model,
-            dtype="float32",
+            dtype=settings.dtype,
+            device=settings.device,
             block_size=settings.block_size,
             num_kv_blocks=settings.num_kv_blocks,
             max_num_seqs=settings.max_num_seqs,

@@ -42,6 +42,7 @@ def build_report(
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(),
+            "device": _device_name(str(config.get("device", "cpu"))),
             "python": platform.python_version(),
             "hf_model_load_s": hf_load_s,
         },
@@ -95,9 +96,12 @@ def _print_throughput(report: dict[str, Any]) -> None:
     print(
         f"\nWorkload: {w['num_prompts']} prompts of {w['min_prompt_len']}..{w['max_prompt_len']} random tokens "
         f"(mean {w['mean_prompt_len']:.1f}, {w['prompt_tokens']} in all), {w['output_len']} output tokens each; "
-        f"greedy, float32, EOS ignored"
+        f"greedy, {report['config'].get('dtype', 'float32')}, EOS ignored"
     )
-    print(f"torch {env['torch']}, transformers {env['transformers']}, {env['torch_threads']} torch threads\n")
+    print(
+        f"torch {env['torch']}, transformers {env['transformers']}, {env['torch_threads']} torch threads, "
+        f"on {env['device']}\n"
+    )
     print(f"{'system':<34}{'wall s':>9}{'out tokens':>12}{'tok/s':>10}{'setup s':>9}")
     for name, result in report["results"].items():
         print(
@@ -171,3 +175,10 @@ def _print_limits(report: dict[str, Any]) -> None:
             f"  -> {decode['fraction_of_memory_bound']:.1%} of the memory bound, "
             f"{decode['fraction_of_roofline_bound']:.1%} of the larger (roofline) bound"
         )
+
+
+def _device_name(device: str) -> str:
+    """``cpu``, or the GPU's own name (``cuda:0 (NVIDIA H200)``)."""
+    if not device.startswith("cuda"):
+        return device
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"

@@ -7,14 +7,21 @@ over a cached context (the tokens a speculative step verifies). Longer chunks
 and whole prompts use SDPA, whose matrix products win there. With a KV dtype
 other than the model's (``kv_cache_dtype``), new K/V are cast or quantized on
 write and the SDPA path casts or dequantizes what it gathers.
+
+On CUDA the calls leave out cuDNN's attention, which PyTorch prefers for
+bf16 and fp16 on Hopper: it builds an execution graph for every new shape
+(hundreds of ms each), and prefill chunks come in every length
+(``CUDA_SDPA_BACKENDS``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import (
     AttentionBackend,
@@ -32,6 +39,11 @@ from engine.attention.cpu_kernel import KernelPlan, PagedAttentionKernel
 # ones to SDPA. Sized to cover a speculative step's k+1 tokens; where the two
 # actually cross has not been measured.
 KERNEL_MAX_QUERY_LEN = 16
+
+# SDPA's choices on CUDA, in PyTorch's order, without CUDNN_ATTENTION. On an H200 a bf16
+# run of 128 prompts of 32-256 tokens spent 6.8 s in prefill with cuDNN against 1.4 s in
+# float32 (which cuDNN does not take); BENCHMARKS.md, "GPU checks".
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,6 @@ class SdpaBackend(AttentionBackend):
         value_cache: CacheTensor,
         metadata: SdpaMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1:]
         if self.kernel is not None:
             # One C call for the whole write (cast or int8-quantized as write_to_cache does it, bit for bit).
             self.kernel.store(_heads_packed(key), _heads_packed(value), key_cache, value_cache, metadata.slot_mapping)
@@ -133,6 +144,24 @@ class SdpaBackend(AttentionBackend):
             flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
+        with sdpa_kernel(CUDA_SDPA_BACKENDS) if query.is_cuda else contextlib.nullcontext():
+            self._attend(query, key, value, key_cache, value_cache, flat_k, flat_v, metadata, out)
+        return out
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: CacheTensor,
+        value_cache: CacheTensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        metadata: SdpaMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Fill ``out`` with every sequence's attention: the kernel's rows, the padded decodes, each prefill chunk."""
+        num_kv_heads, head_dim = key.shape[1:]
         nd = metadata.num_decodes
         if metadata.kernel_plan is not None:
             assert self.kernel is not None
@@ -169,7 +198,6 @@ class SdpaBackend(AttentionBackend):
             else:
                 o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=span.mask, enable_gqa=True)
             out[span.start : span.end] = o[0].transpose(0, 1)
-        return out
 
 
 

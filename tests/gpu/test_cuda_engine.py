@@ -47,6 +47,25 @@ def test_flash_attn_backend_matches_sdpa_in_bfloat16(llama_checkpoint: Path) -> 
         assert a[:8] == b[:8]
 
 
+def test_cuda_sdpa_leaves_cudnn_attention_out(llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuDNN builds a graph per new shape (hundreds of ms): prefill chunks of every length must not go there.
+    from engine.attention import sdpa
+
+    enabled_at_call = []
+    attend = sdpa.F.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        enabled_at_call.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    llm = LLM(model=str(llama_checkpoint), dtype="bfloat16", device="cuda", num_kv_blocks=256,
+              attention_backend="sdpa", max_num_batched_tokens=64)
+    llm.generate(random_prompts([5, 40, 95], seed=35), SamplingParams(max_tokens=4, temperature=0.0))
+    assert enabled_at_call and not any(enabled_at_call)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's own setting is back
+
+
 def test_cuda_logit_adjustments_and_prompt_logprobs_equal_the_cpu_engine(llama_checkpoint: Path) -> None:
     # Penalties, bias and min_tokens index and scatter on the device; prompt logprobs come from device logits.
     prompts = random_prompts([3, 40, 95, 160], seed=33)
