@@ -113,8 +113,7 @@ async def _drive_with_probes(endpoint: str, prompts: list[list[int]], output_len
 
 def _transport_unloaded(transport: str, tokens: int) -> dict[str, float]:
     """What ``transport`` alone takes to move the KV of ``tokens`` tokens of the default model, two idle processes."""
-    args = argparse.Namespace(tokens=tokens, layers=30, kv_heads=3, head_dim=64, block_size=16, repeats=5,
-                              transports=[transport])
+    args = kv_transfer.parse_args(["--tokens", str(tokens), "--transports", transport])
     return asyncio.run(kv_transfer.measure(args))[transport]
 
 

@@ -69,7 +69,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return results
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=30)
@@ -83,9 +83,14 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N: where both ends hold the KV")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.transports is None:
         args.transports = ["grpc", "shm", "torch_dist" if args.device == "cpu" else "cuda_ipc"]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     results = asyncio.run(measure(args))
     print(f"KV of a {args.tokens}-token prompt ({next(iter(results.values()))['bytes'] / 2**20:.1f} MiB), median of {args.repeats}:")
     print(f"{'transport':<12} {'ms':>9} {'GB/s':>8}  lands on")

@@ -16,8 +16,10 @@ bf16 and fp16 on Hopper: it builds an execution graph for every new shape
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,21 @@ KERNEL_MAX_QUERY_LEN = 16
 # run of 128 prompts of 32-256 tokens spent 6.8 s in prefill with cuDNN against 1.4 s in
 # float32 (which cuDNN does not take); BENCHMARKS.md, "GPU checks".
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+_Forward = TypeVar("_Forward", bound=Callable[..., torch.Tensor])
+
+
+def _without_cudnn_on_cuda(forward: _Forward) -> _Forward:
+    """``forward`` with its SDPA calls limited to ``CUDA_SDPA_BACKENDS`` when the query is on CUDA."""
+
+    @functools.wraps(forward)
+    def limited(self: object, query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if not query.is_cuda:
+            return forward(self, query, *args, **kwargs)
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return forward(self, query, *args, **kwargs)
+
+    return limited  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,7 @@ class SdpaBackend(AttentionBackend):
         num_sdpa_decodes = 0 if self.kernel is not None else nd
         return SdpaMetadata(batch.slot_mapping, num_sdpa_decodes, decode_tables, decode_mask, plan, tuple(prefills))
 
+    @_without_cudnn_on_cuda
     def forward(
         self,
         query: torch.Tensor,
@@ -136,6 +154,7 @@ class SdpaBackend(AttentionBackend):
         value_cache: CacheTensor,
         metadata: SdpaMetadata,
     ) -> torch.Tensor:
+        num_kv_heads, head_dim = key.shape[1:]
         if self.kernel is not None:
             # One C call for the whole write (cast or int8-quantized as write_to_cache does it, bit for bit).
             self.kernel.store(_heads_packed(key), _heads_packed(value), key_cache, value_cache, metadata.slot_mapping)
@@ -144,24 +163,6 @@ class SdpaBackend(AttentionBackend):
             flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
-        with sdpa_kernel(CUDA_SDPA_BACKENDS) if query.is_cuda else contextlib.nullcontext():
-            self._attend(query, key, value, key_cache, value_cache, flat_k, flat_v, metadata, out)
-        return out
-
-    def _attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: CacheTensor,
-        value_cache: CacheTensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        metadata: SdpaMetadata,
-        out: torch.Tensor,
-    ) -> None:
-        """Fill ``out`` with every sequence's attention: the kernel's rows, the padded decodes, each prefill chunk."""
-        num_kv_heads, head_dim = key.shape[1:]
         nd = metadata.num_decodes
         if metadata.kernel_plan is not None:
             assert self.kernel is not None
@@ -198,6 +199,7 @@ class SdpaBackend(AttentionBackend):
             else:
                 o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=span.mask, enable_gqa=True)
             out[span.start : span.end] = o[0].transpose(0, 1)
+        return out
 
 
 

@@ -43,3 +43,12 @@ def test_the_cli_offers_never_for_the_served_path_without_a_handoff(monkeypatch:
     with pytest.raises(SystemExit):
         cluster_throughput.main()
     assert "choose from 'always', 'auto', 'never'" in capsys.readouterr().err
+
+
+def test_the_transports_unloaded_time_is_measured_between_two_real_processes() -> None:
+    # The benchmark's yardstick for the handoff: kv_transfer's own run, for one transport.
+    measured = cluster_throughput._transport_unloaded("grpc", 32)
+    # 2 blocks of 16 tokens x 30 layers x K and V x 3 heads x 64 dims x 4 bytes.
+    assert measured["bytes"] == 2 * 16 * 30 * 2 * 3 * 64 * 4
+    assert measured["lands_on"] == "cpu"
+    assert measured["seconds"] > 0
