@@ -12,7 +12,8 @@ at once over gRPC. Reports output tokens/s and their ratio, TTFT p50/p99, the
 time from first to second token, and the decode worker's own time to have the
 KV (``--kv-push``, the default: taking what the prefill worker pushed while it
 ran; ``--no-kv-push``: fetching it after the first token). Greedy, float32, EOS ignored; the cluster's tokens are compared
-with the in-process ones.
+with the in-process ones. Per round it also gives the CPU seconds each side used: the
+in-process engine's, and each cluster process's over the burst.
 
 The handoff under this load (issue 13): a workload like it (other prompts, so
 nothing is cached) is then sent, and ``--probes`` requests of ``--probe-len`` random tokens go in while it runs,
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -63,6 +65,21 @@ VOCAB_SIZE = 49152
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time process ``pid`` has used, from ``/proc/<pid>/stat``."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        # After the command name's closing parenthesis: state is field 3, utime 14, stime 15.
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds used so far by each running process of ``cluster``, and by this one (``client``)."""
+    used = {name: cpu_seconds(process.pid) for name, process in cluster.processes if process.poll() is None}
+    used["client"] = time.process_time()
+    return used
 
 
 async def _one(stub: generation_pb2_grpc.GenerationStub, prompt: list[int], output_len: int) -> dict:
@@ -134,6 +151,21 @@ def round_order(index: int) -> tuple[str, str]:
     return ("in_process", "cluster") if index % 2 == 0 else ("cluster", "in_process")
 
 
+def cpu_report(round_rates: list[dict], cpus: int) -> str:
+    """Where the CPU went in each round: the in-process engine, then each process of the cluster."""
+    lines = [f"CPU seconds per round ({cpus} CPUs; the share is of CPUs x wall time):"]
+    for i, r in enumerate(round_rates):
+        cluster = r["cluster_cpu_s"]
+        parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in cluster.items())
+        total = sum(cluster.values())
+        lines.append(
+            f"  round {i + 1}: in-process {r['in_process_cpu_s']:.1f} "
+            f"({r['in_process_cpu_s'] / (cpus * r['in_process_wall_s']):.0%}); cluster {total:.1f} "
+            f"({total / (cpus * r['cluster_wall_s']):.0%}): {parts}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -192,8 +224,12 @@ def main() -> None:
                 if side == "in_process":
                     timed_round["local"] = run_pdserve(settings, round_workload, warmup)
                 else:
+                    cpu_before = cluster_cpu(cluster)
                     timed_round["cluster"] = asyncio.run(
                         _drive(cluster.endpoint, round_workload.prompt_lists(), round_workload.output_len))
+                    cpu_after = cluster_cpu(cluster)
+                    timed_round["cpu"] = {name: cpu_after[name] - cpu_before[name]
+                                          for name in cpu_after if name in cpu_before}
             rounds.append(timed_round)
         after = asyncio.run(_decode_report(cluster.decode_addresses[0]))
         routes = {k: v - routes_before.get(k, 0.0) for k, v in gateway_routes(cluster).items()}
@@ -212,7 +248,9 @@ def main() -> None:
         in_process_tps = round_local.num_output_tokens / round_local.wall_s
         round_tps = sum(len(r["tokens"]) for r in round_results) / round_wall
         round_rates.append({"in_process_tokens_per_s": in_process_tps, "cluster_tokens_per_s": round_tps,
-                            "cluster_over_in_process": round_tps / in_process_tps, "first": round_order(i)[0]})
+                            "cluster_over_in_process": round_tps / in_process_tps, "first": round_order(i)[0],
+                            "in_process_cpu_s": round_local.details["cpu_s"], "cluster_cpu_s": timed_round["cpu"],
+                            "cluster_wall_s": round_wall, "in_process_wall_s": round_local.wall_s})
         identical += sum(tuple(r["tokens"]) == ref for r, ref in zip(round_results, round_local.token_ids))
     ratios = [r["cluster_over_in_process"] for r in round_rates]
     # The headline figures are the first round's: a one-round run reads as it always did.
@@ -271,6 +309,7 @@ def main() -> None:
                   f"cluster {r['cluster_tokens_per_s']:.1f} output tokens/s -> {r['cluster_over_in_process']:.0%}")
         print(f"cluster / in-process over {len(rounds)} rounds: median {statistics.median(ratios):.0%} "
               f"(min {min(ratios):.0%}, max {max(ratios):.0%})")
+    print(cpu_report(round_rates, len(os.sched_getaffinity(0))))
     print("the gateway's routes: " + ", ".join(f"{k} {v:g}" for k, v in sorted(summary["routes"].items())))
     print(f"TTFT p50 {c['ttft_p50_ms']:.0f} ms, p99 {c['ttft_p99_ms']:.0f} ms; first->second token p50 "
           f"{c['first_to_second_token_p50_ms']:.0f} ms; KV transfer {c['kv_transfer_mean_ms']:.1f} ms per request "

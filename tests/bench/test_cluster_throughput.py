@@ -52,3 +52,23 @@ def test_the_transports_unloaded_time_is_measured_between_two_real_processes() -
     assert measured["bytes"] == 2 * 16 * 30 * 2 * 3 * 64 * 4
     assert measured["lands_on"] == "cpu"
     assert measured["seconds"] > 0
+
+
+def test_a_processs_cpu_seconds_come_from_proc_stat() -> None:
+    import os
+    import time
+
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:  # some CPU time to read back
+        pass
+    # /proc counts in clock ticks (10 ms): the same time as the process clock, to a few ticks.
+    assert abs(cluster_throughput.cpu_seconds(os.getpid()) - time.process_time()) < 0.05
+
+
+def test_the_cpu_report_shows_each_process_and_the_share_of_the_machine() -> None:
+    rounds = [{"in_process_cpu_s": 18.0, "in_process_wall_s": 10.0, "cluster_wall_s": 12.0,
+               "cluster_cpu_s": {"prefill-0": 9.0, "decode-0": 10.5, "gateway": 2.5, "client": 1.0}}]
+    assert cluster_throughput.cpu_report(rounds, 2) == (
+        "CPU seconds per round (2 CPUs; the share is of CPUs x wall time):\n"
+        "  round 1: in-process 18.0 (90%); cluster 23.0 (96%): prefill-0 9.0, decode-0 10.5, gateway 2.5, client 1.0"
+    )
