@@ -7,10 +7,12 @@ import functools
 import logging
 import sys
 import time
+from collections.abc import AsyncGenerator
 
 import grpc
 import torch
 
+from decode_service.early_start import EarlyStart, EarlyStarts
 from decode_service.push_landing import EngineLanding
 from engine.kv_handoff import KVFetch, KVHandoff
 from engine.llm_engine import LLMEngine
@@ -19,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from kv_transfer.descriptor import handoff_from_proto
-from kv_transfer.push_inbox import PushInbox
+from kv_transfer.push_inbox import PushedKV, PushInbox
 from kv_transfer.sharded import FETCHER, RankFetchOptions
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
@@ -42,7 +44,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     written in between two steps, and decoding goes on. When the prefill worker
     pushed the KV here while it prefilled (PushKV, ``DecodeRequest.kv_pushed``),
     it is already in blocks reserved for it (``kv_transfer.push_inbox``): the
-    request adopts them, and pulls only what the push did not leave there.
+    request adopts them, and pulls only what the push did not leave there. A push
+    that ends with its request's start (``KVPushStart``) starts the request when
+    it completes, and the Decode attaches to it (``decode_service.early_start``).
     """
 
     FAILURE_POLICIES = ("recompute", "fail")
@@ -69,7 +73,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_receive_seconds = 0.0
         self.kv_transfers = 0
         self.kv_pushes = 0
-        self.inbox = PushInbox(transfer, EngineLanding(self.engine), transfer.push_inbox_bytes, transfer.push_ttl_s)
+        self.early = EarlyStarts(transfer.push_ttl_s)
+        self.inbox = PushInbox(transfer, EngineLanding(self.engine), transfer.push_inbox_bytes, transfer.push_ttl_s,
+                               on_start=self._start_early)
 
     @grpc_errors
     @with_request_id(lambda request: request.request_id or request.handoff.request_id)
@@ -83,11 +89,39 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield response
             return
         handoff = handoff_from_proto(request.handoff)
-        stub = self._stub(handoff.address)
+        early = await self.early.claim(request)
+        if early is not None:
+            # Started when its push completed (KVPushStart): attach to it.
+            stream, first_output = early.stream, early.first
+        else:
+            stub = self._stub(handoff.address)
+            stream = self._import(handoff, stub, prompt, params, request.kv_pushed)
+            first_output = self._first_output(stream, handoff, stub)
+        try:
+            first = await first_output
+            # The first output holds what the prefill worker already sent: stream what comes after it.
+            previous = first
+            async for output in stream:
+                yield _new_tokens(output, previous)
+                previous = output
+        finally:
+            # Closing the stream now (not at garbage collection) aborts an unfinished
+            # request at once when the RPC is cancelled.
+            await stream.aclose()
+
+    def _import(
+        self,
+        handoff: KVHandoff,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_pushed: bool,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The handed-off request's outputs, the first once its KV landed; it adopts the pushed KV if it is here."""
         # Its own engine id: in a colocated worker the prefill side still holds the
         # request's KV under the client's id until the lease ends.
         request_id = f"{handoff.request_id}/decode"
-        if request.kv_pushed:
+        if kv_pushed:
             pushed = self.inbox.take(handoff)
         else:
             # The prefill worker did not see its push confirmed in time (or pushed elsewhere): this request
@@ -102,28 +136,45 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # Moved while the prefill ran; counted as one transfer, as a pull is.
             self.kv_pushes += 1
             self._count_received(handoff.transport, len(reservation.block_ids) * handoff.layout.bytes_per_block, 0.0)
-        elif request.kv_pushed:
+        elif kv_pushed:
             log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
                         handoff.request_id)
         receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
+        return self.engine.import_request(request_id, prompt, params, handoff, receive_kv, reservation)
+
+    async def _first_output(
+        self,
+        stream: AsyncGenerator[RequestOutput, None],
+        handoff: KVHandoff,
+        stub: worker_pb2_grpc.PrefillWorkerStub,
+    ) -> RequestOutput:
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
-            stream = self.engine.import_request(request_id, prompt, params, handoff, receive_kv, reservation)
             try:
-                # Once the KV landed (or will be recomputed), the prefill worker's copy is no longer needed.
-                first = await anext(stream)
+                return await anext(stream)
             finally:
+                # Once the KV landed (or will be recomputed), the prefill worker's copy is no longer needed.
                 self._release_lease(handoff, stub)
-        # The first output holds what the prefill worker already sent: stream what comes after it.
-        previous = first
+
+    def _start_early(self, pushed: PushedKV) -> None:
+        """``PushInbox.on_start``: a complete push announced its request's Decode; start decoding now."""
+        start = pushed.start
+        assert start is not None
         try:
-            async for output in stream:
-                yield _new_tokens(output, previous)
-                previous = output
-        finally:
-            # Closing the stream now (not at garbage collection) aborts an unfinished
-            # request at once when the RPC is cancelled.
-            await stream.aclose()
+            handoff = handoff_from_proto(start.handoff)
+            params = sampling_params_from_proto(start.sampling_params)
+            if handoff.request_id != pushed.request_id:
+                raise ValueError(f"start.handoff.request_id {handoff.request_id!r} is not the push's")
+        except ValueError as error:
+            # Left to the Decode, which takes the push as ever.
+            log.warning("the KV push of %s cannot start its request (%s)", pushed.request_id, error)
+            return
+        if not self.engine.is_alive or handoff.request_id in self.early:
+            return  # the Decode takes the push as ever (one waiting here is claimed or ended by it first)
+        stub = self._stub(handoff.address)
+        stream = self._import(handoff, stub, list(start.prompt_token_ids), params, kv_pushed=True)
+        first = asyncio.ensure_future(self._first_output(stream, handoff, stub))
+        self.early.add(handoff.request_id, EarlyStart(start, stream, first))
 
     async def _prefill_here(self, request_id: str, prompt: list[int], params: SamplingParams):
         """Local prefill (a DecodeRequest without handoff): compute the prompt here and stream every token.
@@ -215,6 +266,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: worker_pb2.DropPushRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DropPushResponse:
         self.inbox.discard(request.request_id)
+        self.early.drop(request.request_id)
         return worker_pb2.DropPushResponse()
 
     @grpc_errors
@@ -277,6 +329,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
+        await self.early.close()
         for task in list(self._background):
             await asyncio.gather(task, return_exceptions=True)
         for channel, _ in self._channels.values():

@@ -9,9 +9,12 @@ once the stream half-closes with every block of every layer there. So when the
 request's Decode comes, its KV is already where the engine reads it: the
 request adopts the blocks, nothing is copied then. A stream that breaks (the
 prefill worker died, the request was cancelled) or does not cover every block
-frees what it reserved. ``take`` hands a complete push (its reservation) to
-the request's Decode and forgets it; a push nobody takes within ``ttl_s`` is
-dropped. ``max_bytes`` bounds what the inbox holds: past it, or when the
+frees what it reserved. A push whose request goes on ends with its
+``KVPushStart`` (what the request's Decode will carry): once it is complete,
+``on_start`` gets it, so the service can start decoding before the Decode
+comes. ``take`` hands a complete push (its reservation) to the request (the
+early start, or its Decode) and forgets it; a push nobody takes within ``ttl_s``
+is dropped. ``max_bytes`` bounds what the inbox holds: past it, or when the
 engine has no free blocks for it, a push is refused with RESOURCE_EXHAUSTED
 (the request is then pulled).
 """
@@ -90,6 +93,7 @@ class PushedKV:
     piece: torch.Tensor | None = None  # grpc: the piece being received, (1, 2, n, ...)
     piece_at: tuple[int, int] = (0, 0)  # grpc: its (layer, first_block)
     complete: bool = False
+    start: worker_pb2.KVPushStart | None = None  # the stream's last message, when it had one
     next_offset: int = 0  # grpc: where the piece being received continues (0: between pieces)
     started: float = field(default_factory=time.perf_counter)
     expiry: asyncio.TimerHandle | None = None
@@ -113,7 +117,12 @@ class PushInbox:
     """Pushed KV by request id, bounded in bytes and in time."""
 
     def __init__(
-        self, config: TransferConfig, landing: PushLanding, max_bytes: int = 2 << 30, ttl_s: float = 30.0
+        self,
+        config: TransferConfig,
+        landing: PushLanding,
+        max_bytes: int = 2 << 30,
+        ttl_s: float = 30.0,
+        on_start: Callable[[PushedKV], None] | None = None,
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -123,6 +132,7 @@ class PushInbox:
         self.landing = landing
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.on_start = on_start  # a complete push that carries its start message; called on the event loop
         self._entries: dict[str, PushedKV] = {}
         # Requests dropped before their push arrived (the gateway's DropPush raced it): refused for ttl_s.
         self._dropped: set[str] = set()
@@ -143,8 +153,14 @@ class PushInbox:
                 raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "a KV push must start with its header")
             entry = await self._open(first.header)
             async for message in messages:
-                if not isinstance(message, worker_pb2.KVPushMessage) or not message.HasField("piece"):
-                    raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "a KV push has one header, then pieces")
+                if not isinstance(message, worker_pb2.KVPushMessage) or entry.start is not None or not (
+                    message.HasField("piece") or message.HasField("start")
+                ):
+                    raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                       "a KV push has one header, then pieces, then at most one start")
+                if message.HasField("start"):
+                    entry.start = message.start
+                    continue
                 if self._entries.get(entry.request_id) is not entry:
                     raise PushRejected(grpc.StatusCode.ABORTED,
                                        f"the KV push of {entry.request_id!r} was dropped here (its request ended)")
@@ -168,6 +184,8 @@ class PushInbox:
             raise
         entry.complete = True
         entry.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, entry)
+        if entry.start is not None and self.on_start is not None:
+            self.on_start(entry)
         return worker_pb2.PushKVResponse(num_blocks=entry.num_blocks, total_bytes=entry.num_bytes)
 
     def take(self, handoff: KVHandoff) -> PushedKV | None:

@@ -4,8 +4,10 @@
 prefill service calls ``start`` before the request enters the engine; from then
 on the engine thread hands it each layer's blocks as they are written, and a
 task on the event loop streams them to the decode worker's PushKV. ``finish``
-waits (bounded) for the decode worker's confirmation that it holds every block;
-``cancel`` stops a push at once. A push that fails in any way only costs the
+sends the request's ``KVPushStart`` (what its Decode will carry, so that the
+decode worker starts decoding the moment the KV is complete), ends the stream
+and waits (bounded) for the decode worker's confirmation that it holds every
+block; ``cancel`` stops a push at once. A push that fails in any way only costs the
 pushed bytes: the prefill worker holds the KV under its lease whatever happens,
 and the decode worker pulls it instead.
 
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 PUSH_TRANSPORTS: tuple[str, ...] = ("grpc", "shm")
 
 _END = object()  # every piece was handed over (the prefill finished)
+_NO_START = object()  # finish() without a start message: the stream ends after the pieces
 
 
 @dataclass
@@ -116,8 +119,14 @@ class KVPusher:
         if previous is not None:
             self._close(previous)
 
-    async def finish(self, request_id: str, timeout_s: float) -> bool:
-        """Whether the decode worker confirmed every block, waiting at most ``timeout_s``; ends the push either way."""
+    async def finish(
+        self, request_id: str, timeout_s: float, start: worker_pb2.KVPushStart | None = None
+    ) -> bool:
+        """Whether the decode worker confirmed every block, waiting at most ``timeout_s``; ends the push either way.
+
+        ``start`` goes last in the stream, once the engine handed over every piece: the decode
+        worker starts the request with it when the push is complete (``KVPushStart``).
+        """
         with self._lock:
             push = self._pushes.get(request_id)
         if push is None:
@@ -125,6 +134,7 @@ class KVPusher:
         if push.task is None:  # never opened (no piece came): nothing was pushed
             self._forget(push)
             return False
+        push.queue.put_nowait(_NO_START if start is None else start)
         try:
             # asyncio.wait: neither cancels the push at the timeout nor raises what ended it.
             done, _ = await asyncio.wait({push.task}, timeout=max(timeout_s, 0.0))
@@ -227,10 +237,16 @@ class KVPusher:
         )
         yield worker_pb2.KVPushMessage(header=header)
         step = self.config.chunk_bytes
-        while True:
+        pieces_done = False
+        ending: object = None  # what finish() queued: the start message, or _NO_START
+        while not (pieces_done and ending is not None):
             item = await push.queue.get()
             if item is _END:
-                return  # half-close: every piece was sent
+                pieces_done = True
+                continue
+            if item is _NO_START or isinstance(item, worker_pb2.KVPushStart):
+                ending = item  # finish() may come before the engine's last pieces
+                continue
             layer, first_block, num_blocks, blocks = item  # type: ignore[misc]
             if blocks is None:  # shm: the piece is in the segment already
                 total = num_blocks * push.layout.bytes_per_block // push.layout.num_layers
@@ -251,6 +267,9 @@ class KVPusher:
                 released = min(size, push.queued_bytes)
                 self._queued_bytes -= released
                 push.queued_bytes -= released
+        if isinstance(ending, worker_pb2.KVPushStart):
+            yield worker_pb2.KVPushMessage(start=ending)
+        # Returning half-closes the stream: every piece (and the start) was sent.
 
     def _create_segment(self, push: _Push) -> None:
         size = push.num_blocks * push.layout.bytes_per_block

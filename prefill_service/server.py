@@ -119,7 +119,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             remaining = context.time_remaining()
             timeout = self.transfer.push_ack_timeout_s if remaining is None else min(
                 self.transfer.push_ack_timeout_s, remaining)
-            response.kv_pushed = await self.pusher.finish(request.request_id, timeout)
+            # The push ends with what the Decode will carry: the decode worker starts decoding when it is complete.
+            start = worker_pb2.KVPushStart(prompt_token_ids=prompt, sampling_params=request.sampling_params,
+                                           handoff=response.handoff)
+            response.kv_pushed = await self.pusher.finish(request.request_id, timeout, start)
         return response
 
     @grpc_errors

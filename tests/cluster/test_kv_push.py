@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from protos.pdserve.v1 import generation_pb2
+from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until
@@ -43,6 +44,7 @@ async def _assert_nothing_held(cluster: InProcessCluster) -> None:
     for decode in cluster.decodes:
         await wait_until(lambda d=decode: len(d.servicer.inbox) == 0, "every pushed KV claimed or dropped")
         assert decode.servicer.inbox.num_bytes == 0
+        assert len(decode.servicer.early) == 0  # every request started on its push was claimed or ended
 
 
 @pytest.mark.asyncio
@@ -63,6 +65,9 @@ async def test_pushed_kv_gives_transformers_tokens_over_each_cpu_transport(
     assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (len(prompts), len(prompts), 0)
     assert cluster.prefill.servicer.pusher.num_pushed == len(prompts)
     assert cluster.prefill.servicer.pusher.num_failed == 0
+    # Each request started on the decode worker when its push completed; its Decode attached to it.
+    early = cluster.decode.servicer.early
+    assert (early.num_started, early.num_claimed, early.num_ended) == (len(prompts), len(prompts), 0)
     await _assert_nothing_held(cluster)
     assert _shm_segments() == segments_before
 
@@ -391,21 +396,23 @@ async def test_a_drop_that_comes_while_the_push_reserves_its_blocks_frees_them_a
 
 
 @pytest.mark.asyncio
-async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_dropped_when_the_request_pulls(
-    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+@pytest.mark.parametrize("with_start", [True, False])
+async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_used_or_dropped_when_the_request_pulls(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster, with_start: bool
 ) -> None:
     # The decode worker completed the push, but its confirmation reached the prefill worker after the
-    # wait for it ended (a short client deadline bounds that wait): the prefill worker answers
-    # kv_pushed=false, the request pulls, and the complete push must not sit in the inbox until expiry.
+    # wait for it ended: the prefill worker answers kv_pushed=false and the gateway's Decode says "pull".
+    # With the push's start (as prefill workers send it) the request runs already, and the Decode
+    # attaches to it: nothing is pulled. Without one, the request pulls, and the complete push must
+    # not sit in the inbox until expiry.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
     inbox = cluster.decode.servicer.inbox
     pusher = cluster.prefill.servicer.pusher
     finish = pusher.finish
 
-    async def confirmed_too_late(request_id: str, timeout_s: float) -> bool:
-        await wait_until(lambda: request_id in inbox._entries and inbox._entries[request_id].complete,
-                         "the push complete on the decode worker")
-        await finish(request_id, 0.0)  # ends the push as a timed-out wait does
+    async def confirmed_too_late(request_id: str, timeout_s: float, start: object = None) -> bool:
+        assert start is not None  # the prefill service always announces the Decode
+        assert await finish(request_id, timeout_s, start if with_start else None)
         return False
 
     pusher.finish = confirmed_too_late
@@ -413,7 +420,67 @@ async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_dropped_when_
     request = generation_pb2.GenerateRequest(request_id="confirmed-late", prompt_token_ids=prompt, sampling_params=PARAMS)
     assert _tokens(await cluster.generate(request)) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
     report = (await cluster.loads())[1]
-    assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+    early = cluster.decode.servicer.early
+    if with_start:
+        assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (1, 1, 0)
+        assert (early.num_started, early.num_claimed, early.num_ended) == (1, 1, 0)
+    else:
+        assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
+        assert early.num_started == 0
     await wait_until(lambda: len(inbox) == 0, "the unclaimed push dropped", timeout_s=5.0)
     assert (inbox.num_bytes, inbox.num_expired) == (0, 0)
+    await _assert_nothing_held(cluster)
+
+
+async def _prefill_pushed(cluster: InProcessCluster, request_id: str, prompt: list[int]) -> worker_pb2.PrefillResponse:
+    """What the gateway does before its Decode: a prefill that pushes to the decode worker."""
+    stub = cluster.worker_stubs[0]
+    assert isinstance(stub, worker_pb2_grpc.PrefillWorkerStub)
+    request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=PARAMS,
+                                        transport="grpc", push_address=cluster.decode_addresses[0])
+    response = await stub.Prefill(request, timeout=30)
+    assert response.kv_pushed
+    return response
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ending", ["expiry", "drop_push"])
+async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
+    ending: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The gateway never sends the Decode (it died, or the client left and it sent DropPush): the request
+    # the push started ends, its blocks are freed, and the prefill worker's lease was released already.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False))
+    early = cluster.decode.servicer.early
+    early.ttl_s = 0.3 if ending == "expiry" else 600.0
+    await _prefill_pushed(cluster, "unclaimed", random_prompts([70], seed=141)[0])
+    assert early.num_started == 1
+    if ending == "drop_push":
+        decode_stub = cluster.worker_stubs[1]
+        assert isinstance(decode_stub, worker_pb2_grpc.DecodeWorkerStub)
+        await decode_stub.DropPush(worker_pb2.DropPushRequest(request_id="unclaimed"), timeout=5)
+    await wait_until(lambda: early.num_ended == 1, f"the early request ended by {ending}")
+    assert (len(early), early.num_claimed) == (0, 0)
+    await _assert_nothing_held(cluster)
+    assert not cluster.decode.runtime.engine.has_unfinished_requests()
+
+
+@pytest.mark.asyncio
+async def test_a_decode_that_differs_from_its_push_start_restarts_the_request_with_its_own_parameters(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False))
+    prompt = random_prompts([70], seed=142)[0]
+    response = await _prefill_pushed(cluster, "differs", prompt)
+    decode_stub = cluster.worker_stubs[1]
+    assert isinstance(decode_stub, worker_pb2_grpc.DecodeWorkerStub)
+    fewer = generation_pb2.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    request = worker_pb2.DecodeRequest(request_id="differs", prompt_token_ids=prompt, sampling_params=fewer,
+                                       handoff=response.handoff, kv_pushed=True)
+    tokens = [response.first_token_id]
+    async for piece in decode_stub.Decode(request, timeout=30):
+        tokens.extend(piece.token_ids)
+    assert tokens == Oracle(llama_checkpoint).generate(prompt, 5)
+    early = cluster.decode.servicer.early
+    assert (early.num_started, early.num_claimed, early.num_ended) == (1, 0, 1)
     await _assert_nothing_held(cluster)

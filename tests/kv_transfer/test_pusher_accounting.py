@@ -60,3 +60,34 @@ async def test_a_push_stopped_while_a_piece_is_sent_counts_its_bytes_once() -> N
     await messages.aclose()
     pusher.close()
 
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("finish_first", [False, True])
+async def test_the_stream_ends_with_the_start_after_every_piece_whichever_comes_first(finish_first: bool) -> None:
+    # The engine hands over its last piece and the end (push_end) on its thread; the service's
+    # finish() queues the request's start from the event loop, possibly before them.
+    from protos.pdserve.v1.internal import worker_pb2
+
+    pusher = _pusher(chunk_bytes=1 << 20)
+    pusher.start("r", "127.0.0.1:1", "grpc", LAYOUT, NUM_BLOCKS)
+    push = pusher._pushes["r"]
+    push.opened = True  # its stream is this test's: _messages driven by hand, no PushKV call
+    start = worker_pb2.KVPushStart(prompt_token_ids=[5, 6, 7])
+
+    def announce() -> None:
+        push.queue.put_nowait(start)  # what finish() queues before it waits for the confirmation
+
+    if finish_first:
+        announce()
+    for layer in range(LAYOUT.num_layers):
+        pusher.push_layer("r", layer, 0, _layer_blocks())
+    pusher.push_end("r", complete=True)
+    if not finish_first:
+        await asyncio.sleep(0)  # the engine's pieces and end reach the queue first
+        announce()
+    kinds = [(message.WhichOneof("kind"), message) async for message in pusher._messages(push)]
+    assert [kind for kind, _ in kinds] == ["header", "piece", "piece", "start"]
+    assert [message.piece.layer for kind, message in kinds if kind == "piece"] == [0, 1]
+    assert kinds[-1][1].start == start
+    pusher.close()

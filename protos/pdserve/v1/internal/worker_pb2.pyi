@@ -174,12 +174,24 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ...) -> None: ...
 
 class KVPushMessage(_message.Message):
-    __slots__ = ("header", "piece")
+    __slots__ = ("header", "piece", "start")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     header: KVPushHeader
     piece: KVPushPiece
-    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., piece: _Optional[_Union[KVPushPiece, _Mapping]] = ...) -> None: ...
+    start: KVPushStart
+    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., piece: _Optional[_Union[KVPushPiece, _Mapping]] = ..., start: _Optional[_Union[KVPushStart, _Mapping]] = ...) -> None: ...
+
+class KVPushStart(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling_params", "handoff")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: _generation_pb2.SamplingParams
+    handoff: KVHandoff
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
 
 class KVPushHeader(_message.Message):
     __slots__ = ("request_id", "layout", "num_blocks", "transport", "shm_segment", "first_block")
