@@ -443,6 +443,12 @@ async def _prefill_pushed(cluster: InProcessCluster, request_id: str, prompt: li
     return response
 
 
+def _decode_stub(cluster: InProcessCluster) -> worker_pb2_grpc.DecodeWorkerStub:
+    stub = cluster.worker_stubs[1]  # the prefill worker's, then the decode worker's
+    assert isinstance(stub, worker_pb2_grpc.DecodeWorkerStub)
+    return stub
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("ending", ["expiry", "drop_push"])
 async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
@@ -456,9 +462,7 @@ async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
     await _prefill_pushed(cluster, "unclaimed", random_prompts([70], seed=141)[0])
     assert early.num_started == 1
     if ending == "drop_push":
-        decode_stub = cluster.worker_stubs[1]
-        assert isinstance(decode_stub, worker_pb2_grpc.DecodeWorkerStub)
-        await decode_stub.DropPush(worker_pb2.DropPushRequest(request_id="unclaimed"), timeout=5)
+        await _decode_stub(cluster).DropPush(worker_pb2.DropPushRequest(request_id="unclaimed"), timeout=5)
     await wait_until(lambda: early.num_ended == 1, f"the early request ended by {ending}")
     assert (len(early), early.num_claimed) == (0, 0)
     await _assert_nothing_held(cluster)
@@ -472,8 +476,7 @@ async def test_a_decode_that_differs_from_its_push_start_restarts_the_request_wi
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False))
     prompt = random_prompts([70], seed=142)[0]
     response = await _prefill_pushed(cluster, "differs", prompt)
-    decode_stub = cluster.worker_stubs[1]
-    assert isinstance(decode_stub, worker_pb2_grpc.DecodeWorkerStub)
+    decode_stub = _decode_stub(cluster)
     fewer = generation_pb2.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     request = worker_pb2.DecodeRequest(request_id="differs", prompt_token_ids=prompt, sampling_params=fewer,
                                        handoff=response.handoff, kv_pushed=True)
