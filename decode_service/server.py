@@ -74,6 +74,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_transfers = 0
         self.kv_pushes = 0
         self.early = EarlyStarts(transfer.push_ttl_s)
+        runtime.metrics.watch_early_starts(self.early)
         self.inbox = PushInbox(transfer, EngineLanding(self.engine), transfer.push_inbox_bytes, transfer.push_ttl_s,
                                on_start=self._start_early)
 

@@ -13,7 +13,7 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -179,6 +179,10 @@ class WorkerMetrics:
         self.kv_transfer_seconds = Counter("pdserve_kv_transfer_seconds", "Time spent receiving KV cache",
                                            ["transport"], registry=self.registry)
 
+    def watch_early_starts(self, early: _EarlyStartCounts) -> None:
+        """Export a decode worker's early starts (``decode_service.early_start.EarlyStarts``), read when scraped."""
+        self.registry.register(_EarlyStartsCollector(early))
+
     def prefilled(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prefix_cache_hit_tokens.inc(num_cached_tokens)
@@ -237,6 +241,30 @@ class _SpinGovernorCollector(Collector):
         yield GaugeMetricFamily("pdserve_openmp_other_processes_cpus",
                                 "CPUs other processes used on this worker's CPUs in the governor's last window",
                                 value=governor.others_cpus)
+
+
+class _EarlyStartCounts(Protocol):
+    num_started: int
+    num_claimed: int
+    num_ended: int
+
+
+class _EarlyStartsCollector(Collector):
+    """Requests a decode worker started when their push completed, by what became of them."""
+
+    def __init__(self, early: _EarlyStartCounts) -> None:
+        self.early = early
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "pdserve_kv_push_early_starts",
+            "Requests started when their pushed KV was complete (started), then attached to by their Decode "
+            "(claimed) or ended without it (ended: no Decode in time, DropPush, or a Decode that differed)",
+            labels=["outcome"],
+        )
+        for outcome in ("started", "claimed", "ended"):
+            family.add_metric([outcome], getattr(self.early, f"num_{outcome}"))
+        yield family
 
 
 class MetricsEndpoint:

@@ -107,6 +107,11 @@ async def test_gateway_and_workers_export_exact_metrics_over_http(
     assert _value(d, "pdserve_kv_transfer_bytes_total", transport="grpc") == decode.servicer.kv_bytes_received
     assert _value(d, "pdserve_kv_transfer_seconds_total", transport="grpc") == pytest.approx(
         decode.servicer.kv_receive_seconds)
+    early = decode.servicer.early
+    # Every pushed request started on its push, and its Decode attached to it.
+    assert early.num_claimed == early.num_started == decode.servicer.kv_pushes > 0
+    for outcome, count in (("started", early.num_started), ("claimed", early.num_claimed), ("ended", 0)):
+        assert _value(d, "pdserve_kv_push_early_starts_total", outcome=outcome) == count
 
     status, _, _ = await _http_get(gateway.metrics_endpoint.port, "/other")
     assert status == "HTTP/1.1 404 Not Found"
