@@ -55,7 +55,7 @@ class EarlyStarts:
         self._ending: set[asyncio.Task[None]] = set()
         self.num_started = 0
         self.num_claimed = 0
-        self.num_ended = 0  # expired, dropped, replaced, mismatched or closed
+        self.num_ended = 0  # expired, dropped, mismatched or closed
 
     def __len__(self) -> int:
         return len(self._waiting)
