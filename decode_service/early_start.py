@@ -11,13 +11,20 @@ runs here (a retried prefill pushed again) starts nothing: its Decode either
 attaches to the running request or, carrying the new handoff, ends it and
 takes the new push. Ending cancels the wait for the first output and
 closes the stream, which aborts the engine's request and frees its blocks.
+
+The prefill worker's copy of the KV (its lease) outlives the start: a Decode
+that differs, or one the gateway sends to another decode worker, pulls it.
+The claimant lets it go once its first output is there
+(``EarlyStart.release_lease``), and so does the expiry, which no Decode
+follows. A DropPush or a closing worker leaves it to the gateway or to the
+lease's own expiry: the gateway may have sent the Decode elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from engine.outputs import RequestOutput
@@ -32,8 +39,12 @@ class EarlyStart:
 
     start: worker_pb2.KVPushStart
     stream: AsyncGenerator[RequestOutput, None]
-    # The first output (the KV landed); the lease is released once it is there.
+    # The first output (the KV landed).
     first: asyncio.Future[RequestOutput]
+    # Lets go of the prefill worker's copy of the KV: the claimant's, once the first output is there.
+    release_lease: Callable[[], None]
+    # Aborts the engine's request and returns once that has run: its engine id is free again.
+    abort: Callable[[], Awaitable[None]]
     expiry: asyncio.TimerHandle | None = None
 
     def matches(self, request: worker_pb2.DecodeRequest) -> bool:
@@ -105,6 +116,7 @@ class EarlyStarts:
             log.warning("no Decode claimed %s, started on its push, in %g s: ended", request_id, self.ttl_s)
             del self._waiting[request_id]
             self._end(early)
+            early.release_lease()  # no Decode is coming to pull it either
 
     def _end(self, early: EarlyStart) -> asyncio.Task[None]:
         if early.expiry is not None:
@@ -122,3 +134,7 @@ async def _close(early: EarlyStart) -> None:
     early.first.cancel()
     await asyncio.gather(early.first, return_exceptions=True)
     await early.stream.aclose()
+    # Closing queues the engine's abort without waiting for it. Until it has run, a step could still
+    # hand an output of this request to a new stream under the same id (a Decode that differs
+    # restarts the request at once): wait for it.
+    await early.abort()

@@ -99,7 +99,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             stream = self._import(handoff, stub, prompt, params, request.kv_pushed)
             first_output = self._first_output(stream, handoff, stub)
         try:
-            first = await first_output
+            try:
+                first = await first_output
+            finally:
+                if early is not None:
+                    early.release_lease()  # kept until claimed (decode_service/early_start.py)
             # The first output holds what the prefill worker already sent: stream what comes after it.
             previous = first
             async for output in stream:
@@ -119,9 +123,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         kv_pushed: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The handed-off request's outputs, the first once its KV landed; it adopts the pushed KV if it is here."""
-        # Its own engine id: in a colocated worker the prefill side still holds the
-        # request's KV under the client's id until the lease ends.
-        request_id = f"{handoff.request_id}/decode"
+        request_id = _engine_id(handoff)
         if kv_pushed:
             pushed = self.inbox.take(handoff)
         else:
@@ -148,6 +150,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         stream: AsyncGenerator[RequestOutput, None],
         handoff: KVHandoff,
         stub: worker_pb2_grpc.PrefillWorkerStub,
+        release_lease: bool = True,
     ) -> RequestOutput:
         # Counted while the request waits for blocks and its KV is fetched.
         with self.runtime.admit(0):
@@ -155,7 +158,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 return await anext(stream)
             finally:
                 # Once the KV landed (or will be recomputed), the prefill worker's copy is no longer needed.
-                self._release_lease(handoff, stub)
+                if release_lease:
+                    self._release_lease(handoff, stub)
 
     def _start_early(self, pushed: PushedKV) -> None:
         """``PushInbox.on_start``: a complete push announced its request's Decode; start decoding now."""
@@ -174,8 +178,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return  # the Decode takes the push as ever (one waiting here is claimed or ended by it first)
         stub = self._stub(handoff.address)
         stream = self._import(handoff, stub, list(start.prompt_token_ids), params, kv_pushed=True)
-        first = asyncio.ensure_future(self._first_output(stream, handoff, stub))
-        self.early.add(handoff.request_id, EarlyStart(start, stream, first))
+        # The prefill worker's copy stays until the Decode claims this request: a Decode the gateway
+        # sends elsewhere, or one that differs, pulls it rather than recompute the prompt.
+        first = asyncio.ensure_future(self._first_output(stream, handoff, stub, release_lease=False))
+        release_lease = functools.partial(self._release_lease, handoff, stub)
+        abort = functools.partial(self.engine.abort, _engine_id(handoff))
+        self.early.add(handoff.request_id, EarlyStart(start, stream, first, release_lease, abort))
 
     async def _prefill_here(self, request_id: str, prompt: list[int], params: SamplingParams):
         """Local prefill (a DecodeRequest without handoff): compute the prompt here and stream every token.
@@ -336,6 +344,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         for channel, _ in self._channels.values():
             await channel.close()
         self.inbox.close()
+
+
+def _engine_id(handoff: KVHandoff) -> str:
+    """The engine's id of a handed-off request: its own, as in a colocated worker the prefill side
+    still holds the request's KV under the client's id until the lease ends."""
+    return f"{handoff.request_id}/decode"
 
 
 def _new_tokens(output: RequestOutput, previous: RequestOutput | None) -> worker_pb2.DecodeResponse:

@@ -185,7 +185,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield first
             return
 
-        decode = push_to if push_to is not None and push_to.healthy else None
+        # A completed push shows push_to answered a moment ago, and the KV (and the request the push
+        # started) is there: an unhealthy mark from an older missed poll does not outweigh that. If
+        # push_to has failed after all, the Decode there fails and is retried on another worker.
+        decode = push_to if push_to is not None and (push_to.healthy or prefill_response.kv_pushed) else None
         decode_request = worker_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -194,7 +197,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # The prefill worker pushed only to push_to; any other decode worker pulls.
             kv_pushed=prefill_response.kv_pushed and decode is not None,
         )
-        first_sent = finished = False
+        first_sent = finished = push_dropped = False
         attempts = 0
         try:
             while True:
@@ -204,6 +207,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         decode = self.router.choose_decode()
                     except NoWorkerAvailable as error:
                         raise Unavailable(str(error)) from error
+                if push_to is not None and decode is not push_to and not push_dropped:
+                    # Served elsewhere: what the push holds on push_to, and the request it started there
+                    # (computing tokens nobody reads), end now rather than when this request ends.
+                    self._drop_push(push_to, request_id)
+                    push_dropped = True
                 self.metrics.routed("decode", decode.worker_id)
                 # Open the decode stream (it starts taking the KV) before the first token
                 # goes out, so the two overlap; the client never waits for it.
@@ -251,11 +259,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # Client cancel, deadline or a failed decode: stop the decode
                 # worker's request and free the prefill worker's pinned blocks.
                 self._release_prefill(prefill, request_id)
-            if push_to is not None and not (finished and decode is push_to):
+            if push_to is not None and not push_dropped and not (finished and decode is push_to):
                 # The blocks a push holds on push_to if no Decode there took it: the request ended before
-                # its Decode ran, or another decode worker served it. A push confirmed too late for the
-                # prefill worker to say kv_pushed still lands there, so this does not depend on that flag;
-                # a Decode that ran on push_to took the push or, told to pull, dropped it itself.
+                # its Decode ran. A push confirmed too late for the prefill worker to say kv_pushed still
+                # lands there, so this does not depend on that flag; a Decode that ran on push_to took
+                # the push or, told to pull, dropped it itself.
                 self._drop_push(push_to, request_id)
 
     async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:

@@ -13,6 +13,7 @@ import pytest
 from protos.pdserve.v1 import generation_pb2
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
+from decode_service.server import DecodeServer
 from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until
 
@@ -284,6 +285,106 @@ async def test_decode_worker_dying_while_kv_is_pushed_to_it_falls_back_to_anothe
     await wait_until(all_free, "every block free on the prefill worker and the surviving decode worker")
 
 
+class _PushTargetMarkedDown:
+    """Marks the decode worker a push completed on unhealthy in the gateway (a missed load poll) before
+    the prefill worker answers, and holds the other decode worker's pulls until ``fetch_may_go``.
+
+    ``confirmed``: what the prefill worker says of the push (False: its confirmation came too late).
+    """
+
+    def __init__(self, cluster: InProcessCluster, confirmed: bool) -> None:
+        assert cluster.gateway is not None and len(cluster.decodes) == 2
+        self.cluster, self.confirmed = cluster, confirmed
+        self.target: DecodeServer | None = None
+        self.fetching, self.fetch_may_go = asyncio.Event(), asyncio.Event()
+        pusher = cluster.prefill.servicer.pusher
+        self._finish = pusher.finish
+        pusher.finish = self._finish_and_mark_down
+
+    @property
+    def other(self) -> DecodeServer:
+        (other,) = [d for d in self.cluster.decodes if d is not self.target]
+        return other
+
+    async def _finish_and_mark_down(self, request_id: str, timeout_s: float, start: object = None) -> bool:
+        assert await self._finish(request_id, timeout_s, start)
+        (self.target,) = [d for d in self.cluster.decodes if d.servicer.early.num_started]
+        address = self.cluster.decode_addresses[self.cluster.decodes.index(self.target)]
+        assert self.cluster.gateway is not None
+        self.cluster.gateway.pool.workers[f"decode@{address}"].healthy = False
+        fetch = self.other.servicer._fetch
+
+        async def held_fetch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - wraps the servicer's
+            self.fetching.set()
+            await self.fetch_may_go.wait()
+            return await fetch(*args, **kwargs)
+
+        self.other.servicer._fetch = held_fetch
+        return self.confirmed
+
+
+def _two_decode_workers_never_polled() -> ClusterOptions:
+    # Polls are off (one an hour): none marks a worker healthy again behind the test's back.
+    return ClusterOptions(decode_workers=2, num_kv_blocks=256, gateway_args={"poll_s": 3600.0})
+
+
+@pytest.mark.asyncio
+async def test_a_completed_push_is_decoded_where_it_landed_though_the_gateway_marked_that_worker_down(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The push completing shows the worker answers: the request it started there is claimed, nothing
+    # is pulled or recomputed (the prefill worker let its lease go when the push was confirmed).
+    cluster = await start_inprocess_cluster(llama_checkpoint, _two_decode_workers_never_polled())
+    marked = _PushTargetMarkedDown(cluster, confirmed=True)
+    prompt = random_prompts([90], seed=136)[0]
+    assert _tokens(await cluster.generate(_request(prompt))) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    assert marked.target is not None
+    early = marked.target.servicer.early
+    assert (early.num_started, early.num_claimed, early.num_ended) == (1, 1, 0)
+    assert (marked.target.servicer.kv_pushes, marked.target.servicer.kv_recomputes) == (1, 0)
+    assert not marked.fetching.is_set() and marked.other.servicer.kv_transfers == 0
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+async def test_a_request_served_off_its_push_target_ends_what_the_push_started_there_at_the_switch(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The push completed but the prefill worker heard too late (kv_pushed=false, lease kept) and the
+    # gateway has the push target down: the other decode worker pulls (the request the push started
+    # keeps the lease until claimed) and serves the request. What the push started on the target ends
+    # when the gateway switches, while the request runs elsewhere, not when it ends there: no tokens
+    # computed for nobody meanwhile.
+    cluster = await start_inprocess_cluster(llama_checkpoint, _two_decode_workers_never_polled())
+    marked = _PushTargetMarkedDown(cluster, confirmed=False)
+    max_tokens = 40
+    params = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts([90], seed=136)[0]
+    generation = asyncio.create_task(
+        cluster.generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
+    )
+    try:
+        await asyncio.wait_for(marked.fetching.wait(), 30)
+        assert marked.target is not None
+        target = marked.target
+        early = target.servicer.early
+
+        def target_let_go() -> bool:
+            stats = target.runtime.async_engine.latest_stats
+            return (len(early) == 0 and len(target.servicer.inbox) == 0
+                    and stats.num_free_blocks == stats.num_total_blocks)
+
+        await wait_until(target_let_go, "the push target to end what the push started while the request runs elsewhere")
+        assert not generation.done()
+        assert (early.num_started, early.num_claimed, early.num_ended) == (1, 0, 1)
+    finally:
+        marked.fetch_may_go.set()
+    assert _tokens(await generation) == Oracle(llama_checkpoint).generate(prompt, max_tokens)
+    other = marked.other.servicer
+    assert (other.kv_pushes, other.kv_transfers, other.kv_recomputes) == (0, 1, 0)
+    await _assert_nothing_held(cluster)
+
+
 @pytest.mark.asyncio
 async def test_prefill_worker_dying_mid_push_leaves_nothing_on_the_decode_worker_and_the_request_is_retried(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
@@ -455,7 +556,8 @@ async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
     ending: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     # The gateway never sends the Decode (it died, or the client left and it sent DropPush): the request
-    # the push started ends, its blocks are freed, and the prefill worker's lease was released already.
+    # the push started ends and its blocks are freed. The expiry lets go of the prefill worker's lease too;
+    # after a DropPush the gateway does (it may have sent the Decode to another worker, which pulls).
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False))
     early = cluster.decode.servicer.early
     early.ttl_s = 0.3 if ending == "expiry" else 600.0
@@ -465,6 +567,11 @@ async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
         await _decode_stub(cluster).DropPush(worker_pb2.DropPushRequest(request_id="unclaimed"), timeout=5)
     await wait_until(lambda: early.num_ended == 1, f"the early request ended by {ending}")
     assert (len(early), early.num_claimed) == (0, 0)
+    if ending == "drop_push":
+        assert cluster.prefill.runtime.engine.leases.request_ids == ["unclaimed"]
+        prefill_stub = cluster.worker_stubs[0]
+        assert isinstance(prefill_stub, worker_pb2_grpc.PrefillWorkerStub)
+        await prefill_stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="unclaimed"), timeout=5)
     await _assert_nothing_held(cluster)
     assert not cluster.decode.runtime.engine.has_unfinished_requests()
 
@@ -486,4 +593,8 @@ async def test_a_decode_that_differs_from_its_push_start_restarts_the_request_wi
     assert tokens == Oracle(llama_checkpoint).generate(prompt, 5)
     early = cluster.decode.servicer.early
     assert (early.num_started, early.num_claimed, early.num_ended) == (1, 0, 1)
+    # The restarted request pulled the prompt's KV (the early one had taken the push), not recomputed it:
+    # the prefill worker's lease outlives an early start until its Decode claims it.
+    servicer = cluster.decode.servicer
+    assert (servicer.kv_pushes, servicer.kv_transfers, servicer.kv_recomputes) == (1, 2, 0)
     await _assert_nothing_held(cluster)

@@ -29,6 +29,15 @@ class _Request:
     def __init__(self) -> None:
         self.landed = asyncio.Event()
         self.closed = False
+        self.leases_released = 0
+        self.aborted = False
+
+    def release_lease(self) -> None:
+        self.leases_released += 1
+
+    async def abort(self) -> None:
+        assert self.closed  # the engine's abort comes after the stream closed
+        self.aborted = True
 
     async def stream(self) -> AsyncGenerator[str, None]:
         try:
@@ -47,7 +56,7 @@ async def _started(landed: bool) -> tuple[_Request, EarlyStart]:
     if landed:
         request.landed.set()
         assert await first == "first"
-    return request, EarlyStart(START, stream, first)
+    return request, EarlyStart(START, stream, first, request.release_lease, request.abort)
 
 
 def _decode(**changes: object) -> worker_pb2.DecodeRequest:
@@ -74,6 +83,7 @@ async def test_a_matching_decode_claims_the_running_request_once(landed: bool) -
     assert await starts.claim(_decode()) is None  # claimed: gone
     assert (starts.num_started, starts.num_claimed, starts.num_ended, len(starts)) == (1, 1, 0, 0)
     assert not request.closed  # the claimer streams and closes it
+    assert request.leases_released == 0  # and lets go of the prefill worker's copy
     early.first.cancel()
     await early.stream.aclose()
 
@@ -90,9 +100,10 @@ async def test_a_decode_that_differs_ends_the_request_before_it_is_served(change
     request, early = await _started(landed)
     starts.add("r", early)
     assert await starts.claim(_decode(**change)) is None
-    # Ended before claim returns: the Decode may reuse the engine's request id at once.
-    assert request.closed and early.first.done()
+    # Ended before claim returns, the engine's abort included: the Decode may reuse the engine's request id at once.
+    assert request.closed and request.aborted and early.first.done()
     assert (starts.num_claimed, starts.num_ended, len(starts)) == (0, 1, 0)
+    assert request.leases_released == 0  # the Decode pulls it
 
 
 @pytest.mark.asyncio
@@ -108,8 +119,11 @@ async def test_drop_expiry_and_close_end_the_request_and_close_its_stream(ending
     elif ending == "expiry":
         await asyncio.sleep(0.2)
     await starts.close()  # also waits for the endings under way
-    assert request.closed and early.first.done()
+    assert request.closed and request.aborted and early.first.done()
     assert (starts.num_ended, len(starts), await starts.claim(_decode())) == (1, 0, None)
+    # Only the expiry lets go of the prefill worker's copy: after a DropPush, or on a closing worker,
+    # the gateway may serve the request on another decode worker, which pulls it.
+    assert request.leases_released == (1 if ending == "expiry" else 0)
 
 
 def test_the_time_to_live_must_be_positive() -> None:
