@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
+from engine.errors import EngineDeadError
 from engine.outputs import RequestOutput
 from protos.pdserve.v1.internal import worker_pb2
 
@@ -137,4 +138,7 @@ async def _close(early: EarlyStart) -> None:
     # Closing queues the engine's abort without waiting for it. Until it has run, a step could still
     # hand an output of this request to a new stream under the same id (a Decode that differs
     # restarts the request at once): wait for it.
-    await early.abort()
+    try:
+        await early.abort()
+    except EngineDeadError:
+        pass  # it died or stops meanwhile: its requests went with it

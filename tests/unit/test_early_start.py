@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from decode_service.early_start import EarlyStart, EarlyStarts
+from engine.errors import EngineDeadError
 from protos.pdserve.v1 import generation_pb2
 from protos.pdserve.v1.internal import worker_pb2
 
@@ -124,6 +125,22 @@ async def test_drop_expiry_and_close_end_the_request_and_close_its_stream(ending
     # Only the expiry lets go of the prefill worker's copy: after a DropPush, or on a closing worker,
     # the gateway may serve the request on another decode worker, which pulls it.
     assert request.leases_released == (1 if ending == "expiry" else 0)
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_died_meanwhile_does_not_fail_the_ending() -> None:
+    # The engine's abort finds it dead: its requests went with it, and the ending completes quietly
+    # (a claim that ends a differing request raises nothing of it into the Decode).
+    starts = EarlyStarts(ttl_s=60.0)
+    request, early = await _started(landed=True)
+
+    async def engine_dead() -> None:
+        raise EngineDeadError("the engine stopped")
+
+    early.abort = engine_dead
+    starts.add("r", early)
+    assert await starts.claim(_decode(prompt_token_ids=[3, 4, 6])) is None
+    assert request.closed and (starts.num_ended, len(starts)) == (1, 0)
 
 
 def test_the_time_to_live_must_be_positive() -> None:
