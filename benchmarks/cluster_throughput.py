@@ -3,7 +3,8 @@
     python -m benchmarks.cluster_throughput [--num-prompts 32] [--output-len 64] [--transport grpc]
                                             [--probes 4] [--probe-len 1000] [--prefill-niceness 0]
                                             [--openmp-spin adaptive]
-                                            [--disaggregation always] [--repeats 1] [--json out.json]
+                                            [--disaggregation always] [--repeats 1] [--step-trace DIR]
+                                            [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
@@ -36,6 +37,12 @@ rounds 2, 4, ...), each round on prompts of its own so that nothing is cached; t
 stays up between rounds. On a shared machine whose speed drifts by tens of
 percent within minutes, one pair says little: the report gives every round's
 ratio and their median.
+
+``--step-trace DIR``: every engine (the in-process one and each worker's) writes
+its steps to DIR (``PDSERVE_STEP_TRACE_DIR``), and the report ends with round 1's
+steps of each, phase by phase (``benchmarks.step_trace``): which steps the
+cluster's engines ran, at which batch sizes, and what each cost, against the
+in-process engine's.
 """
 
 from __future__ import annotations
@@ -47,13 +54,15 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 import grpc
 
-from benchmarks import kv_transfer
+from benchmarks import kv_transfer, step_trace
 from benchmarks.disaggregation_sweep import gateway_routes
 from benchmarks.pdserve_runner import PdserveSettings, run_pdserve
 from benchmarks.workload import make_warmup_workload, make_workload
+from engine.step_trace import ENV as STEP_TRACE_ENV
 from pdserve.launcher import ClusterConfig, LocalCluster
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
@@ -166,6 +175,24 @@ def cpu_report(round_rates: list[dict], cpus: int) -> str:
     return "\n".join(lines)
 
 
+def step_report(directory: Path, first_round: dict, pids: dict[str, int]) -> str:
+    """Round 1's engine steps: the in-process engine's over its timed ``generate``, each cluster engine's over the burst."""
+    traces = step_trace.load(directory)
+    lines = ["round 1's engine steps (seconds from the start of each side's run):"]
+    local = first_round["local"].details
+    for name, steps in traces.items():
+        if name.startswith(f"steps-{os.getpid()}-"):
+            since, until = local["started_monotonic"], local["ended_monotonic"]
+            label = "in-process"
+        else:
+            since, until = first_round["cluster_window"]
+            label = next((n for n, pid in pids.items() if name.startswith(f"steps-{pid}-")), name)
+        shown = step_trace.window(steps, since, until)
+        if shown:  # the in-process engines of other rounds have files of their own
+            lines.extend(step_trace.describe(label, shown, since))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -191,6 +218,8 @@ def main() -> None:
                              "(every prompt prefilled on the decode worker: the served path without a handoff)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of in-process and cluster runs, alternated, each on prompts of its own")
+    parser.add_argument("--step-trace", type=Path, default=None, metavar="DIR",
+                        help="every engine writes its steps to DIR; the report ends with round 1's, phase by phase")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.repeats < 1:
@@ -206,8 +235,12 @@ def main() -> None:
     # Before any worker starts: the transport on an idle machine, for the probes' bytes.
     unloaded = _transport_unloaded(args.transport, args.probe_len) if probes else None
 
+    trace_env = {}
+    if args.step_trace is not None:
+        trace_env = {STEP_TRACE_ENV: str(args.step_trace.resolve())}
+        os.environ.update(trace_env)  # the in-process engines
     config = ClusterConfig(
-        dtype="float32", port=0, kv_transport=args.transport,
+        dtype="float32", port=0, kv_transport=args.transport, extra_env=trace_env,
         engine_args=("--num-kv-blocks", str(args.num_kv_blocks), "--openmp-spin", args.openmp_spin),
         redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push, metrics_port=0,
         prefill_args=("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else (),
@@ -225,14 +258,17 @@ def main() -> None:
                     timed_round["local"] = run_pdserve(settings, round_workload, warmup)
                 else:
                     cpu_before = cluster_cpu(cluster)
+                    started = time.monotonic()
                     timed_round["cluster"] = asyncio.run(
                         _drive(cluster.endpoint, round_workload.prompt_lists(), round_workload.output_len))
+                    timed_round["cluster_window"] = (started, time.monotonic())
                     cpu_after = cluster_cpu(cluster)
                     timed_round["cpu"] = {name: cpu_after[name] - cpu_before[name]
                                           for name in cpu_after if name in cpu_before}
             rounds.append(timed_round)
         after = asyncio.run(_decode_report(cluster.decode_addresses[0]))
         routes = {k: v - routes_before.get(k, 0.0) for k, v in gateway_routes(cluster).items()}
+        pids = {name: process.pid for name, process in cluster.processes}
         # A workload like the first, of other prompts: nothing of it is cached yet.
         second = make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, VOCAB_SIZE, args.seed + 2)
         probe_results = asyncio.run(_drive_with_probes(
@@ -322,6 +358,8 @@ def main() -> None:
               f"{h['handoff_p50_ms']:.0f} ms vs the {args.transport} transport unloaded "
               f"{h['transport_unloaded_ms']:.0f} ms for the same {h['transport_unloaded_mib']:.1f} MiB "
               f"({h['handoff_p50_ms'] / h['transport_unloaded_ms']:.2f}x)")
+    if args.step_trace is not None:
+        print(step_report(args.step_trace, rounds[0], pids))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(summary, out, indent=2)

@@ -37,6 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
+from engine.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class LLMEngine:
         # Requests held with push=True hand each layer's KV to its sink as it is written.
         self.kv_pusher = LayerPusher(self.model.model.layers, self.kv_cache, block_size)
         self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
+        self.step_trace = StepTrace.from_env()  # PDSERVE_STEP_TRACE_DIR: each step timed, to a file
         self.draft = draft
         # Set: held requests get the draft's prompt KV too, handed over as the handoff's draft section.
         self._handoff_draft = draft if config.handoff_draft_kv else None
@@ -250,6 +252,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        traced = self.step_trace.begin() if self.step_trace is not None else None
         spec = self.spec_decoder
         started = spec.step_started() if spec else 0.0
         generator_states = spec.save_generators(scheduler_output) if spec else {}
@@ -263,6 +266,9 @@ class LLMEngine:
         if spec is not None:
             spec.observe_step(scheduler_output, started)
             spec.propose(self.scheduler)
+        if traced is not None:
+            assert self.step_trace is not None
+            self.step_trace.end(traced, len(scheduler_output.scheduled), scheduler_output.num_batched_tokens)
         return outputs
 
     def _update(
