@@ -48,6 +48,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.client_tls = client_tls  # of the channels to decode workers; None: plaintext
         self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeWorkerStub]] = {}
         self.pusher = KVPusher(transfer, self._decode_stub, transfer.push_max_queued_bytes)
+        runtime.metrics.watch_kv_pushes(self.pusher)
         runtime.engine.kv_pusher.sink = self.pusher
 
     @grpc_errors

@@ -183,6 +183,10 @@ class WorkerMetrics:
         """Export a decode worker's early starts (``decode_service.early_start.EarlyStarts``), read when scraped."""
         self.registry.register(_EarlyStartsCollector(early))
 
+    def watch_kv_pushes(self, pusher: _KVPushCounts) -> None:
+        """Export a prefill worker's KV pushes (``kv_transfer.pusher.KVPusher``), read when scraped."""
+        self.registry.register(_KVPushesCollector(pusher))
+
     def prefilled(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prefix_cache_hit_tokens.inc(num_cached_tokens)
@@ -264,6 +268,29 @@ class _EarlyStartsCollector(Collector):
         )
         for outcome in ("started", "claimed", "ended"):
             family.add_metric([outcome], getattr(self.early, f"num_{outcome}"))
+        yield family
+
+
+class _KVPushCounts(Protocol):
+    num_pushed: int
+    num_failed: int
+
+
+class _KVPushesCollector(Collector):
+    """KV pushes a prefill worker sent while it prefilled, by how they ended."""
+
+    def __init__(self, pusher: _KVPushCounts) -> None:
+        self.pusher = pusher
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "pdserve_kv_pushes",
+            "KV pushed to decode workers while prefilling: confirmed by the decode worker (whole), or failed "
+            "(refused, cut off, incomplete, or not set up; that request's KV is pulled instead)",
+            labels=["outcome"],
+        )
+        family.add_metric(["confirmed"], self.pusher.num_pushed)
+        family.add_metric(["failed"], self.pusher.num_failed)
         yield family
 
 

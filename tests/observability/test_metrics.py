@@ -98,6 +98,10 @@ async def test_gateway_and_workers_export_exact_metrics_over_http(
     assert _value(p, "pdserve_engine_requests_waiting") == 0.0
     assert _value(p, "pdserve_prompt_tokens_total") == 2.0 * len(PROMPT)
     assert _value(p, "pdserve_prefix_cache_hit_tokens_total") == 32.0
+    # Both requests' KV went by push, each confirmed by the decode worker.
+    assert prefill.servicer.pusher.num_pushed == decode.servicer.kv_pushes == 2
+    assert _value(p, "pdserve_kv_pushes_total", outcome="confirmed") == 2.0
+    assert _value(p, "pdserve_kv_pushes_total", outcome="failed") == 0.0
 
     d = await _scrape(decode.metrics_endpoint.port)
     stats = decode.runtime.async_engine.latest_stats
