@@ -332,8 +332,8 @@ def _two_decode_workers_never_polled() -> ClusterOptions:
 async def test_a_completed_push_is_decoded_where_it_landed_though_the_gateway_marked_that_worker_down(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    # The push completing shows the worker answers: the request it started there is claimed, nothing
-    # is pulled or recomputed (the prefill worker let its lease go when the push was confirmed).
+    # The push completing shows the worker answers: the request it started there is claimed (which lets
+    # the prefill worker's lease go), nothing is pulled or recomputed.
     cluster = await start_inprocess_cluster(llama_checkpoint, _two_decode_workers_never_polled())
     marked = _PushTargetMarkedDown(cluster, confirmed=True)
     prompt = random_prompts([90], seed=136)[0]
