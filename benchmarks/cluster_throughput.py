@@ -180,7 +180,14 @@ def step_report(directory: Path, first_round: dict, pids: dict[str, int]) -> str
     traces = step_trace.load(directory)
     lines = ["round 1's engine steps (seconds from the start of each side's run):"]
     local = first_round["local"].details
-    for name, steps in traces.items():
+    # In-process first, then the cluster's processes in start order (file names sort by pid as text).
+    prefixes = [f"steps-{pid}-" for pid in (os.getpid(), *pids.values())]
+
+    def rank(name: str) -> int:
+        return next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), len(prefixes))
+
+    for name in sorted(traces, key=rank):
+        steps = traces[name]
         if name.startswith(f"steps-{os.getpid()}-"):
             since, until = local["started_monotonic"], local["ended_monotonic"]
             label = "in-process"

@@ -13,7 +13,7 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -179,13 +179,23 @@ class WorkerMetrics:
         self.kv_transfer_seconds = Counter("pdserve_kv_transfer_seconds", "Time spent receiving KV cache",
                                            ["transport"], registry=self.registry)
 
-    def watch_early_starts(self, early: _EarlyStartCounts) -> None:
+    def watch_early_starts(self, early: object) -> None:
         """Export a decode worker's early starts (``decode_service.early_start.EarlyStarts``), read when scraped."""
-        self.registry.register(_EarlyStartsCollector(early))
+        self.registry.register(_OutcomeCounts(
+            "pdserve_kv_push_early_starts",
+            "Requests started when their pushed KV was complete (started), then attached to by their Decode "
+            "(claimed) or ended without it (ended: no Decode in time, DropPush, or a Decode that differed)",
+            early, {"started": "num_started", "claimed": "num_claimed", "ended": "num_ended"},
+        ))
 
-    def watch_kv_pushes(self, pusher: _KVPushCounts) -> None:
+    def watch_kv_pushes(self, pusher: object) -> None:
         """Export a prefill worker's KV pushes (``kv_transfer.pusher.KVPusher``), read when scraped."""
-        self.registry.register(_KVPushesCollector(pusher))
+        self.registry.register(_OutcomeCounts(
+            "pdserve_kv_pushes",
+            "KV pushed to decode workers while prefilling: confirmed by the decode worker (whole), or failed "
+            "(refused, cut off, incomplete, or not set up; that request's KV is pulled instead)",
+            pusher, {"confirmed": "num_pushed", "failed": "num_failed"},
+        ))
 
     def prefilled(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -247,50 +257,17 @@ class _SpinGovernorCollector(Collector):
                                 value=governor.others_cpus)
 
 
-class _EarlyStartCounts(Protocol):
-    num_started: int
-    num_claimed: int
-    num_ended: int
+class _OutcomeCounts(Collector):
+    """One counter by ``outcome``, each value read from an attribute of ``source`` when scraped."""
 
-
-class _EarlyStartsCollector(Collector):
-    """Requests a decode worker started when their push completed, by what became of them."""
-
-    def __init__(self, early: _EarlyStartCounts) -> None:
-        self.early = early
+    def __init__(self, name: str, documentation: str, source: object, attributes: dict[str, str]) -> None:
+        self.name, self.documentation = name, documentation
+        self.source, self.attributes = source, attributes  # outcome -> attribute of source
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "pdserve_kv_push_early_starts",
-            "Requests started when their pushed KV was complete (started), then attached to by their Decode "
-            "(claimed) or ended without it (ended: no Decode in time, DropPush, or a Decode that differed)",
-            labels=["outcome"],
-        )
-        for outcome in ("started", "claimed", "ended"):
-            family.add_metric([outcome], getattr(self.early, f"num_{outcome}"))
-        yield family
-
-
-class _KVPushCounts(Protocol):
-    num_pushed: int
-    num_failed: int
-
-
-class _KVPushesCollector(Collector):
-    """KV pushes a prefill worker sent while it prefilled, by how they ended."""
-
-    def __init__(self, pusher: _KVPushCounts) -> None:
-        self.pusher = pusher
-
-    def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(
-            "pdserve_kv_pushes",
-            "KV pushed to decode workers while prefilling: confirmed by the decode worker (whole), or failed "
-            "(refused, cut off, incomplete, or not set up; that request's KV is pulled instead)",
-            labels=["outcome"],
-        )
-        family.add_metric(["confirmed"], self.pusher.num_pushed)
-        family.add_metric(["failed"], self.pusher.num_failed)
+        family = CounterMetricFamily(self.name, self.documentation, labels=["outcome"])
+        for outcome, attribute in self.attributes.items():
+            family.add_metric([outcome], getattr(self.source, attribute))
         yield family
 
 

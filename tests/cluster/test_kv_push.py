@@ -535,13 +535,18 @@ async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_used_or_dropp
 
 async def _prefill_pushed(cluster: InProcessCluster, request_id: str, prompt: list[int]) -> worker_pb2.PrefillResponse:
     """What the gateway does before its Decode: a prefill that pushes to the decode worker."""
-    stub = cluster.worker_stubs[0]
-    assert isinstance(stub, worker_pb2_grpc.PrefillWorkerStub)
+    stub = _prefill_stub(cluster)
     request = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=PARAMS,
                                         transport="grpc", push_address=cluster.decode_addresses[0])
     response = await stub.Prefill(request, timeout=30)
     assert response.kv_pushed
     return response
+
+
+def _prefill_stub(cluster: InProcessCluster) -> worker_pb2_grpc.PrefillWorkerStub:
+    stub = cluster.worker_stubs[0]  # the prefill worker's, then the decode worker's
+    assert isinstance(stub, worker_pb2_grpc.PrefillWorkerStub)
+    return stub
 
 
 def _decode_stub(cluster: InProcessCluster) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -569,9 +574,7 @@ async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
     assert (len(early), early.num_claimed) == (0, 0)
     if ending == "drop_push":
         assert cluster.prefill.runtime.engine.leases.request_ids == ["unclaimed"]
-        prefill_stub = cluster.worker_stubs[0]
-        assert isinstance(prefill_stub, worker_pb2_grpc.PrefillWorkerStub)
-        await prefill_stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="unclaimed"), timeout=5)
+        await _prefill_stub(cluster).ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="unclaimed"), timeout=5)
     await _assert_nothing_held(cluster)
     assert not cluster.decode.runtime.engine.has_unfinished_requests()
 
