@@ -135,9 +135,10 @@ async def _close(early: EarlyStart) -> None:
     early.first.cancel()
     await asyncio.gather(early.first, return_exceptions=True)
     await early.stream.aclose()
-    # Closing queues the engine's abort without waiting for it. Until it has run, a step could still
-    # hand an output of this request to a new stream under the same id (a Decode that differs
-    # restarts the request at once): wait for it.
+    # Closing queues the engine's abort; waiting for it makes the ending complete when this task is,
+    # the request's blocks free before a Decode that differs restarts it under the same id. (No output
+    # of this request reaches the restart's stream either way: the engine attaches a new stream on its
+    # own thread, after every abort queued before it.)
     try:
         await early.abort()
     except EngineDeadError:

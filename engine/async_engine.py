@@ -4,7 +4,10 @@ The engine is single-threaded and never awaits; the services are asyncio. This
 bridge runs ``LLMEngine.step()`` in a loop on a dedicated thread, takes
 commands (add, import, abort, a landed KV, any call) from a thread-safe queue between steps,
 and hands each request's outputs back to its asyncio queue with
-``call_soon_threadsafe``. No gRPC or servers here: the services sit on top.
+``call_soon_threadsafe``. A request's queue is attached by the command that adds
+the request, on the engine thread, where every output is delivered: an id used
+again at once (its earlier request aborted, the abort still queued) never gets
+the earlier request's outputs. No gRPC or servers here: the services sit on top.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -33,6 +37,15 @@ T = TypeVar("T")
 
 # What a request's stream carries: its outputs, where its remote KV goes, or the error that ends it.
 _StreamItem = RequestOutput | KVSlot | BaseException
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Where one request's outputs go: a queue read on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_StreamItem] = field(default_factory=asyncio.Queue)
+    detached: bool = False  # its reader went away: never attached again (under AsyncEngine._lock)
 
 
 class AsyncEngine:
@@ -58,7 +71,9 @@ class AsyncEngine:
         self._before_step = before_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_StreamItem]]] = {}
+        # Each request's stream, attached by the engine-thread command that added the request (``_attach``),
+        # detached by its reader; both under ``_lock``. Outputs are delivered on the engine thread.
+        self._streams: dict[str, _Stream] = {}
         # Imported requests that join the batch as soon as their blocks hold all their KV (pushed or
         # cached here), without a trip through ``receive_kv`` (engine thread only).
         self._land_when_present: set[str] = set()
@@ -150,17 +165,20 @@ class AsyncEngine:
         ``validate_as``: check the request against these parameters rather than
         ``params`` (a prefill worker runs one token of a longer request).
         """
-        stream = self._open_stream(request_id)
+        stream = _Stream(asyncio.get_running_loop())
 
         def add(engine: LLMEngine) -> None:
             # One command, so admission costs one trip to the engine thread, not two.
+            self._check_id_free(request_id)
             if validate_as is not None:
                 engine.validate_request(prompt, validate_as)
             engine.add_request(prompt, params, request_id, hold_kv=hold_kv)
+            self._attach(request_id, stream)
 
-        await self._start(request_id, add)
-        async for output in self._drain(request_id, stream):
-            yield output
+        await self._start(request_id, stream, add)
+        async with contextlib.aclosing(self._drain(request_id, stream)) as outputs:
+            async for output in outputs:
+                yield output
 
     async def import_request(
         self,
@@ -185,21 +203,24 @@ class AsyncEngine:
         handoff's draft KV: ``receive_kv`` fetches that). The first output is
         the state at landing: the handed-off first token and its text.
         """
-        try:
-            stream = self._open_stream(request_id)
-        except BaseException:
-            if reservation is not None:
-                self.submit(lambda engine: engine.free_kv_reservation(reservation))
-            raise
+        stream = _Stream(asyncio.get_running_loop())
 
         def add(engine: LLMEngine) -> None:
+            try:
+                self._check_id_free(request_id)
+            except ValueError:
+                if reservation is not None:
+                    engine.free_kv_reservation(reservation)
+                raise
             engine.add_remote_request(request_id, prompt_token_ids, params, handoff, reservation)
             if not engine.accepts_draft_kv(handoff):
                 self._land_when_present.add(request_id)
+            self._attach(request_id, stream)
 
-        await self._start(request_id, add)
-        async for output in self._drain(request_id, stream, receive_kv):
-            yield output
+        await self._start(request_id, stream, add)
+        async with contextlib.aclosing(self._drain(request_id, stream, receive_kv)) as outputs:
+            async for output in outputs:
+                yield output
 
     async def abort(self, request_id: str) -> None:
         if self.is_alive:
@@ -207,12 +228,15 @@ class AsyncEngine:
 
     # ---- internals (asyncio side) -------------------------------------------------------
 
-    async def _start(self, request_id: str, start: Callable[[LLMEngine], object]) -> None:
-        """Run ``start`` (which adds the request) on the engine thread; undo it if the caller goes away.
+    async def _start(self, request_id: str, stream: _Stream, start: Callable[[LLMEngine], object]) -> None:
+        """Run ``start`` (which adds the request and attaches ``stream``) on the engine thread; undo it if the
+        caller goes away.
 
         A caller cancelled while the command waits behind a long step would
         otherwise leave a request nobody reads (or, with hold_kv, blocks held
-        forever): the abort queued behind the command runs after it, FIFO.
+        forever): the abort queued behind the command runs after it, FIFO. A
+        rejected request (e.g. a duplicate id) was neither added nor attached,
+        and is not aborted: that would hit the other request that owns the id.
         """
         started = False
 
@@ -224,13 +248,8 @@ class AsyncEngine:
         try:
             await self.call(run)
         except asyncio.CancelledError:
-            self._streams.pop(request_id, None)
+            self._detach(request_id, stream)
             self._commands.put(lambda: started and self._abort_on_thread(request_id))
-            raise
-        except BaseException:
-            # Rejected (e.g. a duplicate id): nothing was added, and aborting
-            # here would hit the other request that owns the id.
-            self._streams.pop(request_id, None)
             raise
 
     def _check_alive(self) -> None:
@@ -246,23 +265,23 @@ class AsyncEngine:
             return "the engine is shutting down"
         return None
 
-    def _open_stream(self, request_id: str) -> asyncio.Queue[_StreamItem]:
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream: asyncio.Queue[_StreamItem] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        return stream
+    def _detach(self, request_id: str, stream: _Stream) -> None:
+        """``stream`` gets nothing more; a newer stream attached under ``request_id`` stays."""
+        with self._lock:
+            stream.detached = True
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
 
     async def _drain(
         self,
         request_id: str,
-        stream: asyncio.Queue[_StreamItem],
+        stream: _Stream,
         receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
-                item = await stream.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, KVSlot):
@@ -276,12 +295,26 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._detach(request_id, stream)
             if not finished and self.is_alive:
                 # Cancelled or failed mid-stream: free the request's blocks now.
                 self._commands.put(lambda: self._abort_on_thread(request_id))
 
     # ---- internals (engine thread) ------------------------------------------------------
+
+    def _check_id_free(self, request_id: str) -> None:
+        """A stream still reading an earlier request of this id (it finished, its last output not read yet)
+        keeps the id taken, as the engine does for a request it still has."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def _attach(self, request_id: str, stream: _Stream) -> None:
+        """From now on ``request_id``'s outputs go to ``stream``. Called on the engine thread by the command that
+        added the request, so no output of an earlier request of this id (aborted, its abort queued before this
+        command) can reach it: every output is delivered on this thread too."""
+        with self._lock:
+            if not stream.detached:  # detached: its reader went away already, and its abort is queued behind this
+                self._streams[request_id] = stream
 
     def _abort_on_thread(self, request_id: str) -> None:
         self._land_when_present.discard(request_id)
@@ -311,20 +344,18 @@ class AsyncEngine:
             self._deliver(slot.request_id, slot)
 
     def _deliver(self, request_id: str, item: _StreamItem) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, in one wake-up of each event loop they go to: not one per request, as each
         ``call_soon_threadsafe`` writes the loop's self-pipe and a full batch would make that a write per sequence."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_StreamItem], RequestOutput]]] = {}
         for output in outputs:
-            entry = self._streams.get(output.request_id)
-            if entry is not None:
-                loop, stream = entry
-                by_loop.setdefault(loop, []).append((stream, output))
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 

@@ -1,0 +1,123 @@
+"""A request id used again at once gets only its own request's outputs.
+
+A stream that closes before its request finished queues the request's abort
+behind whatever the engine thread is doing. If the same id is used again
+meanwhile (a decode worker ending the request its push started and serving the
+Decode that differs from it, under the same id), the step running when the old
+stream closed still produces an output of the old request. That output must not
+reach the new stream: the new request's first output would be the old one's
+tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+from tests.conftest import random_prompts
+
+OLD_PROMPT, NEW_PROMPT = random_prompts([20, 13], seed=83)
+OLD_PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+NEW_PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+NEW_LENGTHS = [1, 2, 3, 4, 5, 6]  # one output per step, each one token longer than the last
+
+
+class _HeldStep:
+    """Wraps ``engine.step``: once ``armed``, the next step waits for ``release`` and then runs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.step = engine.step
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        engine.step = self  # type: ignore[method-assign]
+
+    def __call__(self):  # noqa: ANN204
+        if self.armed.is_set():
+            self.armed.clear()
+            self.entered.set()
+            self.release.wait(timeout=30)
+        return self.step()
+
+
+async def _queued_commands(async_engine: AsyncEngine, count: int) -> None:
+    """Wait until ``count`` commands wait for the engine thread (it is held in a step)."""
+    for _ in range(1000):
+        if async_engine._commands.qsize() >= count:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{count} commands were never queued")
+
+
+@pytest.mark.asyncio
+async def test_an_id_used_again_while_its_old_request_steps_gets_only_the_new_requests_outputs(
+    llama_checkpoint: Path,
+) -> None:
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=32)
+    expected = llm.generate([NEW_PROMPT], NEW_PARAMS)[0].token_ids
+    held = _HeldStep(llm.engine)
+    async_engine = AsyncEngine(llm.engine)
+    async_engine.start()
+    try:
+        old = async_engine.generate(OLD_PROMPT, OLD_PARAMS, "same")
+        assert (await anext(old)).prompt_token_ids == OLD_PROMPT
+        held.armed.set()
+        assert await asyncio.to_thread(held.entered.wait, 30)
+        # The old request is in a step: closing its stream queues its abort behind that step.
+        await old.aclose()
+        await _queued_commands(async_engine, 1)
+        new = async_engine.generate(NEW_PROMPT, NEW_PARAMS, "same")
+        first = asyncio.ensure_future(anext(new))
+        await _queued_commands(async_engine, 2)  # the old request's abort, then the new one's add
+        held.release.set()  # the held step ends with an output of the old request
+        outputs = [await asyncio.wait_for(first, timeout=30)]
+        async for output in new:
+            outputs.append(output)
+        assert [output.prompt_token_ids for output in outputs] == [NEW_PROMPT] * len(NEW_LENGTHS)
+        assert [len(output.token_ids) for output in outputs] == NEW_LENGTHS
+        assert outputs[-1].token_ids == expected
+        assert outputs[-1].finished is True
+        stats = await async_engine.call(lambda engine: (engine.has_work(), engine.block_manager.num_used_blocks))
+        assert stats == (False, 0)
+    finally:
+        held.release.set()
+        await async_engine.stop()
+
+
+
+@pytest.mark.asyncio
+async def test_a_caller_gone_before_its_request_was_added_leaves_the_id_free_and_no_blocks_held(
+    llama_checkpoint: Path,
+) -> None:
+    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=32)
+    expected = llm.generate([NEW_PROMPT], NEW_PARAMS)[0].token_ids
+    held = _HeldStep(llm.engine)
+    async_engine = AsyncEngine(llm.engine)
+    async_engine.start()
+    try:
+        running = async_engine.generate(OLD_PROMPT, OLD_PARAMS, "running")
+        await anext(running)
+        held.armed.set()
+        assert await asyncio.to_thread(held.entered.wait, 30)
+        gone = asyncio.ensure_future(anext(async_engine.generate(NEW_PROMPT, NEW_PARAMS, "reused")))
+        await _queued_commands(async_engine, 1)  # its add waits behind the held step
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await running.aclose()
+        held.release.set()
+        # The add ran after its caller left: the request was aborted, and nothing reads or holds the id.
+        outputs = [output async for output in async_engine.generate(NEW_PROMPT, NEW_PARAMS, "reused")]
+        assert [len(output.token_ids) for output in outputs] == NEW_LENGTHS
+        assert outputs[-1].token_ids == expected
+        assert async_engine._streams == {}
+        stats = await async_engine.call(lambda engine: (engine.has_work(), engine.block_manager.num_used_blocks))
+        assert stats == (False, 0)
+    finally:
+        held.release.set()
+        await async_engine.stop()
