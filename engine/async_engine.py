@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,6 +34,11 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long an engine gathering a burst (``batch_window_s``) waits for the next request. Requests sent at
+# once reached a prefill worker through the gateway 0.2-1.7 ms apart, with now and then a gap of 2.3-4.9 ms
+# among the first few (BENCHMARKS.md, session 14); 3 ms let most bursts' first step go with one request.
+ARRIVAL_GAP_S = 0.005
 
 
 # What a request's stream carries: its outputs, where its remote KV goes, or the error that ends it.
@@ -56,6 +62,8 @@ class AsyncEngine:
     the engine. ``on_block_events`` (if given) is called on the engine thread
     after every step that stored or evicted prefix blocks, ``before_step`` (if
     given) on the engine thread before every step (``SpinGovernor.update``).
+    ``batch_window_s`` (0: off): how long an idle engine that gets prompts may
+    wait for more before its first step (``_gather_arrivals``).
     Leases on held KV (``engine.leases``) expire between steps.
     """
 
@@ -65,11 +73,17 @@ class AsyncEngine:
         on_block_events: Callable[[list[BlockEvent]], None] | None = None,
         idle_wait_s: float = 0.05,
         before_step: Callable[[], None] | None = None,
+        batch_window_s: float = 0.0,
+        arrival_gap_s: float = ARRIVAL_GAP_S,
     ) -> None:
+        if batch_window_s < 0:
+            raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         self.engine = engine
         self._on_block_events = on_block_events
         self._before_step = before_step
         self._idle_wait_s = idle_wait_s
+        self._batch_window_s = batch_window_s
+        self._arrival_gap_s = arrival_gap_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # Each request's stream, attached by the engine-thread command that added the request (``_attach``),
         # detached by its reader; both under ``_lock``. Outputs are delivered on the engine thread.
@@ -359,6 +373,30 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
+    def _gather_arrivals(self) -> None:
+        """An engine that was idle and now has prompts to compute: before its first step, take the requests
+        arriving right behind them, so that a burst starts as one batch (as ``LLM.generate``'s does).
+
+        It waits while they keep coming (each within ``arrival_gap_s`` of the last), for at most
+        ``batch_window_s``, and not once the first step is full. Nothing runs meanwhile, so no stream
+        is held up; a request arriving alone waits ``arrival_gap_s``. Without it a burst's first
+        request is prefilled alone, and then decodes alone on its decode worker, one step's weight
+        reads per token, while the rest of the burst computes (BENCHMARKS.md, session 14).
+        """
+        if self._batch_window_s <= 0:
+            return
+        engine = self.engine
+        deadline = time.monotonic() + self._batch_window_s
+        while engine.next_step_has_room_for_prompts():
+            wait_s = min(self._arrival_gap_s, deadline - time.monotonic())
+            if wait_s <= 0:
+                return
+            try:
+                command = self._commands.get(timeout=wait_s)
+            except queue.Empty:
+                return
+            command()
+
     def _next_commands(self, wait_s: float) -> list[Callable[[], None]]:
         """Every queued command, waiting up to ``wait_s`` for the first one."""
         commands = []
@@ -377,6 +415,8 @@ class AsyncEngine:
                 busy = engine.has_work()
                 for command in self._next_commands(0.0 if busy else self._idle_wait_s):
                     command()
+                if not busy:
+                    self._gather_arrivals()
                 engine.leases.expire()
                 # A tensor-parallel rank that died ends the engine now, not at the next request's step.
                 engine.check_ranks()

@@ -241,6 +241,10 @@ class LLMEngine:
         """Whether ``step()`` may do anything now: false while every request only waits for remote KV."""
         return self.scheduler.has_work()
 
+    def next_step_has_room_for_prompts(self) -> bool:
+        """Whether prompts wait here and the next step could take more: see ``Scheduler``'s."""
+        return self.scheduler.next_step_has_room_for_prompts()
+
     def drain_block_events(self) -> list[BlockEvent]:
         """Prefix blocks stored and evicted since the last call (for the cluster index)."""
         return self.block_manager.drain_events()

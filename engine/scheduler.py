@@ -142,6 +142,14 @@ class Scheduler:
         pending = itertools.chain(self.running, (seq for seq in self.waiting if not seq.is_finished))
         return sum(seq.num_tokens - seq.num_computed_tokens for seq in pending)
 
+    def next_step_has_room_for_prompts(self) -> bool:
+        """Whether prompts wait to be computed here (not merely remote KV) and what runs and waits leaves room
+        in the next step's token budget and sequence limit: a prompt arriving now would compute in it too."""
+        if not any(seq.status is SequenceStatus.WAITING for seq in self.waiting):
+            return False
+        num_seqs = len(self.running) + self.num_waiting
+        return self.num_queued_tokens < self.config.max_num_batched_tokens and num_seqs < self.config.max_num_seqs
+
     def has_work(self) -> bool:
         """Whether a step may do anything: a request runs or waits to be admitted (not merely for remote KV)."""
         return bool(self.running) or any(not seq.is_finished for seq in self.waiting)

@@ -19,7 +19,7 @@ from pdserve.security_flags import (
     client_tls_from_args,
 )
 from pdserve.serve import add_speculative_config_argument, engine_config, run_colocated, run_decode, run_gateway, run_prefill
-from pdserve.up import run_up
+from pdserve.up import DEFAULT_BATCH_WINDOW_MS, run_up
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
@@ -123,6 +123,11 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         "processes leave this worker's CPUs idle, and sleep at once while they compute there (read "
                         "from /proc/stat every 0.2 s); libgomp: as OMP_WAIT_POLICY and GOMP_SPINCOUNT say. "
                         "OMP_WAIT_POLICY=PASSIVE turns spinning off either way (default: adaptive)")
+    parser.add_argument("--batch-window-ms", type=_non_negative_float, default=DEFAULT_BATCH_WINDOW_MS,
+                        help="an idle worker that gets a prompt waits while more requests keep arriving (each within "
+                        "5 ms of the last: engine/async_engine.py's ARRIVAL_GAP_S), up to this long, before its first "
+                        "step, unless that step is full already: a burst then starts as one batch; a request arriving "
+                        "alone waits 5 ms. 0: off (default: %(default)g)")
     parser.add_argument("--niceness", type=_niceness, default=0,
                         help="raise this worker's niceness by N (0-19) at start, threads and TP ranks included: on a "
                         "machine shared with other workers it then gets the cores only when they leave them idle "
@@ -255,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-push", action=argparse.BooleanOptionalAction, default=True,
                     help="the gateway's --kv-push: KV pushed while the prefill runs (grpc, shm), else pulled")
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
+    up.add_argument("--batch-window-ms", type=_non_negative_float, default=DEFAULT_BATCH_WINDOW_MS,
+                    help="every worker's --batch-window-ms: how long an idle worker may wait for the rest of a burst "
+                    "before its first step (0: off; default: %(default)g)")
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")
     add_speculative_config_argument(up, "of every decode and colocated worker (prefill workers do not decode); ")

@@ -143,6 +143,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         openmp_spin=args.openmp_spin,
+        batch_window_s=args.batch_window_ms / 1000,
     )
     advertise = _advertise_host(args)
     if role == "prefill":

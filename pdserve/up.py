@@ -7,9 +7,15 @@ import logging
 import sys
 
 
+# A worker's --batch-window-ms (and up's) when not given: how long an idle worker may wait for the rest of a burst.
+DEFAULT_BATCH_WINDOW_MS = 30.0
+
+
 def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The engine flags ``up`` passes on to every worker it starts."""
     engine_args: tuple[str, ...] = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
+    if args.batch_window_ms != DEFAULT_BATCH_WINDOW_MS:
+        engine_args += ("--batch-window-ms", f"{args.batch_window_ms:g}")
     if args.quantization:
         engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
     if args.kv_cache_dtype != "auto":

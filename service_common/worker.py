@@ -47,6 +47,9 @@ class WorkerConfig:
     # engine/openmp.py's SPIN_MODES: "adaptive" lets libgomp spin only while other processes leave this
     # one's CPUs idle (``pdserve prefill|decode|colocated``'s default); "libgomp" leaves it to libgomp.
     openmp_spin: str = "libgomp"
+    # An idle engine that gets prompts waits up to this long for the rest of a burst before its first
+    # step (AsyncEngine's batch_window_s; ``pdserve prefill|decode|colocated --batch-window-ms``). 0: off.
+    batch_window_s: float = 0.0
 
 
 class WorkerRuntime:
@@ -64,6 +67,7 @@ class WorkerRuntime:
         self.async_engine = AsyncEngine(
             engine, on_block_events=self._on_block_events,
             before_step=self.spin_governor.update if self.spin_governor is not None else None,
+            batch_window_s=config.batch_window_s,
         )
         self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats, spin_governor=self.spin_governor)
         self.address = ""

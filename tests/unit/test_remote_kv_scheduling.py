@@ -197,3 +197,22 @@ def test_abort_before_allocation_frees_the_reserved_blocks() -> None:
     assert r.kv_reservation is None and manager.num_free_blocks == 1
     scheduler.finish(a, "stop")
     assert manager.num_free_blocks == 4
+
+
+def test_only_prompts_to_compute_here_leave_room_for_arrivals_in_the_next_step() -> None:
+    # What an idle engine's batch window waits for (AsyncEngine._gather_arrivals): prompts, not remote KV.
+    scheduler = _scheduler(num_blocks=16, max_num_seqs=3, budget=12)
+    scheduler.add_remote(_remote("r", 10))
+    assert scheduler.next_step_has_room_for_prompts() is False
+    scheduler.add(_local("a", 5))
+    assert scheduler.next_step_has_room_for_prompts() is True
+    scheduler.add(_local("b", 7, first_token=50))  # 5 + 7 + r's 1 token left: past the 12-token budget
+    assert scheduler.next_step_has_room_for_prompts() is False
+
+
+def test_the_sequence_limit_also_fills_the_next_step() -> None:
+    scheduler = _scheduler(num_blocks=16, max_num_seqs=2, budget=64)
+    scheduler.add(_local("a", 3))
+    assert scheduler.next_step_has_room_for_prompts() is True
+    scheduler.add(_local("b", 3, first_token=50))
+    assert scheduler.next_step_has_room_for_prompts() is False
