@@ -17,27 +17,10 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError
 from tests.conftest import random_prompts
+from tests.support.held_step import HeldStep
 
 PROMPT = random_prompts([20], seed=71)[0]
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-
-
-class _FailingStep:
-    """Wraps ``engine.step``: once ``armed``, the next step waits for ``release`` and then raises."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.step = engine.step
-        self.armed = threading.Event()
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        engine.step = self  # type: ignore[method-assign]
-
-    def __call__(self):  # noqa: ANN204
-        if self.armed.is_set():
-            self.entered.set()
-            self.release.wait(timeout=30)
-            raise RuntimeError("injected step failure")
-        return self.step()
 
 
 async def _read_to_the_end(stream) -> None:  # noqa: ANN001
@@ -48,7 +31,7 @@ async def _read_to_the_end(stream) -> None:  # noqa: ANN001
 @pytest.mark.asyncio
 async def test_calls_queued_when_the_engine_dies_fail_and_later_ones_are_refused(llama_checkpoint: Path) -> None:
     engine = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=32).engine
-    failing = _FailingStep(engine)
+    failing = HeldStep(engine, failure=RuntimeError("injected step failure"))
     async_engine = AsyncEngine(engine)
     async_engine.start()
     try:

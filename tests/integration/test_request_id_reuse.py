@@ -12,14 +12,16 @@ tokens.
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from tests.conftest import random_prompts
+from tests.support.held_step import HeldStep
 
 OLD_PROMPT, NEW_PROMPT = random_prompts([20, 13], seed=83)
 OLD_PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -27,22 +29,22 @@ NEW_PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 NEW_LENGTHS = [1, 2, 3, 4, 5, 6]  # one output per step, each one token longer than the last
 
 
-class _HeldStep:
-    """Wraps ``engine.step``: once ``armed``, the next step waits for ``release`` and then runs."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.step = engine.step
-        self.armed = threading.Event()
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        engine.step = self  # type: ignore[method-assign]
-
-    def __call__(self):  # noqa: ANN204
-        if self.armed.is_set():
-            self.armed.clear()
-            self.entered.set()
-            self.release.wait(timeout=30)
-        return self.step()
+@contextlib.asynccontextmanager
+async def _held_engine(checkpoint: Path) -> AsyncIterator[tuple[AsyncEngine, HeldStep, list[int]]]:
+    """A started engine whose steps the test can hold, and the tokens ``NEW_PROMPT`` must get. Checks at the end
+    that nothing is left running or holding blocks."""
+    llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=32)
+    expected = llm.generate([NEW_PROMPT], NEW_PARAMS)[0].token_ids
+    held = HeldStep(llm.engine)
+    async_engine = AsyncEngine(llm.engine)
+    async_engine.start()
+    try:
+        yield async_engine, held, expected
+        stats = await async_engine.call(lambda engine: (engine.has_work(), engine.block_manager.num_used_blocks))
+        assert stats == (False, 0)
+    finally:
+        held.release.set()
+        await async_engine.stop()
 
 
 async def _queued_commands(async_engine: AsyncEngine, count: int) -> None:
@@ -58,12 +60,7 @@ async def _queued_commands(async_engine: AsyncEngine, count: int) -> None:
 async def test_an_id_used_again_while_its_old_request_steps_gets_only_the_new_requests_outputs(
     llama_checkpoint: Path,
 ) -> None:
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=32)
-    expected = llm.generate([NEW_PROMPT], NEW_PARAMS)[0].token_ids
-    held = _HeldStep(llm.engine)
-    async_engine = AsyncEngine(llm.engine)
-    async_engine.start()
-    try:
+    async with _held_engine(llama_checkpoint) as (async_engine, held, expected):
         old = async_engine.generate(OLD_PROMPT, OLD_PARAMS, "same")
         assert (await anext(old)).prompt_token_ids == OLD_PROMPT
         held.armed.set()
@@ -82,24 +79,13 @@ async def test_an_id_used_again_while_its_old_request_steps_gets_only_the_new_re
         assert [len(output.token_ids) for output in outputs] == NEW_LENGTHS
         assert outputs[-1].token_ids == expected
         assert outputs[-1].finished is True
-        stats = await async_engine.call(lambda engine: (engine.has_work(), engine.block_manager.num_used_blocks))
-        assert stats == (False, 0)
-    finally:
-        held.release.set()
-        await async_engine.stop()
-
 
 
 @pytest.mark.asyncio
 async def test_a_caller_gone_before_its_request_was_added_leaves_the_id_free_and_no_blocks_held(
     llama_checkpoint: Path,
 ) -> None:
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=32)
-    expected = llm.generate([NEW_PROMPT], NEW_PARAMS)[0].token_ids
-    held = _HeldStep(llm.engine)
-    async_engine = AsyncEngine(llm.engine)
-    async_engine.start()
-    try:
+    async with _held_engine(llama_checkpoint) as (async_engine, held, expected):
         running = async_engine.generate(OLD_PROMPT, OLD_PARAMS, "running")
         await anext(running)
         held.armed.set()
@@ -116,8 +102,3 @@ async def test_a_caller_gone_before_its_request_was_added_leaves_the_id_free_and
         assert [len(output.token_ids) for output in outputs] == NEW_LENGTHS
         assert outputs[-1].token_ids == expected
         assert async_engine._streams == {}
-        stats = await async_engine.call(lambda engine: (engine.has_work(), engine.block_manager.num_used_blocks))
-        assert stats == (False, 0)
-    finally:
-        held.release.set()
-        await async_engine.stop()
