@@ -20,6 +20,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
 from tests.conftest import random_prompts
 from tests.support.held_step import HeldStep
 
@@ -47,6 +48,15 @@ async def _held_engine(checkpoint: Path) -> AsyncIterator[tuple[AsyncEngine, Hel
         await async_engine.stop()
 
 
+async def _hold_a_step_of(async_engine: AsyncEngine, held: HeldStep, request_id: str) -> AsyncIterator[RequestOutput]:
+    """Start ``OLD_PROMPT`` as ``request_id`` and hold the engine thread inside a step that computes it; its stream."""
+    stream = async_engine.generate(OLD_PROMPT, OLD_PARAMS, request_id)
+    assert (await anext(stream)).prompt_token_ids == OLD_PROMPT
+    held.armed.set()
+    assert await asyncio.to_thread(held.entered.wait, 30)
+    return stream
+
+
 async def _queued_commands(async_engine: AsyncEngine, count: int) -> None:
     """Wait until ``count`` commands wait for the engine thread (it is held in a step)."""
     for _ in range(1000):
@@ -61,10 +71,7 @@ async def test_an_id_used_again_while_its_old_request_steps_gets_only_the_new_re
     llama_checkpoint: Path,
 ) -> None:
     async with _held_engine(llama_checkpoint) as (async_engine, held, expected):
-        old = async_engine.generate(OLD_PROMPT, OLD_PARAMS, "same")
-        assert (await anext(old)).prompt_token_ids == OLD_PROMPT
-        held.armed.set()
-        assert await asyncio.to_thread(held.entered.wait, 30)
+        old = await _hold_a_step_of(async_engine, held, "same")
         # The old request is in a step: closing its stream queues its abort behind that step.
         await old.aclose()
         await _queued_commands(async_engine, 1)
@@ -86,10 +93,7 @@ async def test_a_caller_gone_before_its_request_was_added_leaves_the_id_free_and
     llama_checkpoint: Path,
 ) -> None:
     async with _held_engine(llama_checkpoint) as (async_engine, held, expected):
-        running = async_engine.generate(OLD_PROMPT, OLD_PARAMS, "running")
-        await anext(running)
-        held.armed.set()
-        assert await asyncio.to_thread(held.entered.wait, 30)
+        running = await _hold_a_step_of(async_engine, held, "running")
         gone = asyncio.ensure_future(anext(async_engine.generate(NEW_PROMPT, NEW_PARAMS, "reused")))
         await _queued_commands(async_engine, 1)  # its add waits behind the held step
         gone.cancel()
