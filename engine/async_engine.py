@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 # How long an engine gathering a burst (``batch_window_s``) waits for the next request. Requests sent at
 # once reached a prefill worker through the gateway 0.2-1.7 ms apart, with now and then a gap of 2.3-4.9 ms
-# among the first few (BENCHMARKS.md, session 14); 3 ms let most bursts' first step go with one request.
+# among the first few (BENCHMARKS.md, session 14); with 3 ms, a traced burst's first step still had one request.
 ARRIVAL_GAP_S = 0.005
 
 
