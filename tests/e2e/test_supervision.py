@@ -406,16 +406,27 @@ def test_up_on_a_taken_port_fails_with_one_line_naming_the_flag(flag: str, messa
     assert result.stderr == f"pdserve: error: port {port} on 127.0.0.1 ({message}\n"
 
 
-def test_the_port_check_names_the_process_whose_metrics_port_is_taken() -> None:
-    from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
+def _port_with_three_free_below() -> socket.socket:
+    """A listening socket on a loopback port whose three ports below are free (an ephemeral port's neighbours
+    are now and then taken by other connections: another port is tried then)."""
     from service_common.server import port_free
 
-    with socket.socket() as taken:
+    for _ in range(50):
+        taken = socket.socket()
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        if not all(port_free("127.0.0.1", p) for p in range(port - 3, port)):
-            pytest.skip(f"ports {port - 3}-{port - 1} are not all free")
+        if all(port_free("127.0.0.1", p) for p in range(port - 3, port)):
+            return taken
+        taken.close()
+    raise AssertionError("no loopback port with three free ports below it in 50 tries")
+
+
+def test_the_port_check_names_the_process_whose_metrics_port_is_taken() -> None:
+    from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
+
+    with _port_with_three_free_below() as taken:
+        port = taken.getsockname()[1]
         # The gateway gets base, then prefill-0, prefill-1, decode-0: decode-0's is the taken one.
         cluster = LocalCluster(ClusterConfig(port=0, prefill_workers=2, metrics_port=port - 3, redis_url=None))
         try:
