@@ -60,10 +60,12 @@ class AsyncEngine:
     ``generate`` and ``import_request`` yield cumulative ``RequestOutput``s until
     the request finishes; cancelling the consuming task aborts the request on
     the engine. ``on_block_events`` (if given) is called on the engine thread
-    after every step that stored or evicted prefix blocks, ``before_step`` (if
-    given) on the engine thread before every step (``SpinGovernor.update``).
+    after every step that stored or evicted prefix blocks, ``before_work`` (if
+    given) on the engine thread before every step and before queued commands run
+    (``SpinGovernor.update``).
     ``batch_window_s`` (0: off): how long an idle engine that gets prompts may
-    wait for more before its first step (``_gather_arrivals``).
+    wait for more before its first step (``_gather_arrivals``), and the most a
+    step waits for requests whose pushed KV has landed (``_await_landed_pushes``).
     Leases on held KV (``engine.leases``) expire between steps.
     """
 
@@ -72,7 +74,7 @@ class AsyncEngine:
         engine: LLMEngine,
         on_block_events: Callable[[list[BlockEvent]], None] | None = None,
         idle_wait_s: float = 0.05,
-        before_step: Callable[[], None] | None = None,
+        before_work: Callable[[], None] | None = None,
         batch_window_s: float = 0.0,
         arrival_gap_s: float = ARRIVAL_GAP_S,
     ) -> None:
@@ -80,10 +82,12 @@ class AsyncEngine:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         self.engine = engine
         self._on_block_events = on_block_events
-        self._before_step = before_step
+        self._before_work = before_work
         self._idle_wait_s = idle_wait_s
         self._batch_window_s = batch_window_s
         self._arrival_gap_s = arrival_gap_s
+        # The last step's wall time and how many requests it gave an output (engine thread).
+        self._last_step_s, self._last_step_streams = 0.0, 0
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # Each request's stream, attached by the engine-thread command that added the request (``_attach``),
         # detached by its reader; both under ``_lock``. Outputs are delivered on the engine thread.
@@ -397,6 +401,38 @@ class AsyncEngine:
                 return
             command()
 
+    def _await_landed_pushes(self, busy: bool) -> None:
+        """Before a step: hold it while pushed KV that has fully landed here waits for its request to start.
+
+        A prefill step's requests finish together, and their pushes complete together; their starts then
+        reach this engine milliseconds apart. Without the hold, the first start's step runs without the rest,
+        and they wait a whole step more for their second tokens, and cost one more step's weight reads
+        (BENCHMARKS.md, session 15). Each request that joins this step rather than the next gets its second
+        token a step sooner; each stream running here waits as long as the hold lasts. So a busy engine
+        holds only while that is the better bargain: at most the last step's time x the requests on their
+        way / the streams of the last step, and never over ``batch_window_s``; an idle one, which holds
+        nobody up, up to ``batch_window_s``. A push counts as on its way for ``batch_window_s`` after it
+        landed (one whose request went elsewhere stops holding steps then).
+        """
+        window = self._batch_window_s
+        if window <= 0:
+            return
+        streams = max(1, self._last_step_streams) if busy else 0
+        started = time.monotonic()
+        while True:
+            now = time.monotonic()
+            arriving = self.engine.pushes_landed_since(now - window)
+            if not arriving:
+                return
+            limit = min(window, self._last_step_s * arriving / streams) if streams else window
+            if now >= started + limit:
+                return
+            try:
+                command = self._commands.get(timeout=started + limit - now)
+            except queue.Empty:
+                return
+            command()
+
     def _next_commands(self, wait_s: float) -> list[Callable[[], None]]:
         """Every queued command, waiting up to ``wait_s`` for the first one."""
         commands = []
@@ -413,19 +449,29 @@ class AsyncEngine:
             while not self._stopping.is_set():
                 # Requests that only wait for remote KV leave the thread asleep: their KV lands as a command.
                 busy = engine.has_work()
-                for command in self._next_commands(0.0 if busy else self._idle_wait_s):
+                commands = self._next_commands(0.0 if busy else self._idle_wait_s)
+                if commands and self._before_work is not None:
+                    # Commands compute too (a pushed layer's KV written here is an OpenMP region): a worker
+                    # that writes pushed KV while it has nothing to step must not spin on the cores the
+                    # prefill computes on (BENCHMARKS.md, session 15).
+                    self._before_work()
+                for command in commands:
                     command()
                 if not busy:
                     self._gather_arrivals()
+                self._await_landed_pushes(busy)
                 engine.leases.expire()
                 # A tensor-parallel rank that died ends the engine now, not at the next request's step.
                 engine.check_ranks()
                 # Blocks allocated by a command: the transfer starts now, not after the next step.
                 self._deliver_kv_slots()
                 if engine.has_work():
-                    if self._before_step is not None:
-                        self._before_step()
+                    if self._before_work is not None:
+                        self._before_work()
+                    step_started = time.monotonic()
                     outputs = engine.step()
+                    self._last_step_s = time.monotonic() - step_started
+                    self._last_step_streams = len(outputs)
                     # Before the outputs reach anyone: a Load right after one must see this step.
                     self.latest_stats = engine.stats()
                     self._deliver_step(outputs)

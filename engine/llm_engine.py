@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,9 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         # Reservations of pushed KV a piece of which failed to be written (see write_reserved_kv).
         self._unwritten_reservations: set[KVReservation] = set()
+        # Reservations whose last block's last layer is written (the push is complete) and that no request
+        # has adopted yet, with when that write ran (time.monotonic): see pushes_landed_since.
+        self._landed_reservations: dict[KVReservation, float] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
 
@@ -236,6 +240,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def between_layers(self) -> Callable[[], None] | None:
+        """Called on the engine thread between two decoder layers of a step that runs layer by layer (every
+        step but a fused decode step's): a worker's OpenMP spin governor (engine/openmp.py) follows the other
+        processes through a multi-second prefill step with it, not only from one step to the next."""
+        return self.model.between_layers
+
+    @between_layers.setter
+    def between_layers(self, fn: Callable[[], None] | None) -> None:
+        self.model.between_layers = fn
 
     def has_work(self) -> bool:
         """Whether ``step()`` may do anything now: false while every request only waits for remote KV."""
@@ -383,6 +398,7 @@ class LLMEngine:
         it adopts them, and they are freed if it is rejected. Raises ``ValueError``
         naming the field when ``handoff`` cannot be served here.
         """
+        self._landed_reservations.pop(reservation, None)
         try:
             seq = self._remote_sequence(request_id, prompt_token_ids, params, handoff)
             if reservation is not None and reservation.end_block != handoff.num_blocks:
@@ -455,10 +471,24 @@ class LLMEngine:
             # Never a request decoding from half-written blocks: add_remote_request refuses them.
             self._unwritten_reservations.add(reservation)
             raise
+        # Only the piece that ends the prompt writes its last block (kv_push: earlier chunks push full blocks
+        # only), and a push sends its layers in order: this was the push's last write.
+        if layer == self.kv_layout.num_layers - 1 and first_block + len(block_ids) == reservation.end_block:
+            self._landed_reservations[reservation] = time.monotonic()
+
+    def pushes_landed_since(self, since: float) -> int:
+        """Pushes completed here at or after ``since`` (``time.monotonic``) whose requests have not been added
+        yet: the prefill worker has sampled (or is sampling) their first tokens, and their starts are on the
+        way. ``AsyncEngine`` holds a step briefly for them, so that a prefill step's requests join the batch
+        together; a push whose request never comes (it went to another worker) stops counting once it is
+        older than the hold."""
+        return sum(1 for reservation, landed in self._landed_reservations.items()
+                   if landed >= since and reservation not in self._unwritten_reservations)
 
     def free_kv_reservation(self, reservation: KVReservation) -> None:
         """Give back the blocks of a push no request adopted."""
         self._unwritten_reservations.discard(reservation)
+        self._landed_reservations.pop(reservation, None)
         self.block_manager.free_reserved(reservation)
 
     def drain_kv_slots(self) -> list[KVSlot]:

@@ -71,13 +71,15 @@ def on_a_passing_thread(fn: Callable[[], T], name: str = "pdserve-load") -> T:
 class SpinGovernor:
     """Turns libgomp's spin off while other processes compute on this process's CPUs, and on again once they stop.
 
-    ``update()`` runs before each engine step, on the engine thread. Every
-    ``window_s`` it reads the CPU time spent on ``cpus`` (``read_busy_s``: all
-    processes) less this process's own (``read_own_s``) over the window: the
-    CPUs others used. Above ``headroom + busy_cpus`` (headroom: the CPUs this
-    process's ``threads`` leave free), it throttles; below ``headroom +
-    idle_cpus`` it spins again. A window is as long as the steps make it: one
-    that spans a multi-second prefill step, or an idle engine, averages over it.
+    ``update()`` runs on the engine thread before each engine step, between the
+    layers of a step (``LLMEngine.between_layers``), and before queued engine
+    commands run (a pushed layer's KV written in is an OpenMP region too).
+    Every ``window_s`` it reads the CPU time spent on ``cpus``
+    (``read_busy_s``: all processes) less this process's own (``read_own_s``)
+    over the window: the CPUs others used. Above ``headroom + busy_cpus``
+    (headroom: the CPUs this process's ``threads`` leave free), it throttles;
+    below ``headroom + idle_cpus`` it spins again. A window is as long as the
+    engine's work makes it: one that spans an idle engine averages over it.
 
     Throttling runs ``open_team(team)`` on a thread of its own that then waits:
     that thread's pool of ``team - 1`` workers makes libgomp count more threads

@@ -127,7 +127,10 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="an idle worker that gets a prompt waits while more requests keep arriving (each within "
                         "5 ms of the last: engine/async_engine.py's ARRIVAL_GAP_S), up to this long, before its first "
                         "step, unless that step is full already: a burst then starts as one batch; a request arriving "
-                        "alone waits 5 ms. 0: off (default: %(default)g)")
+                        "alone waits 5 ms. A decode worker also holds a step, up to this long, for requests whose "
+                        "pushed KV has fully landed and whose start is on its way, so that a prefill step's requests "
+                        "join one step; while streams run, only as long as that costs them less than it saves the "
+                        "arriving requests. 0: off (default: %(default)g)")
     parser.add_argument("--niceness", type=_niceness, default=0,
                         help="raise this worker's niceness by N (0-19) at start, threads and TP ranks included: on a "
                         "machine shared with other workers it then gets the cores only when they leave them idle "
@@ -262,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size of every worker")
     up.add_argument("--batch-window-ms", type=_non_negative_float, default=DEFAULT_BATCH_WINDOW_MS,
                     help="every worker's --batch-window-ms: how long an idle worker may wait for the rest of a burst "
-                    "before its first step (0: off; default: %(default)g)")
+                    "before its first step, and a decode worker for requests whose pushed KV has landed "
+                    "(0: off; default: %(default)g)")
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")
     add_speculative_config_argument(up, "of every decode and colocated worker (prefill workers do not decode); ")

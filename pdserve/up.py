@@ -7,7 +7,8 @@ import logging
 import sys
 
 
-# A worker's --batch-window-ms (and up's) when not given: how long an idle worker may wait for the rest of a burst.
+# A worker's --batch-window-ms (and up's) when not given: how long an idle worker may wait for the rest of a burst,
+# and a decode step for requests whose pushed KV has landed.
 DEFAULT_BATCH_WINDOW_MS = 30.0
 
 

@@ -48,7 +48,8 @@ class WorkerConfig:
     # one's CPUs idle (``pdserve prefill|decode|colocated``'s default); "libgomp" leaves it to libgomp.
     openmp_spin: str = "libgomp"
     # An idle engine that gets prompts waits up to this long for the rest of a burst before its first
-    # step (AsyncEngine's batch_window_s; ``pdserve prefill|decode|colocated --batch-window-ms``). 0: off.
+    # step, and a step waits at most this long for requests whose pushed KV has landed (AsyncEngine's
+    # batch_window_s; ``pdserve prefill|decode|colocated --batch-window-ms``). 0: off.
     batch_window_s: float = 0.0
 
 
@@ -64,9 +65,11 @@ class WorkerRuntime:
             log.info("OpenMP spin: adaptive (%d threads on %d CPUs; off while other processes use over %.2f of them)",
                      self.spin_governor.threads, self.spin_governor.cpus,
                      self.spin_governor.headroom + self.spin_governor.busy_cpus)
+        if self.spin_governor is not None:
+            engine.between_layers = self.spin_governor.update
         self.async_engine = AsyncEngine(
             engine, on_block_events=self._on_block_events,
-            before_step=self.spin_governor.update if self.spin_governor is not None else None,
+            before_work=self.spin_governor.update if self.spin_governor is not None else None,
             batch_window_s=config.batch_window_s,
         )
         self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats, spin_governor=self.spin_governor)

@@ -12,6 +12,7 @@ single dimension: no padding, no batch dimension.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -163,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         # Set by pack_weights; None: every step runs layer by layer.
         self.fused_decoder: FusedDecoder | None = None
+        # Called between two layers of a layer-by-layer step (LLMEngine.between_layers).
+        self.between_layers: Callable[[], None] | None = None
         self.model = DecoderModel(config, max_positions, qkv_bias, o_bias, mlp_bias)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
@@ -228,7 +231,10 @@ class LlamaForCausalLM(nn.Module):
             return self.fused_decoder(residual, positions, kv_caches, attn_metadata)
         rope = self.model.rotary.tables(positions, residual.dtype)  # once per step, shared by every layer
         delta = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        between = self.between_layers
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if index and between is not None:
+                between()
             delta = layer(residual, delta, rope, kv_cache, backend, attn_metadata)
         return self.model.norm(residual, delta)
 
