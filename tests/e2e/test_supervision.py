@@ -202,14 +202,20 @@ def _routed(up: Up, role: str, worker: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-async def _until_routed_to(up: Up, model: torch.nn.Module, role: str, worker: str, seed: int) -> None:
-    """Send exact-checked batches until the gateway routes one request to ``worker`` (at most 20 batches)."""
+async def _until_routed_to(up: Up, model: torch.nn.Module, role: str, worker: str, seed: int,
+                           within_s: float = 30.0) -> None:
+    """Send exact-checked batches until the gateway routes one request to ``worker``, for at most ``within_s``
+    (a count of batches is no bound: on a loaded machine the gateway's next poll of a worker just back may
+    come after twenty short batches)."""
     before = _routed(up, role, worker)
-    for attempt in range(20):
+    deadline = time.monotonic() + within_s
+    attempt = 0
+    while time.monotonic() < deadline:
         await _all_exact(up, model, seed=seed + attempt)
         if _routed(up, role, worker) > before:
             return
-    raise AssertionError(f"{worker} got no {role} traffic after its restart")
+        attempt += 1
+    raise AssertionError(f"{worker} got no {role} traffic within {within_s:g} s of its restart ({attempt} batches)")
 
 
 async def _epoch(up: Up, name: str) -> int:
