@@ -22,7 +22,9 @@ one every ``--probe-interval-s``. For them: the first-to-second token gap, the
 ITL (mean gap between later tokens), their ratio, and the handoff's cost as the
 client sees it (gap - ITL: what the second token waits for beyond a decode
 step), next to what the transport alone takes to move the same bytes between
-two idle processes (``benchmarks.kv_transfer``, measured before any worker starts).
+two idle processes (``benchmarks.kv_transfer``, measured before any worker starts);
+and the five gaps after the second token (the decode steps right after the
+handoff, beside whatever the prefill worker computes next), per probe in the JSON.
 
 ``--disaggregation`` is the gateway's: ``always`` (the default here) sends every
 prompt through the prefill worker and a KV handoff, the path this benchmark
