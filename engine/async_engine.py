@@ -393,13 +393,8 @@ class AsyncEngine:
         deadline = time.monotonic() + self._batch_window_s
         while engine.next_step_has_room_for_prompts():
             wait_s = min(self._arrival_gap_s, deadline - time.monotonic())
-            if wait_s <= 0:
+            if wait_s <= 0 or not self._run_next_command(wait_s):
                 return
-            try:
-                command = self._commands.get(timeout=wait_s)
-            except queue.Empty:
-                return
-            command()
 
     def _await_landed_pushes(self, busy: bool) -> None:
         """Before a step: hold it while pushed KV that has fully landed here waits for its request to start.
@@ -425,13 +420,17 @@ class AsyncEngine:
             if not arriving:
                 return
             limit = min(window, self._last_step_s * arriving / streams) if streams else window
-            if now >= started + limit:
+            if now >= started + limit or not self._run_next_command(started + limit - now):
                 return
-            try:
-                command = self._commands.get(timeout=started + limit - now)
-            except queue.Empty:
-                return
-            command()
+
+    def _run_next_command(self, timeout_s: float) -> bool:
+        """Run the next queued command, waiting up to ``timeout_s`` for it; False when none came."""
+        try:
+            command = self._commands.get(timeout=timeout_s)
+        except queue.Empty:
+            return False
+        command()
+        return True
 
     def _next_commands(self, wait_s: float) -> list[Callable[[], None]]:
         """Every queued command, waiting up to ``wait_s`` for the first one."""

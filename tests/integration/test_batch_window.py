@@ -14,28 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from tests.conftest import random_prompts
+from tests.support.step_log import StepLog
 
 PROMPTS = random_prompts([12, 9, 15], seed=97)
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-class _StepLog:
-    """Wraps ``engine.step``: per step, in order, how many requests the engine had and which ones it gave outputs."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.step = engine.step
-        self.steps: list[tuple[int, list[str]]] = []
-        engine.step = self  # type: ignore[method-assign]
-
-    def __call__(self):  # noqa: ANN204
-        stats = self.engine.stats()
-        outputs = self.step()
-        self.steps.append((stats.num_running + stats.num_waiting, sorted(output.request_id for output in outputs)))
-        return outputs
 
 
 async def _collect(async_engine: AsyncEngine, prompt: list[int], request_id: str, delay_s: float) -> list[int]:
@@ -48,7 +33,7 @@ async def _first_step(llm: LLM, delays_s: list[float], **window: float) -> tuple
     """Send ``PROMPTS`` at ``delays_s`` to an idle engine; how many requests it had at its first step and which
     ones that step gave a token. Checks every request's tokens."""
     expected = [output.token_ids for output in llm.generate(PROMPTS, PARAMS)]
-    log = _StepLog(llm.engine)
+    log = StepLog(llm.engine)
     async_engine = AsyncEngine(llm.engine, **window)
     async_engine.start()
     try:

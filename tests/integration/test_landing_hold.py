@@ -23,6 +23,7 @@ from engine.async_engine import AsyncEngine
 from engine.kv_handoff import KVFetch, KVHandoff, KVReservation
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import prefill_and_hold
+from tests.support.step_log import StepLog
 
 MAX_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -38,26 +39,6 @@ def _engine(path: Path) -> LLMEngine:
     return LLM(model=str(path), dtype="float32", num_kv_blocks=64).engine
 
 
-class _StepLog:
-    """Wraps ``engine.step``: which requests each step gave an output, in order; each step first sleeps ``sleep_s``
-    (a step as long as a real model's, which the hold's bound is measured against)."""
-
-    def __init__(self, engine: LLMEngine, sleep_s: float = 0.0) -> None:
-        self.step = engine.step
-        self.sleep_s = sleep_s
-        self.steps: list[list[str]] = []
-        engine.step = self  # type: ignore[method-assign]
-
-    def __call__(self):  # noqa: ANN204
-        time.sleep(self.sleep_s)
-        outputs = self.step()
-        self.steps.append(sorted(output.request_id for output in outputs))
-        return outputs
-
-    def first_step_of(self, request_id: str) -> int:
-        return next(i for i, ids in enumerate(self.steps) if request_id in ids)
-
-
 def _held(prefill: LLMEngine, prompt: list[int]) -> tuple[KVHandoff, torch.Tensor]:
     """The prompt's handoff and its whole KV, as the prefill worker would push it."""
     held = prefill_and_hold(prefill, prompt, GREEDY)
@@ -68,7 +49,7 @@ def _held(prefill: LLMEngine, prompt: list[int]) -> tuple[KVHandoff, torch.Tenso
 
 
 async def _land(async_engine: AsyncEngine, handoff: KVHandoff, blocks: torch.Tensor,
-                log: _StepLog | None = None) -> tuple[KVReservation, int]:
+                log: StepLog | None = None) -> tuple[KVReservation, int]:
     """Reserve and write the whole push layer by layer, the last layer by a command of its own after the others;
     the reservation, and how many steps ``log`` had seen when that last layer was written."""
     reservation = await async_engine.call(lambda e: e.reserve_kv_blocks(handoff.layout, 0, blocks.shape[2]))
@@ -105,7 +86,7 @@ async def _idle_engine_first_step(llama_checkpoint: Path, oracle: Oracle, **wind
     """Two pushes land on an idle decode engine; a's request starts, b's 0.3 s later. The first step's requests."""
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     (handoff_a, blocks_a), (handoff_b, blocks_b) = _held(prefill, PROMPTS[0]), _held(prefill, PROMPTS[1])
-    log = _StepLog(decode)
+    log = StepLog(decode)
     async_engine = AsyncEngine(decode, **window)
     async_engine.start()
     try:
@@ -119,7 +100,7 @@ async def _idle_engine_first_step(llama_checkpoint: Path, oracle: Oracle, **wind
     finally:
         await async_engine.stop()
     assert tokens == [oracle.generate(PROMPTS[0], MAX_TOKENS), oracle.generate(PROMPTS[1], MAX_TOKENS)]
-    return log.steps[0]
+    return log.steps[0][1]
 
 
 @pytest.mark.asyncio
@@ -144,7 +125,7 @@ async def _busy_engine_steps(llama_checkpoint: Path, oracle: Oracle, streams: in
     ``start_delay_s`` later. How many steps had run when it landed, and the first step that gave it a token."""
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     handoff, blocks = _held(prefill, PROMPTS[1])
-    log = _StepLog(decode, sleep_s=STEP_S)
+    log = StepLog(decode, sleep_s=STEP_S)
     async_engine = AsyncEngine(decode, **window)
     async_engine.start()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
