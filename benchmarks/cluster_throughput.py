@@ -44,7 +44,13 @@ ratio and their median.
 its steps to DIR (``PDSERVE_STEP_TRACE_DIR``), and the report ends with round 1's
 steps of each, phase by phase (``benchmarks.step_trace``): which steps the
 cluster's engines ran, at which batch sizes, and what each cost, against the
-in-process engine's.
+in-process engine's. With probes it also splits each probe's first-to-second
+token gap over the decode worker's steps (``step_trace.split_gap``; the
+probes' token times are taken on ``time.monotonic``, the traces' clock): the
+wait for the decode step in flight when the first token arrived (a request
+joins the batch only between steps), other waits before the step that
+computes the second token (the KV landing, the start's trip, a hold), that
+step, and the relay to the client.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
@@ -117,17 +124,19 @@ async def _probe(stub: generation_pb2_grpc.GenerationStub, prompt: list[int], ou
                  delay_s: float) -> dict[str, float]:
     await asyncio.sleep(delay_s)
     params = generation_pb2.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    stamps: list[float] = []  # one per token: when the response carrying it arrived
+    # One per token: when the response carrying it arrived, on the clock the engines' step traces use.
+    stamps: list[float] = []
     async for response in stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params),
                                         timeout=600):
-        stamps.extend([time.perf_counter()] * len(response.token_ids))
+        stamps.extend([time.monotonic()] * len(response.token_ids))
     gap = stamps[1] - stamps[0]
     # Later tokens may arrive several to a response: the mean over the stream, not per pair.
     itl = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
     # The first gaps after the second token: the decode steps right after the handoff, which run beside
     # whatever the prefill worker computes next (the mean ITL is mostly later, quieter steps).
     early = [b - a for a, b in zip(stamps[1:6], stamps[2:7])]
-    return {"gap": gap, "itl": itl, "ratio": gap / itl, "handoff": gap - itl, "early_gaps": early}
+    return {"gap": gap, "itl": itl, "ratio": gap / itl, "handoff": gap - itl, "early_gaps": early,
+            "first_at": stamps[0], "second_at": stamps[1]}
 
 
 async def _drive_with_probes(endpoint: str, prompts: list[list[int]], output_len: int, probes: list[list[int]],
@@ -203,6 +212,25 @@ def step_report(directory: Path, first_round: dict, pids: dict[str, int]) -> str
         if shown:  # the in-process engines of other rounds have files of their own
             lines.extend(step_trace.describe(label, shown, since))
     return "\n".join(lines)
+
+
+def probe_gap_splits(directory: Path, decode_pid: int, probe_results: list[dict]) -> list[step_trace.GapSplit | None]:
+    """Each probe's first-to-second token gap split over the decode worker's steps (``step_trace.split_gap``)."""
+    steps = sorted((s for name, trace in step_trace.load(directory).items() if name.startswith(f"steps-{decode_pid}-")
+                    for s in trace), key=lambda s: s.started)
+    return [step_trace.split_gap(steps, r["first_at"], r["second_at"]) for r in probe_results]
+
+
+def gap_split_report(splits: list[step_trace.GapSplit | None]) -> str:
+    """The p50 of each part of the probes' gaps, as one line."""
+    known = [s for s in splits if s is not None]
+    if not known:
+        return "the probes' gaps: no decode step of the decode worker's trace ended before a second token"
+    parts = {name: statistics.median(getattr(s, field) for s in known) * 1000 for name, field in (
+        ("waiting for the decode step in flight", "in_flight_s"), ("other waits (landing, start, hold)", "other_wait_s"),
+        ("its own first decode step", "own_step_s"), ("relay", "relay_s"))}
+    return (f"the probes' gaps over the decode worker's steps ({len(known)} of {len(splits)}), p50s: "
+            + ", ".join(f"{name} {ms:.0f} ms" for name, ms in parts.items()))
 
 
 def main() -> None:
@@ -334,6 +362,8 @@ def main() -> None:
         "rounds": round_rates,
         "identical_outputs": f"{identical}/{len(every)}",
     }
+    splits = (probe_gap_splits(args.step_trace, pids["decode-0"], probe_results)
+              if probe_results and args.step_trace is not None else [])
     if probe_results:
         assert unloaded is not None
         summary["handoff_under_load"] = {
@@ -350,6 +380,10 @@ def main() -> None:
             "per_probe_ms": [{"gap": r["gap"] * 1000, "itl": r["itl"] * 1000,
                               "early_gaps": [g * 1000 for g in r["early_gaps"]]} for r in probe_results],
         }
+        if splits:
+            # With --step-trace: each probe's gap over the decode worker's steps (None where no step matched).
+            summary["handoff_under_load"]["gap_split_ms"] = [
+                None if split is None else {k: v * 1000 for k, v in asdict(split).items()} for split in splits]
     c = summary["cluster"]
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
     print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}, openmp spin "
@@ -375,6 +409,8 @@ def main() -> None:
               f"{h['transport_unloaded_ms']:.0f} ms for the same {h['transport_unloaded_mib']:.1f} MiB "
               f"({h['handoff_p50_ms'] / h['transport_unloaded_ms']:.2f}x); the five gaps after the second token p50 "
               f"{h['early_itl_p50_ms']:.0f} ms")
+    if splits:
+        print(gap_split_report(splits))
     if args.step_trace is not None:
         print(step_report(args.step_trace, rounds[0], pids))
     if args.json:

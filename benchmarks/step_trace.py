@@ -73,6 +73,39 @@ def describe(name: str, steps: list[StepRecord], origin: float | None = None) ->
     return lines
 
 
+@dataclass(frozen=True)
+class GapSplit:
+    """Where a handed-off request's first-to-second token gap went, against its decode worker's steps.
+
+    The four parts add up to the gap: ``in_flight_s`` from the first token's arrival to the end of
+    the decode step then running (the request cannot join a step under way), ``other_wait_s`` until
+    the step that computes its second token starts (the KV landing, the start's trip, a hold),
+    ``own_step_s`` that step's time after the first token arrived, and ``relay_s`` from its end to
+    the second token's arrival."""
+
+    in_flight_s: float
+    other_wait_s: float
+    own_step_s: float
+    relay_s: float
+
+
+def split_gap(steps: list[StepRecord], first_at: float, second_at: float) -> GapSplit | None:
+    """The gap between a request's first token (``first_at``) and second (``second_at``), both as received
+    (``time.monotonic``, one clock for every process of the machine), split over the decode worker's
+    ``steps``. Its own step is the last one to end before ``second_at``; None where no step did."""
+    own = next((s for s in reversed(steps) if s.started + s.wall_s <= second_at), None)
+    if own is None:
+        return None
+    own_end = own.started + own.wall_s
+    running = next((s for s in steps if s is not own and s.started <= first_at < s.started + s.wall_s), None)
+    in_flight_end = first_at if running is None else min(running.started + running.wall_s, own.started)
+    in_flight = max(0.0, in_flight_end - first_at)
+    other = max(0.0, own.started - max(first_at, in_flight_end))
+    # A second token computed before the first one reached the client (relays can overtake) is all relay.
+    return GapSplit(in_flight, other, max(0.0, own_end - max(first_at, own.started)),
+                    second_at - max(own_end, first_at))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directory", type=Path)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from benchmarks import step_trace
-from benchmarks.cluster_throughput import step_report
+from benchmarks.cluster_throughput import gap_split_report, probe_gap_splits, step_report
 from benchmarks.workload import RunResult
 from engine.step_trace import StepRecord
 
@@ -71,3 +71,69 @@ def test_cluster_throughputs_report_shows_round_one_of_each_engine_by_its_proces
         "decode-0: 1 steps, 1 tokens, 0.06 s stepping, 0.03 s engine-thread CPU",
         "     0.50-   0.56 s  decode    1 seqs x   1 steps:     60 ms wall,    30 ms CPU per step",
     ]
+
+
+# A decode worker's steps around a handoff: 100 ms steps back to back, then the handed-off request's
+# first step (3 sequences) from 100.45 to 100.57.
+AROUND_A_HANDOFF = [
+    StepRecord(100.00, 2, 2, 0.100, 0.09),
+    StepRecord(100.10, 2, 2, 0.100, 0.09),
+    StepRecord(100.20, 2, 2, 0.100, 0.09),
+    StepRecord(100.45, 3, 3, 0.120, 0.10),
+    StepRecord(100.57, 3, 3, 0.120, 0.10),
+]
+
+
+def _ms(split: step_trace.GapSplit) -> tuple[float, ...]:
+    return tuple(round(1000 * value, 3) for value in asdict(split).values())
+
+
+def test_a_gap_is_split_into_the_step_in_flight_other_waits_its_own_step_and_the_relay() -> None:
+    # First token at 100.23, inside the step of 100.20-100.30; the request's step starts at 100.45
+    # and ends at 100.57; the second token arrives 4 ms later. 70 + 150 + 120 + 4 = 344 ms, the gap.
+    split = step_trace.split_gap(AROUND_A_HANDOFF, 100.23, 100.574)
+    assert split is not None
+    assert _ms(split) == (70.0, 150.0, 120.0, 4.0)
+    assert round(sum(asdict(split).values()), 6) == round(100.574 - 100.23, 6)
+
+
+def test_a_first_token_between_steps_waits_for_no_step_in_flight() -> None:
+    # 100.35: no step runs (the last ended at 100.30), so all the wait before 100.45 is "other".
+    split = step_trace.split_gap(AROUND_A_HANDOFF, 100.35, 100.58)
+    assert split is not None
+    assert _ms(split) == (0.0, 100.0, 120.0, 10.0)
+
+
+def test_a_step_that_started_before_the_first_token_arrived_counts_from_its_arrival() -> None:
+    # The request joined the step of 100.45 before its first token reached the client (at 100.47):
+    # only the rest of that step is in the gap.
+    split = step_trace.split_gap(AROUND_A_HANDOFF, 100.47, 100.575)
+    assert split is not None
+    assert _ms(split) == (0.0, 0.0, 100.0, 5.0)
+
+
+def test_a_second_token_computed_before_the_first_arrived_is_all_relay() -> None:
+    # Both tokens reach the client after the step of 100.45 ended, the second one 2 ms behind.
+    split = step_trace.split_gap(AROUND_A_HANDOFF, 100.58, 100.582)
+    assert split is not None
+    assert _ms(split) == (0.0, 0.0, 0.0, 2.0)
+
+
+def test_no_split_where_no_step_ended_before_the_second_token() -> None:
+    assert step_trace.split_gap(AROUND_A_HANDOFF, 99.0, 100.05) is None
+    assert step_trace.split_gap([], 100.0, 100.1) is None
+
+
+def test_cluster_throughput_splits_each_probes_gap_over_the_decode_workers_own_steps(tmp_path: Path) -> None:
+    # The prefill worker's trace (pid 4141) has a step that would match too; only decode-0's (4242) count.
+    _write(tmp_path, "steps-4141-0", [StepRecord(100.30, 1, 1000, 0.200, 0.2)])
+    _write(tmp_path, "steps-4242-0", AROUND_A_HANDOFF)
+    probes = [{"first_at": 100.23, "second_at": 100.574}, {"first_at": 100.35, "second_at": 100.58},
+              {"first_at": 99.0, "second_at": 100.05}]
+    splits = probe_gap_splits(tmp_path, 4242, probes)
+    assert [None if s is None else _ms(s) for s in splits] == [(70.0, 150.0, 120.0, 4.0), (0.0, 100.0, 120.0, 10.0), None]
+    assert gap_split_report(splits) == (
+        "the probes' gaps over the decode worker's steps (2 of 3), p50s: waiting for the decode step in flight "
+        "35 ms, other waits (landing, start, hold) 125 ms, its own first decode step 120 ms, relay 7 ms")
+    assert gap_split_report([None]) == (
+        "the probes' gaps: no decode step of the decode worker's trace ended before a second token")
