@@ -4,7 +4,7 @@
                                             [--probes 4] [--probe-len 1000] [--prefill-niceness 0]
                                             [--openmp-spin adaptive]
                                             [--disaggregation always] [--repeats 1] [--step-trace DIR]
-                                            [--json out.json]
+                                            [--prefill-args FLAGS] [--decode-args FLAGS] [--json out.json]
 
 Side by side in one run: pdserve's ``LLM.generate`` in this process, then a
 local cluster (``pdserve up``: 1 prefill + 1 decode worker and the gateway as
@@ -33,6 +33,13 @@ on the decode worker where that is cheaper, and the report counts its routes;
 ``never`` prefills every prompt on the decode worker: the served path without a
 handoff, which tells what the serving itself costs against the in-process engine.
 
+``--prefill-args`` and ``--decode-args``: more flags for one worker, as one
+string each (``--prefill-args '--max-num-batched-tokens 8192'``; a single
+flag with no space in it needs the ``=`` form, ``--decode-args=--niceness=3``,
+or argparse takes it for an option of its own), so that a variant of the
+cluster is measured by this command rather than by a wrapper around it; the
+report and the JSON name them.
+
 ``--repeats N``: the in-process engine and the cluster run N times each,
 alternated (the in-process run first in rounds 1, 3, ..., the cluster's first in
 rounds 2, 4, ...), each round on prompts of its own so that nothing is cached; the cluster
@@ -60,6 +67,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import statistics
 import time
 from dataclasses import asdict
@@ -233,7 +241,20 @@ def gap_split_report(splits: list[step_trace.GapSplit | None]) -> str:
             + ", ".join(f"{name} {ms:.0f} ms" for name, ms in parts.items()))
 
 
-def main() -> None:
+def cluster_config(args: argparse.Namespace, extra_env: dict[str, str]) -> ClusterConfig:
+    """The cluster this benchmark starts: 1P+1D in float32, with the workers' flags the command line gives."""
+    niceness = ("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else ()
+    return ClusterConfig(
+        dtype="float32", port=0, kv_transport=args.transport, extra_env=extra_env,
+        engine_args=("--num-kv-blocks", str(args.num_kv_blocks), "--openmp-spin", args.openmp_spin),
+        redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push, metrics_port=0,
+        prefill_args=(*niceness, *args.prefill_args), decode_args=tuple(args.decode_args),
+        disaggregation=args.disaggregation,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``sys.argv`` without ``argv``); exits with status 2 on a bad one, as argparse does."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=32)
@@ -258,13 +279,22 @@ def main() -> None:
                              "(every prompt prefilled on the decode worker: the served path without a handoff)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of in-process and cluster runs, alternated, each on prompts of its own")
+    parser.add_argument("--prefill-args", type=shlex.split, default=[], metavar="FLAGS",
+                        help="more flags for the prefill worker, one string (e.g. '--max-num-batched-tokens 8192'): "
+                             "a variant measured by this command rather than by a wrapper around it")
+    parser.add_argument("--decode-args", type=shlex.split, default=[], metavar="FLAGS",
+                        help="more flags for the decode worker, one string (e.g. '--niceness 5')")
     parser.add_argument("--step-trace", type=Path, default=None, metavar="DIR",
                         help="every engine writes its steps to DIR; the report ends with round 1's, phase by phase")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     workloads = [make_workload(args.num_prompts, args.min_len, args.max_len, args.output_len, VOCAB_SIZE,
                                round_seed(args.seed, i)) for i in range(args.repeats)]
     workload = workloads[0]
@@ -279,13 +309,7 @@ def main() -> None:
     if args.step_trace is not None:
         trace_env = {STEP_TRACE_ENV: str(args.step_trace.resolve())}
         os.environ.update(trace_env)  # the in-process engines
-    config = ClusterConfig(
-        dtype="float32", port=0, kv_transport=args.transport, extra_env=trace_env,
-        engine_args=("--num-kv-blocks", str(args.num_kv_blocks), "--openmp-spin", args.openmp_spin),
-        redis_prefix=f"pdserve-bench-{time.time_ns()}", kv_push=args.kv_push, metrics_port=0,
-        prefill_args=("--niceness", str(args.prefill_niceness)) if args.prefill_niceness else (),
-        disaggregation=args.disaggregation,
-    )
+    config = cluster_config(args, trace_env)
     rounds: list[dict] = []
     with LocalCluster(config) as cluster:
         asyncio.run(_drive(cluster.endpoint, warmup.prompt_lists(), warmup.output_len))
@@ -342,6 +366,8 @@ def main() -> None:
     summary = {
         "workload": {"prompts": args.num_prompts, "prompt_tokens": workload.num_prompt_tokens, "output_len": args.output_len},
         "prefill_niceness": args.prefill_niceness,
+        "prefill_args": args.prefill_args,
+        "decode_args": args.decode_args,
         "openmp_spin": args.openmp_spin,
         "disaggregation": args.disaggregation,
         "routes": {k: v for k, v in routes.items() if v},
@@ -386,9 +412,11 @@ def main() -> None:
                 None if split is None else {k: v * 1000 for k, v in asdict(split).items()} for split in splits]
     c = summary["cluster"]
     print(f"in-process LLM.generate: {local.wall_s:.2f} s, {local_tps:.1f} output tokens/s")
+    extra = "".join(f", {role} worker {shlex.join(flags)}" for role, flags in
+                    (("prefill", args.prefill_args), ("decode", args.decode_args)) if flags)
     print(f"cluster 1P+1D ({args.transport}, prefill niceness {args.prefill_niceness}, openmp spin "
-          f"{args.openmp_spin}, disaggregation {args.disaggregation}): {wall:.2f} s, {cluster_tps:.1f} output tokens/s "
-          f"-> {cluster_tps / local_tps:.0%} of in-process")
+          f"{args.openmp_spin}, disaggregation {args.disaggregation}{extra}): {wall:.2f} s, "
+          f"{cluster_tps:.1f} output tokens/s -> {cluster_tps / local_tps:.0%} of in-process")
     if len(rounds) > 1:
         for i, r in enumerate(summary["rounds"]):
             print(f"  round {i + 1} ({r['first'].replace('_', '-')} first): in-process {r['in_process_tokens_per_s']:.1f}, "

@@ -72,3 +72,30 @@ def test_the_cpu_report_shows_each_process_and_the_share_of_the_machine() -> Non
         "CPU seconds per round (2 CPUs; the share is of CPUs x wall time):\n"
         "  round 1: in-process 18.0 (90%); cluster 23.0 (96%): prefill-0 9.0, decode-0 10.5, gateway 2.5, client 1.0"
     )
+
+
+def test_each_workers_extra_flags_reach_that_worker_only_after_the_benchmarks_own() -> None:
+    args = cluster_throughput.parse_args([
+        "--prefill-niceness", "5", "--prefill-args", "--max-num-batched-tokens 8192 --batch-window-ms 100",
+        "--decode-args", "--niceness 3", "--num-kv-blocks", "512"])
+    config = cluster_throughput.cluster_config(args, {"PDSERVE_STEP_TRACE_DIR": "/tmp/t"})
+    assert config.prefill_args == ("--niceness", "5", "--max-num-batched-tokens", "8192", "--batch-window-ms", "100")
+    assert config.decode_args == ("--niceness", "3")
+    assert config.engine_args == ("--num-kv-blocks", "512", "--openmp-spin", "adaptive")
+    assert config.extra_env == {"PDSERVE_STEP_TRACE_DIR": "/tmp/t"}
+    assert (config.dtype, config.disaggregation) == ("float32", "always")
+
+
+def test_without_extra_flags_the_workers_get_only_the_benchmarks_own() -> None:
+    config = cluster_throughput.cluster_config(cluster_throughput.parse_args([]), {})
+    assert (config.prefill_args, config.decode_args) == ((), ())
+    # One flag with no space in it: the `=` form, or argparse would take it for an option of its own.
+    args = cluster_throughput.parse_args(["--decode-args=--niceness=3"])
+    assert cluster_throughput.cluster_config(args, {}).decode_args == ("--niceness=3",)
+
+
+def test_extra_flags_that_cannot_be_split_are_refused_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cluster_throughput.parse_args(["--prefill-args", "--served-model-name 'unclosed"])
+    assert exit_info.value.code == 2
+    assert "argument --prefill-args: invalid split value: \"--served-model-name 'unclosed\"" in capsys.readouterr().err
