@@ -90,7 +90,7 @@ CMD ["pdserve", "gateway", "--help"]
 FROM runtime
 
 # A C compiler: on CPU the engine builds its decode-attention kernel on first start
-# (engine/attention/cpu_kernel.py), into the cache volume; without one it falls back to SDPA.
+# (pdserve/engine/attention/cpu_kernel.py), into the cache volume; without one it falls back to SDPA.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -44,7 +44,7 @@ def score_text(
 ) -> ScoredText:
     """Windows submitted ``windows_at_once`` at a time (all by default); ``max_tokens=1`` because only the
     prompt's logprobs matter. The figures do not depend on the grouping, only memory and time do."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     params = SamplingParams(prompt_logprobs=top_n, max_tokens=1, temperature=0.0)
     prompts = [list(token_ids[w.begin : w.end]) for w in windows]
@@ -210,7 +210,7 @@ def _tokenizer(model: str | None) -> Any:
     from transformers import AutoTokenizer
 
     if model is None:
-        from engine.default_model import ensure_default_tokenizer
+        from pdserve.engine.default_model import ensure_default_tokenizer
 
         return AutoTokenizer.from_pretrained(str(ensure_default_tokenizer()))
     return AutoTokenizer.from_pretrained(model)

@@ -3,7 +3,7 @@
     python -m benchmarks.attention_kernels --old-tree /tmp/oldtree [--threads 1] [--repeats 8]
 
 ``--old-tree`` is a checkout of an earlier commit (``git worktree add /tmp/oldtree 9f303ab``)
-whose ``engine/attention/cpu_kernel.py`` is the decode-only kernel (``load_paged_decode_kernel``).
+whose ``pdserve/engine/attention/cpu_kernel.py`` is the decode-only kernel (``load_paged_decode_kernel``).
 Both kernels attend the same decode step, alternating in one process: batch 32 at the mean
 context of the offline workload mid-run (190 tokens), SmolLM2-135M's shape (30 layers, 9 query
 heads over 3 KV heads of 64), per KV dtype; minimum and median milliseconds of a whole step
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.kv_cache_dtypes import BLOCK_SIZE, GROUP, HEAD_DIM, KV_DTYPES, NUM_KV_HEADS, NUM_LAYERS, _contexts
-from engine.attention.cpu_kernel import load_paged_attention_kernel
-from engine.kv_cache import KVCache
+from pdserve.engine.attention.cpu_kernel import load_paged_attention_kernel
+from pdserve.engine.kv_cache import KVCache
 
 
 def _load_old(tree: Path):

@@ -79,11 +79,11 @@ from benchmarks import kv_transfer, step_trace
 from benchmarks.disaggregation_sweep import gateway_routes
 from benchmarks.pdserve_runner import PdserveSettings, run_pdserve
 from benchmarks.workload import make_warmup_workload, make_workload
-from engine.step_trace import ENV as STEP_TRACE_ENV
+from pdserve.engine.step_trace import ENV as STEP_TRACE_ENV
 from pdserve.launcher import ClusterConfig, LocalCluster
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.server import channel_options
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.service_common.server import channel_options
 
 VOCAB_SIZE = 49152
 

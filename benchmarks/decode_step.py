@@ -17,7 +17,7 @@
    OpenMP, split over a Python thread pool: the fallback, and the engine's path
    before issue 11's third session). Where the engine runs the step through the
    fused decode step (a bf16 INT8/INT4 model, a batch up to its cut-off:
-   engine/models/fused_decode.py), ``cpu_paged`` is that step and
+   pdserve/engine/models/fused_decode.py), ``cpu_paged`` is that step and
    ``cpu_paged_eager`` the same step layer by layer (``enforce_eager``).
    ``--profile N`` then prints torch.profiler's table of the N costliest ops of
    one ``cpu_paged`` step (self CPU time).
@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from benchmarks.workload import make_workload
-from engine import LLM, SamplingParams
-from engine.attention.cpu_kernel import load_paged_attention_kernel
-from engine.attention.sdpa import SdpaBackend
-from engine.models.llama import PackedLinear
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention.cpu_kernel import load_paged_attention_kernel
+from pdserve.engine.attention.sdpa import SdpaBackend
+from pdserve.engine.models.llama import PackedLinear
 
 VOCAB_SIZE = 49152
 

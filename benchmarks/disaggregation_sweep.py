@@ -69,7 +69,7 @@ def _wait_serving(endpoint: str, timeout_s: float = 120.0) -> None:
     """Until the gateway describes the model: on a loaded machine its workers' load polls can time out for a while."""
     import grpc
 
-    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(endpoint) as channel:

@@ -113,7 +113,7 @@ def same_attention_kernels(model: Any) -> contextlib.AbstractContextManager[obje
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
 
-    from engine.attention.sdpa import CUDA_SDPA_BACKENDS
+    from pdserve.engine.attention.sdpa import CUDA_SDPA_BACKENDS
 
     return sdpa_kernel(CUDA_SDPA_BACKENDS)
 

@@ -23,8 +23,8 @@ import time
 import grpc
 import torch
 
-from kv_transfer import INTERNAL_GRPC_OPTIONS, KVHandoff, KVLayout, TransferConfig, make_receiver
-from protos.pdserve.v1.internal import worker_pb2_grpc
+from pdserve.kv_transfer import INTERNAL_GRPC_OPTIONS, KVHandoff, KVLayout, TransferConfig, make_receiver
+from pdserve.protos.pdserve.v1.internal import worker_pb2_grpc
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -15,10 +15,10 @@ per-kernel, not per-step. Candidates:
 - ``fp32 F.linear``; ``bf16 F.linear`` (oneDNN; AMX where present);
 - ``bf16 onednn packed``: ``mkldnn._linear_pointwise`` on a weight prepacked by ``mkldnn._reorder_linear_weight``,
   the bf16 method where the dense kernel does not serve;
-- ``fp32 dense kernel`` / ``bf16 dense kernel``: pdserve's own (engine/kernels/dense_gemm.c), what the
+- ``fp32 dense kernel`` / ``bf16 dense kernel``: pdserve's own (pdserve/engine/kernels/dense_gemm.c), what the
   unquantized method runs where ``dense_kernel_serves_this_cpu`` (the bf16 one only where this CPU has
   AVX512-BF16);
-- ``int8 kernel`` / ``int4 kernel``: pdserve's own kernels (engine/kernels/quant_gemv.c:
+- ``int8 kernel`` / ``int4 kernel``: pdserve's own kernels (pdserve/engine/kernels/quant_gemv.c:
   int8 activations per block of 32, AVX512-VNNI), what the quantized methods run up to
   ``kernel_max_rows``; INT4 at group 32, the default;
 - ``aten int8`` / ``aten int4``: aten's weight-only ``_weight_int8pack_mm`` /
@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from benchmarks.decode_step import _alternate
-from engine.layers.dense_kernels import load_dense_kernels, pack_dense
-from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
-from engine.layers.quant_kernels import load_quant_kernels, unpack_int4, unpack_int8, unpack_rows
-from engine.native import cpu_has_native_bf16
+from pdserve.engine.layers.dense_kernels import load_dense_kernels, pack_dense
+from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
+from pdserve.engine.layers.quant_kernels import load_quant_kernels, unpack_int4, unpack_int8, unpack_rows
+from pdserve.engine.native import cpu_has_native_bf16
 
 SHAPES = {
     "q/k/v": (576, 960),

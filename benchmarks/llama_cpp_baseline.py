@@ -89,7 +89,7 @@ def measure_llama_cpp(gguf: Path, threads: int, w1: Workload, batch1: Workload, 
 def measure_pdserve(threads: int, w1: Workload, batch1: Workload, repeats: int) -> dict[str, float]:
     import torch
 
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(dtype="bfloat16", quantization="int4", quantization_group_size=32, enable_prefix_caching=False)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from engine.default_model import default_gguf_path
+    from pdserve.engine.default_model import default_gguf_path
 
     w1 = make_workload(32, 32, 256, args.output_len, VOCAB_SIZE, 0)
     batch1 = make_workload(1, 128, 128, args.output_len, VOCAB_SIZE, 1)

@@ -175,7 +175,7 @@ def fastest_of(repeats: int, run: Callable[[], RunResult]) -> RunResult:
 def _model_path(model: str | None) -> str | Path:
     """The checkpoint both systems load: pdserve resolves ``None`` to this same converted folder."""
     if model is None:
-        from engine.default_model import ensure_default_model
+        from pdserve.engine.default_model import ensure_default_model
 
         return ensure_default_model()
     return model

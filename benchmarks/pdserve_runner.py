@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from benchmarks.workload import RunResult, Workload, timed
 
 if TYPE_CHECKING:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def run_pdserve(
     The engine is imported here, not at the top, so that ``--skip-pdserve`` runs the
     Hugging Face baselines even while the engine does not import.
     """
-    from engine import LLM
+    from pdserve.engine import LLM
 
     llm, setup_s = timed(
         lambda: LLM(
@@ -80,6 +80,6 @@ def run_pdserve(
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -102,8 +102,8 @@ def parse_settings(texts: list[str]) -> list[PrecisionSetting]:
 
 def build_llm(setting: PrecisionSetting, **llm_kwargs: Any) -> Any:
     """An ``LLM`` in ``setting``; whatever the constructor raises (unknown keyword, refused value) propagates."""
-    from engine import LLM
-    from engine.layers import linear
+    from pdserve.engine import LLM
+    from pdserve.engine.layers import linear
 
     if setting.execution != "library":
         return LLM(**setting.llm_kwargs(), **llm_kwargs)

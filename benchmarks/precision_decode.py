@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.layers.linear import PackedLinear
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.layers.linear import PackedLinear
 
 SETTINGS = {
     "float32": {"dtype": "float32"},

@@ -361,7 +361,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def _greedy(max_tokens: int) -> Any:
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

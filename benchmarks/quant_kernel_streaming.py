@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.linear_methods import _fallback_builds
 from benchmarks.machine_limits import BANDWIDTH_BUFFER_BYTES, measure_bandwidth_gbps
-from engine.layers import quant_kernels as qk
+from pdserve.engine.layers import quant_kernels as qk
 
 IN_FEATURES, OUT_FEATURES = 576, 3072
 

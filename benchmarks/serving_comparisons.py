@@ -93,7 +93,7 @@ def hf_reference(num_prompts: int, seed: int) -> dict[str, float]:
 
     from benchmarks.hf_baselines import continuous_batching_config, load_hf_model, run_hf_continuous
     from benchmarks.workload import Workload
-    from engine.default_model import ensure_default_model
+    from pdserve.engine.default_model import ensure_default_model
     from pdserve.bench.workload import WorkloadConfig, build_workload
 
     requests = build_workload(

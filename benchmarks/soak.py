@@ -41,9 +41,9 @@ import grpc
 
 from benchmarks.workload import LOWEST_ORDINARY_TOKEN_ID
 from pdserve.launcher import ClusterConfig, LocalCluster
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.server import channel_options
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.service_common.server import channel_options
 
 FAULTS = ("none", "cancel", "deadline")
 # The statuses each fault may end with; anything else is a lost request.

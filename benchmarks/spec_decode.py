@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 PASSAGE = (
     "The river town of Ellsworth grew up around a mill that ground wheat for the farms upstream. In 1871 a "
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch
 
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _sweep(llms: dict[str, Any], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """Output tokens/s at batch sizes above 1 with speculation forced on, against plain: where it stops paying
     (one pass per size)."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     params = SamplingParams(max_tokens=args.sweep_max_tokens, temperature=0.0)
     best: dict[tuple[int, str], float] = {}
@@ -219,7 +219,7 @@ def _sweep(llms: dict[str, Any], prompts: list[list[int]], args: argparse.Namesp
 def _w1(llms: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """W1 through each engine (speculation on, with its config's cut-off), best of ``--repeats``."""
     from benchmarks.workload import make_workload
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     plain = llms["plain"]
     workload = make_workload(32, 32, 256, 64, plain.engine.vocab_size, seed=0)

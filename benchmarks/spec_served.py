@@ -130,7 +130,7 @@ def chat_datasets(max_tokens: int, workdir: Path, prompts_of: dict[str, tuple[st
     """Each workload's prompts through the default model's chat template, as ``pdserve bench`` files."""
     from transformers import AutoTokenizer
 
-    from engine.model_loader import resolve_model_path
+    from pdserve.engine.model_loader import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
     paths = {}

@@ -1,7 +1,7 @@
 """What verifying k proposed tokens costs the target's projections: every packed linear of the default model
 (float32) on 1, 2, 3, 5 and 9 rows (a plain decode step and verification of k = 1, 2, 4, 8), best of
 ``--passes`` interleaved passes. The shape of this curve is why adaptive speculation measures a step's
-extra cost per proposal length and not per token (engine/spec_decode/adaptive.py).
+extra cost per proposal length and not per token (pdserve/engine/spec_decode/adaptive.py).
 
     python -m benchmarks.spec_verify_cost [--threads 1] [--passes 8]
 """
@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     args = parser.parse_args(argv)
     import torch
 
-    from engine import LLM
-    from engine.layers.linear import PackedLinear
+    from pdserve.engine import LLM
+    from pdserve.engine.layers.linear import PackedLinear
 
     torch.set_num_threads(args.threads)
     model = LLM(dtype="float32", num_kv_blocks=64).engine.runner.model

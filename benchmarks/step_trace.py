@@ -3,7 +3,7 @@
     python -m benchmarks.cluster_throughput --step-trace /tmp/steps     (prints round 1's phases)
     python -m benchmarks.step_trace /tmp/steps [--since T] [--until T]
 
-Each engine writes one file (``engine/step_trace.py``). A phase is one step
+Each engine writes one file (``pdserve/engine/step_trace.py``). A phase is one step
 that computes more tokens than it has sequences (a prefill chunk, or
 speculative verification), or a run of consecutive steps that each compute
 one token per sequence for the same number of sequences (plain decoding).
@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.step_trace import StepRecord, read_trace
+from pdserve.engine.step_trace import StepRecord, read_trace
 
 
 @dataclass(frozen=True)

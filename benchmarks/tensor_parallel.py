@@ -15,11 +15,11 @@ what the collectives cost, the split head against rank 0 alone by row count, byt
 2. The collectives alone, between two gloo ranks on loopback: one all-reduce of
    (rows, hidden) float32 (a step does 2 per layer) and the step-input broadcast.
 3. The LM head alone, by row count, between the same two ranks with the engine's
-   code (engine/parallel/vocab_head.py): split (each rank its half, rank 0 receives
+   code (pdserve/engine/parallel/vocab_head.py): split (each rank its half, rank 0 receives
    the other half's logits) against rank 0 alone over the whole vocabulary. Where
    the split stops paying is ``SPLIT_LM_HEAD_MAX_ROWS``.
 4. Bytes per handoff for each prefill-TP -> decode-TP pair (from the sharding code,
-   engine/parallel/sharding.py + kv_shards.py): what each decode rank receives
+   pdserve/engine/parallel/sharding.py + kv_shards.py): what each decode rank receives
    (exactly its heads), and what the prefill ranks send their rank 0 first.
 
 On 2 cores, TP 2 cannot be faster than TP 1 on both cores: both ranks share the
@@ -62,10 +62,10 @@ def _build_checkpoint(directory: Path, layers: int) -> Path:
 
 
 def _step_times(path: Path, repeats: int) -> dict[str, dict[str, float]]:
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.parallel import vocab_head
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.parallel import vocab_head
+    from pdserve.engine.sampling_params import SamplingParams
 
     engines = {
         tp: LLMEngine(EngineConfig(
@@ -123,9 +123,9 @@ def _collective_rank(rank: int, port: int, rows_list: list[int], head_rows: list
                      head_iterations: int, out: dict) -> None:  # noqa: ANN001
     from types import SimpleNamespace
 
-    from engine.layers.linear import PackedLinear
-    from engine.parallel.group import TensorParallelGroup
-    from engine.parallel.vocab_head import (
+    from pdserve.engine.layers.linear import PackedLinear
+    from pdserve.engine.parallel.group import TensorParallelGroup
+    from pdserve.engine.parallel.vocab_head import (
         VocabSplitHead, linear_over, gather_split_logits, send_split_logits, vocab_range,
     )
 
@@ -210,8 +210,8 @@ def _collectives(rows_list: list[int], head_rows: list[int], iterations: int, he
 def handoff_bytes(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int, num_tokens: int,
                   block_size: int, pairs: list[tuple[int, int]]) -> list[dict[str, object]]:
     """Per P->D pair: bytes each decode rank receives and bytes the prefill ranks send their rank 0."""
-    from engine.parallel.kv_shards import head_sources
-    from engine.parallel.sharding import kv_heads_of_rank
+    from pdserve.engine.parallel.kv_shards import head_sources
+    from pdserve.engine.parallel.sharding import kv_heads_of_rank
 
     num_blocks = -(-num_tokens // block_size)
     per_head = num_layers * 2 * num_blocks * block_size * head_dim * element_size

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from gateway.disaggregation import MODES as DISAGGREGATION_MODES
+from pdserve.gateway.disaggregation import MODES as DISAGGREGATION_MODES
 from pdserve.security_flags import (
     add_auth_token_argument,
     add_client_tls_arguments,
@@ -125,7 +125,7 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         "OMP_WAIT_POLICY=PASSIVE turns spinning off either way (default: adaptive)")
     parser.add_argument("--batch-window-ms", type=_non_negative_float, default=DEFAULT_BATCH_WINDOW_MS,
                         help="an idle worker that gets a prompt waits while more requests keep arriving (each within "
-                        "5 ms of the last: engine/async_engine.py's ARRIVAL_GAP_S), up to this long, before its first "
+                        "5 ms of the last: pdserve/engine/async_engine.py's ARRIVAL_GAP_S), up to this long, before its first "
                         "step, unless that step is full already: a burst then starts as one batch; a request arriving "
                         "alone waits 5 ms. A decode worker also holds a step, up to this long, for requests whose "
                         "pushed KV has fully landed and whose start is on its way, so that a prefill step's requests "
@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_offline(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM.from_config(engine_config(args))
@@ -338,9 +338,9 @@ def _run_offline(args: argparse.Namespace) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-    from service_common.security import bearer_metadata, open_channel
-    from service_common.server import channel_options
+    from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+    from pdserve.service_common.security import bearer_metadata, open_channel
+    from pdserve.service_common.server import channel_options
 
     params = generation_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from service_common.server import port_free
+from pdserve.service_common.server import port_free
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class LocalCluster:
 
     def engines_sleep_at_once(self) -> bool:
         """Whether its workers get ``OMP_WAIT_POLICY=PASSIVE``: engines share the cores and some of them do not
-        turn their spin off themselves while the others compute (``--openmp-spin``, engine/openmp.py): a
+        turn their spin off themselves while the others compute (``--openmp-spin``, pdserve/engine/openmp.py): a
         worker given ``--openmp-spin libgomp``, or tensor-parallel ranks (only a worker's own process has
         the governor)."""
         return self.engines_share_cores() and (self._has_tensor_parallel_ranks() or any(

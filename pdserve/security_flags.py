@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service_common.security import TlsConfig
+    from pdserve.service_common.security import TlsConfig
 
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 
@@ -43,7 +43,7 @@ def server_tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
     """The listening port's TLS, its files checked now (before a model loads); None: plaintext."""
     if args.tls_cert is None and args.tls_key is None and args.tls_client_ca is None:
         return None
-    from service_common.security import TlsConfig, server_credentials
+    from pdserve.service_common.security import TlsConfig, server_credentials
 
     if args.tls_cert is None or args.tls_key is None:
         raise ValueError("TLS needs both --tls-cert and --tls-key")
@@ -57,7 +57,7 @@ def client_tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
     given = (args.tls_ca, args.tls_client_cert, args.tls_client_key, args.tls_server_name)
     if all(value is None for value in given):
         return None
-    from service_common.security import TlsConfig, channel_credentials
+    from pdserve.service_common.security import TlsConfig, channel_credentials
 
     if (args.tls_client_cert is None) != (args.tls_client_key is None):
         raise ValueError("a client certificate needs both --tls-client-cert and --tls-client-key")
@@ -68,6 +68,6 @@ def client_tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
 
 def auth_token_from_args(args: argparse.Namespace) -> str | None:
     """The token from --auth-token-file, else from $PDSERVE_AUTH_TOKEN; None when neither is set."""
-    from service_common.security import load_auth_token
+    from pdserve.service_common.security import load_auth_token
 
     return load_auth_token(args.auth_token_file, os.environ.get(AUTH_TOKEN_ENV), AUTH_TOKEN_ENV)

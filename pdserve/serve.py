@@ -15,7 +15,7 @@ from pdserve.security_flags import auth_token_from_args, client_tls_from_args, s
 
 def speculative_config(text: str):  # noqa: ANN201 - engine types imported lazily
     """``--speculative-config``'s value: vLLM's JSON shape, checked while the arguments are parsed."""
-    from engine.spec_decode.config import SpeculativeConfig
+    from pdserve.engine.spec_decode.config import SpeculativeConfig
 
     try:
         return SpeculativeConfig.from_dict(text)
@@ -35,7 +35,7 @@ def add_speculative_config_argument(parser: argparse.ArgumentParser, whose: str 
 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -52,7 +52,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
-    from service_common.logs import configure_logging
+    from pdserve.service_common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
 
@@ -74,7 +74,7 @@ def _advertise_host(args: argparse.Namespace) -> str:
 
 
 def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
-    from service_common.server import install_uvloop, run_until_signal
+    from pdserve.service_common.server import install_uvloop, run_until_signal
 
     install_uvloop()
 
@@ -113,10 +113,10 @@ def _raise_niceness(increment: int) -> None:
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
-    from engine.llm_engine import LLMEngine
-    from engine.openmp import on_a_passing_thread
-    from service_common.server import ServerConfig
-    from service_common.worker import WorkerConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.openmp import on_a_passing_thread
+    from pdserve.service_common.server import ServerConfig
+    from pdserve.service_common.worker import WorkerConfig
 
     _setup_logging(args)
     if args.niceness:
@@ -129,7 +129,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     server_tls = server_tls_from_args(args)
     client_tls = client_tls_from_args(args)  # a prefill worker dials decode workers to push KV
     # Loaded on a thread that ends, so that the engine thread is the process's only OpenMP pool: a second
-    # one (the main thread's) makes every parallel region of every step sleep and wake (engine/openmp.py).
+    # one (the main thread's) makes every parallel region of every step sleep and wake (pdserve/engine/openmp.py).
     config = engine_config(args)
     engine = on_a_passing_thread(lambda: LLMEngine(config))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
@@ -147,18 +147,18 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     )
     advertise = _advertise_host(args)
     if role == "prefill":
-        from prefill_service.server import PrefillServer
+        from pdserve.prefill_service.server import PrefillServer
 
         return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
                                             advertise_host=advertise, metrics_port=args.metrics_port,
                                             client_tls=client_tls), args)
     if role == "colocated":
-        from decode_service.colocated import ColocatedServer
+        from pdserve.decode_service.colocated import ColocatedServer
 
         return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
                                               advertise_host=advertise, kv_failure_policy=args.kv_failure_policy,
                                               client_tls=client_tls, metrics_port=args.metrics_port), args)
-    from decode_service.server import DecodeServer
+    from pdserve.decode_service.server import DecodeServer
 
     return _serve(lambda: DecodeServer(engine, server_config, worker_config, advertise_host=advertise,
                                        kv_failure_policy=args.kv_failure_policy, client_tls=client_tls,
@@ -178,9 +178,9 @@ def run_colocated(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from gateway.server import GatewayServer
-    from gateway.tokenizer import load_tokenizer
-    from service_common.server import ServerConfig
+    from pdserve.gateway.server import GatewayServer
+    from pdserve.gateway.tokenizer import load_tokenizer
+    from pdserve.service_common.server import ServerConfig
 
     _setup_logging(args)
     if not args.prefill and not args.decode and not args.redis_url:

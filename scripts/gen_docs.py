@@ -14,7 +14,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTOS = [ROOT / "protos/pdserve/v1/generation.proto", ROOT / "protos/pdserve/v1/internal/worker.proto"]
+PROTOS = [ROOT / "pdserve/protos/pdserve/v1/generation.proto", ROOT / "pdserve/protos/pdserve/v1/internal/worker.proto"]
 
 _DECL = re.compile(r"^\s*(service|message|enum)\s+(\w+)")
 _RPC = re.compile(r"^\s*rpc\s+(\w+)\s*\((stream\s+)?([\w.]+)\)\s*returns\s*\((stream\s+)?([\w.]+)\)")

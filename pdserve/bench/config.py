@@ -13,7 +13,7 @@ from pdserve.bench.runner import RunConfig, SamplingConfig
 from pdserve.bench.workload import WorkloadConfig
 
 if TYPE_CHECKING:
-    from service_common.security import TlsConfig
+    from pdserve.service_common.security import TlsConfig
 
 BACKENDS = ("grpc", "http")  # pdserve.v1.Generation; the OpenAI HTTP API (/v1/completions)
 SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from pdserve.bench.backend import BackendError, BackendRequest, ModelDescription, StreamChunk, Usage
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.security import TlsConfig, bearer_metadata, open_channel
-from service_common.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.security import TlsConfig, bearer_metadata, open_channel
+from pdserve.service_common.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 MODEL_INFO_TIMEOUT_S = 10.0
 

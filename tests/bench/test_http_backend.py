@@ -14,7 +14,7 @@ from pdserve.bench.config import BenchConfig
 from pdserve.bench.http_backend import to_json
 from pdserve.bench.runner import SamplingConfig
 from pdserve.bench.workload import WorkloadConfig
-from service_common.server import ServerConfig
+from pdserve.service_common.server import ServerConfig
 from tests.support.cluster import ClusterOptions, InProcessCluster
 
 TOKEN = "bench-token"

@@ -101,7 +101,7 @@ def test_truncated_kl_of_identical_lists_is_zero_and_agreement_averages_position
 def test_the_text_is_five_licences_in_a_fixed_order_of_23535_default_tokens() -> None:
     from transformers import AutoTokenizer
 
-    from engine.default_model import ensure_default_tokenizer
+    from pdserve.engine.default_model import ensure_default_tokenizer
 
     text = load_text()
     assert text.startswith("                    GNU GENERAL PUBLIC LICENSE\n                       Version 3")
@@ -185,7 +185,7 @@ def test_targets_follow_the_issue() -> None:
 def test_scored_logprobs_match_transformers_window_by_window(llama_checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from pdserve.engine import LLM
 
     token_ids = random_prompts([70], seed=3)[0]
     windows = sliding_windows(len(token_ids), 32, 16) + sliding_windows(len(token_ids), 32, 32)
@@ -274,8 +274,8 @@ def test_roofline_bound_uses_the_settings_bytes_and_rate() -> None:
 def test_the_library_execution_keeps_layers_off_pdserves_dense_kernels(
     llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.layers import linear
-    from engine.layers.dense_kernels import load_dense_kernels
+    from pdserve.engine.layers import linear
+    from pdserve.engine.layers.dense_kernels import load_dense_kernels
 
     kernels = load_dense_kernels()  # the native build: its portable bf16 path where the CPU lacks AVX512-BF16
     monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: kernels)

@@ -13,7 +13,7 @@ from benchmarks.random_checkpoint import SMOLLM2_135M, write_random_checkpoint
 
 @pytest.mark.slow
 def test_the_preset_is_the_converted_default_models_architecture() -> None:
-    from engine.default_model import ensure_default_model
+    from pdserve.engine.default_model import ensure_default_model
 
     converted = json.loads((ensure_default_model() / "config.json").read_text(encoding="utf-8"))
     assert {key: converted[key] for key in SMOLLM2_135M} == SMOLLM2_135M

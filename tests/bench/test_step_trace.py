@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks import step_trace
 from benchmarks.cluster_throughput import gap_split_report, probe_gap_splits, step_report
 from benchmarks.workload import RunResult
-from engine.step_trace import StepRecord
+from pdserve.engine.step_trace import StepRecord
 
 # A decode worker's burst: one request decoding alone, a prefill step (speculation-free: more tokens
 # than sequences), then 3 sequences decoding, then 2.

@@ -8,9 +8,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError, SamplingOptions, Usage
-from service_common.server import ServerConfig
+from pdserve.service_common.server import ServerConfig
 from tests.conftest import Oracle, random_prompts
 from tests.support.cluster import ClusterOptions, InProcessCluster
 

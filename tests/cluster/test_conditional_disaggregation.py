@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.disaggregation import DisaggregationPolicy
-from gateway.router import RecentPrefills
-from gateway.server import GatewayServer
+from pdserve.gateway.disaggregation import DisaggregationPolicy
+from pdserve.gateway.router import RecentPrefills
+from pdserve.gateway.server import GatewayServer
 from pdserve.cli import build_parser
 from pdserve.launcher import ClusterConfig
-from protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until

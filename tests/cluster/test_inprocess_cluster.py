@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.server import channel_options
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.server import channel_options
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.support.cluster import ClusterOptions
 from tests.support.waiting import wait_until
@@ -101,7 +101,7 @@ async def test_a_dead_engine_thread_fails_requests_and_turns_health_to_not_servi
 ) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+    from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 
     options = ClusterOptions(num_kv_blocks=32, decode_workers=0, gateway=False)
     cluster = await start_inprocess_cluster(llama_checkpoint, options)
@@ -138,7 +138,7 @@ async def test_a_dead_engine_thread_fails_requests_and_turns_health_to_not_servi
 async def test_over_the_admission_limit_a_prefill_gets_resource_exhausted_at_once(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    from protos.pdserve.v1.internal import worker_pb2
+    from pdserve.protos.pdserve.v1.internal import worker_pb2
 
     options = ClusterOptions(
         num_kv_blocks=256, decode_workers=0, gateway=False, max_queued_requests=8, max_queued_tokens=400
@@ -180,8 +180,8 @@ async def test_unfetchable_kv_is_recomputed_or_fails_per_policy(
 ) -> None:
     import socket
 
-    from kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
-    from protos.pdserve.v1.internal import worker_pb2
+    from pdserve.kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
+    from pdserve.protos.pdserve.v1.internal import worker_pb2
 
     with socket.socket() as probe:  # a loopback port nobody listens on: the prefill worker is gone
         probe.bind(("127.0.0.1", 0))
@@ -242,14 +242,14 @@ async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(
 async def test_a_handoff_through_the_services_hashes_each_prompt_block_once(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.hashing
-    import engine.sequence
+    import pdserve.engine.hashing
+    import pdserve.engine.sequence
 
     # No Redis: the gateway routes by load and hashes nothing; what is counted is the workers' hashing.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=64))
     assert cluster.stub is not None
     hashed: list[list[int]] = []
-    for module in (engine.sequence, engine.hashing):  # the engines' sequences, and hash_prompt_blocks
+    for module in (pdserve.engine.sequence, pdserve.engine.hashing):  # the engines' sequences, and hash_prompt_blocks
 
         def counting(parent, token_ids, model_id, real=module.hash_block):  # noqa: ANN001, ANN202
             hashed.append(list(token_ids))

@@ -9,15 +9,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode_service.server import DecodeServer
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from gateway.server import GatewayServer
-from prefill_service.server import PrefillServer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.server import ServerConfig, channel_options
-from service_common.worker import WorkerConfig
+from pdserve.decode_service.server import DecodeServer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.gateway.server import GatewayServer
+from pdserve.prefill_service.server import PrefillServer
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.server import ServerConfig, channel_options
+from pdserve.service_common.worker import WorkerConfig
 from tests.conftest import random_prompts
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
-from decode_service.server import DecodeServer
+from pdserve.decode_service.server import DecodeServer
 from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until
 

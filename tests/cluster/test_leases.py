@@ -11,9 +11,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from prefill_service.server import PrefillServer
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.prefill_service.server import PrefillServer
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.conftest import StartInProcessCluster, random_prompts
 from tests.support.cluster import NUM_KV_BLOCKS, ClusterOptions
 from tests.support.waiting import wait_until

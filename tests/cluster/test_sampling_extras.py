@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.outputs import RequestOutput
-from kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2
-from service_common.convert import sampling_params_from_proto, sampling_params_to_proto
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.outputs import RequestOutput
+from pdserve.kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
+from pdserve.service_common.convert import sampling_params_from_proto, sampling_params_to_proto
 from tests.conftest import EOS_TOKEN_ID, StartInProcessCluster, random_prompts
 from tests.support.cluster import ClusterOptions
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.spec_decode.config import SpeculativeConfig
-from protos.pdserve.v1 import generation_pb2
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.observability.test_metrics import _scrape, _value
 from tests.support.cluster import ClusterOptions

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.workers import WorkerHandle
-from protos.pdserve.v1 import generation_pb2
+from pdserve.gateway.workers import WorkerHandle
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.support.cluster import ClusterOptions, InProcessCluster
 

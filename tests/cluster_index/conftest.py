@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from cluster_index import connect
+from pdserve.cluster_index import connect
 from tests.cluster_index.helpers import REDIS_URL
 from tests.cluster_index.redis_proxy import RedisProxy
 

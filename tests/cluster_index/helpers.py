@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster_index import WorkerInfo, WorkerRole
-from engine.hashing import BlockHash, hash_prompt_blocks
+from pdserve.cluster_index import WorkerInfo, WorkerRole
+from pdserve.engine.hashing import BlockHash, hash_prompt_blocks
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BLOCK_SIZE = 4

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster_index import BlockChanges, BlockEventBatch
-from engine.hashing import BlockHash
+from pdserve.cluster_index import BlockChanges, BlockEventBatch
+from pdserve.engine.hashing import BlockHash
 
 A, B, C, D = (BlockHash(bytes([i]) * 16) for i in range(4))
 

@@ -6,7 +6,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import SSLConnection
 
-from cluster_index import cancel_and_wait, connect
+from pdserve.cluster_index import cancel_and_wait, connect
 from tests.cluster_index.helpers import REDIS_URL
 from tests.support.waiting import wait_until
 

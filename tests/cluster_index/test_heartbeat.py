@@ -5,7 +5,7 @@ import logging
 import pytest
 from redis.asyncio import Redis
 
-from cluster_index import Heartbeat, KeySpace, WorkerRegistry, WorkerStatus, connect
+from pdserve.cluster_index import Heartbeat, KeySpace, WorkerRegistry, WorkerStatus, connect
 from tests.cluster_index.helpers import make_worker
 from tests.cluster_index.redis_proxy import RedisProxy
 from tests.support.waiting import wait_until

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from redis.asyncio import Redis
 
-from cluster_index import KeySpace, PrefixIndexLookup, PrefixIndexPublisher, WorkerRegistry
+from pdserve.cluster_index import KeySpace, PrefixIndexLookup, PrefixIndexPublisher, WorkerRegistry
 from tests.cluster_index.helpers import make_worker, prompt_hashes
 
 EPOCH_A = 101

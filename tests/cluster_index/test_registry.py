@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 from redis.asyncio import Redis
 
-from cluster_index import IndexUnavailable, KeySpace, WorkerInfo, WorkerRegistry, WorkerStatus, connect
+from pdserve.cluster_index import IndexUnavailable, KeySpace, WorkerInfo, WorkerRegistry, WorkerStatus, connect
 from tests.cluster_index.helpers import make_worker
 from tests.support.waiting import wait_until
 

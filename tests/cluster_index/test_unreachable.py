@@ -7,7 +7,7 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from cluster_index import PrefixIndexLookup, PrefixIndexPublisher, connect
+from pdserve.cluster_index import PrefixIndexLookup, PrefixIndexPublisher, connect
 from tests.cluster_index.helpers import make_worker, prompt_hashes
 from tests.cluster_index.redis_proxy import RedisProxy
 

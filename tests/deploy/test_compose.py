@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pdserve.cli import build_parser
-from service_common.server import Server, ServerConfig
+from pdserve.service_common.server import Server, ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"

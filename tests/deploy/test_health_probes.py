@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2
-from service_common.server import LIVENESS_SERVICE, Server, ServerConfig
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
+from pdserve.service_common.server import LIVENESS_SERVICE, Server, ServerConfig
 from tests.conftest import StartInProcessCluster
 from tests.support.cluster import ClusterOptions
 from tests.support.waiting import wait_until

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 
 from pdserve.cli import build_parser
-from service_common.server import LIVENESS_SERVICE
+from pdserve.service_common.server import LIVENESS_SERVICE
 from tests.deploy.manifests import VARIANTS, Rendered, prepare_tree, render, selector_matches
 
 # The oldest Kubernetes the manifests claim (gRPC probes are GA from 1.27; 1.29 is the oldest
@@ -264,7 +264,7 @@ def test_every_file_a_command_reads_is_a_key_of_a_mounted_secret(variants: dict[
 
 
 def test_disruption_budgets_and_autoscalers_target_the_worker_deployments(variants: dict[str, Rendered]) -> None:
-    from service_common.metrics import WorkerMetrics
+    from pdserve.service_common.metrics import WorkerMetrics
 
     exported = _worker_metric_names(WorkerMetrics)
     for rendered in _all(variants):
@@ -289,7 +289,7 @@ def test_disruption_budgets_and_autoscalers_target_the_worker_deployments(varian
 
 
 def _worker_metric_names(worker_metrics: type) -> set[str]:
-    from engine.llm_engine import EngineStats
+    from pdserve.engine.llm_engine import EngineStats
 
     stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,
                         num_held=0, num_preemptions=0)

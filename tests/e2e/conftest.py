@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from pdserve.launcher import ClusterConfig, LocalCluster
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.server import channel_options
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.service_common.server import channel_options
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, random_prompts
 from tests.e2e.conftest import cluster_config, generate, load
 from tests.support.waiting import wait_until
@@ -85,8 +85,8 @@ async def _wait_idle(cluster) -> tuple:  # noqa: ANN001 - a LocalCluster
 async def test_client_cancel_and_deadline_free_blocks_on_both_workers(llama_checkpoint: Path, start_cluster) -> None:
     import grpc
 
-    from protos.pdserve.v1 import generation_pb2_grpc
-    from service_common.server import channel_options
+    from pdserve.protos.pdserve.v1 import generation_pb2_grpc
+    from pdserve.service_common.server import channel_options
 
     cluster = start_cluster(cluster_config(llama_checkpoint))
     prompt = random_prompts([100], seed=51)[0]

@@ -23,10 +23,10 @@ import grpc
 import pytest
 import yaml
 
-from cluster_index import WorkerRegistry, connect
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.security import TlsConfig, bearer_metadata, open_channel
-from service_common.server import LIVENESS_SERVICE, channel_options
+from pdserve.cluster_index import WorkerRegistry, connect
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.security import TlsConfig, bearer_metadata, open_channel
+from pdserve.service_common.server import LIVENESS_SERVICE, channel_options
 from tests.conftest import Oracle, random_prompts
 from tests.deploy.manifests import KUBERNETES_DIR
 from tests.e2e.conftest import stream_outcome

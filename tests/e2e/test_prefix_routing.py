@@ -7,9 +7,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
-from engine.hashing import hash_prompt_blocks
-from protos.pdserve.v1 import generation_pb2
+from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
+from pdserve.engine.hashing import hash_prompt_blocks
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import random_prompts
 from tests.e2e.conftest import REDIS_URL, cluster_config, generate, load
 from tests.support.waiting import wait_until

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster_index import PrefixIndexLookup, WorkerRegistry, connect
-from engine.hashing import hash_prompt_blocks
+from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
+from pdserve.engine.hashing import hash_prompt_blocks
 from pdserve.launcher import redis_answers
-from protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import random_prompts
 from tests.e2e.conftest import cluster_config, generate, load
 from tests.support.waiting import wait_until, wait_until_sync

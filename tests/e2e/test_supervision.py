@@ -26,9 +26,9 @@ import grpc
 import pytest
 import torch
 
-from cluster_index import WorkerRegistry, connect
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.server import channel_options
+from pdserve.cluster_index import WorkerRegistry, connect
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.server import channel_options
 from tests.conftest import EOS_TOKEN_ID, random_prompts
 from tests.e2e.conftest import load
 from tests.support.waiting import wait_until, wait_until_sync
@@ -415,7 +415,7 @@ def test_up_on_a_taken_port_fails_with_one_line_naming_the_flag(flag: str, messa
 def _port_with_three_free_below() -> socket.socket:
     """A listening socket on a loopback port whose three ports below are free (an ephemeral port's neighbours
     are now and then taken by other connections: another port is tried then)."""
-    from service_common.server import port_free
+    from pdserve.service_common.server import port_free
 
     for _ in range(50):
         taken = socket.socket()

@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from service_common.server import channel_options
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.server import channel_options
 from tests.conftest import random_prompts
 from tests.e2e.conftest import cluster_config, generate, stream_outcome
 from tests.support.waiting import wait_until

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import Oracle, random_prompts
 
 pytestmark = [
@@ -49,7 +49,7 @@ def test_flash_attn_backend_matches_sdpa_in_bfloat16(llama_checkpoint: Path) -> 
 
 def test_cuda_sdpa_leaves_cudnn_attention_out(llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # cuDNN builds a graph per new shape (hundreds of ms): prefill chunks of every length must not go there.
-    from engine.attention import sdpa
+    from pdserve.engine.attention import sdpa
 
     enabled_at_call = []
     attend = sdpa.F.scaled_dot_product_attention

@@ -12,8 +12,8 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer import INTERNAL_GRPC_OPTIONS, TransferConfig, make_receiver
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.kv_transfer import INTERNAL_GRPC_OPTIONS, TransferConfig, make_receiver
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.kv_transfer.seeded_source import BIG_REQUEST, NUM_BLOCKS, SMALL_REQUEST, full_blocks
 from tests.kv_transfer.sender_harness import SenderProcess, handoff, running_sender
 

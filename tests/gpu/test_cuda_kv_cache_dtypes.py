@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import random_prompts
 from tests.support.handoff import handoff_tokens, prefill_and_hold
 

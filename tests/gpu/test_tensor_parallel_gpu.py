@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from engine.kv_handoff import KVFetch, KVHoldParams
-from engine.llm_engine import LLMEngine
-from kv_transfer.config import TransferConfig
-from kv_transfer.sharded import FETCHER, RankFetchOptions
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.kv_handoff import KVFetch, KVHoldParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.sharded import FETCHER, RankFetchOptions
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 
@@ -65,7 +65,7 @@ def test_handoff_from_tp2_to_tp2_reshards_over_gpu_transports(checkpoint: Path, 
     try:
         sender = SenderServer(prefill)
         sender.kv.config = config
-        from kv_transfer.base import make_receiver
+        from pdserve.kv_transfer.base import make_receiver
 
         receiver = make_receiver(transport, config)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.server import GatewayServer
-from service_common.server import ServerConfig
+from pdserve.gateway.server import GatewayServer
+from pdserve.service_common.server import ServerConfig
 from tests.conftest import Oracle
 from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until
@@ -144,8 +144,8 @@ async def test_over_the_admission_limit_gets_429_and_a_disconnect_frees_the_slot
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_chat_with_the_default_model_streams_and_answers() -> None:
-    from engine.default_model import ensure_default_model
-    from gateway.tokenizer import load_tokenizer
+    from pdserve.engine.default_model import ensure_default_model
+    from pdserve.gateway.tokenizer import load_tokenizer
 
     path = ensure_default_model()
     async with _cluster(path, load_tokenizer(None)) as gateway:
@@ -166,7 +166,7 @@ async def test_chat_with_the_default_model_streams_and_answers() -> None:
 
 @pytest.mark.asyncio
 async def test_without_workers_health_and_completions_answer_503() -> None:
-    from gateway.server import GatewayServer
+    from pdserve.gateway.server import GatewayServer
 
     # A gateway whose only worker addresses answer nothing: no healthy prefill or decode worker.
     gateway = GatewayServer(ServerConfig(), None, ["127.0.0.1:1"], ["127.0.0.1:1"], http_port=0)

@@ -15,9 +15,9 @@ import openai
 import pytest
 import torch
 
-from gateway.server import GatewayServer
-from gateway.tokenizer import load_tokenizer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.gateway.server import GatewayServer
+from pdserve.gateway.tokenizer import load_tokenizer
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import Oracle, StartInProcessCluster
 from tests.http.test_openai_api import _client, _cluster
 from tests.support.cluster import ClusterOptions

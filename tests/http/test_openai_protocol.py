@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.openai_protocol import (
+from pdserve.gateway.openai_protocol import (
     CHAT_KEYS,
     COMPLETION_KEYS,
     NO_OP_VALUES,
@@ -15,7 +15,7 @@ from gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1 import generation_pb2
 
 
 class RecordingTokenizer:

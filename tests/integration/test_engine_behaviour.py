@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import random_prompts
 
 
@@ -179,10 +179,10 @@ def test_invalid_prompts_raise_value_error_and_leave_the_engine_clean(tiny_llm: 
 def test_an_explicit_bf16_on_a_cpu_without_bf16_units_warns_that_it_is_emulated(
     native: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from engine import llm_engine
+    from pdserve.engine import llm_engine
 
     monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: native)
-    with caplog.at_level("WARNING", logger="engine.llm_engine"):
+    with caplog.at_level("WARNING", logger="pdserve.engine.llm_engine"):
         assert llm_engine._resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
         assert llm_engine._resolve_dtype("float32", torch.device("cpu")) == torch.float32
     warnings = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
@@ -192,7 +192,7 @@ def test_an_explicit_bf16_on_a_cpu_without_bf16_units_warns_that_it_is_emulated(
 
 
 def test_dtype_auto_is_bf16_where_the_cpu_runs_it_natively(llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import llm_engine
+    from pdserve.engine import llm_engine
 
     with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
         flags = next(line for line in cpuinfo if line.startswith("flags")).split()

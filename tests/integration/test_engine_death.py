@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.errors import EngineDeadError
+from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.errors import EngineDeadError
 from tests.conftest import random_prompts
 from tests.support.held_step import HeldStep
 

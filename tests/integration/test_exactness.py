@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import hand_over, handoff_tokens, prefill_and_hold
 

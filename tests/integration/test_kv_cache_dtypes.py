@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import random_prompts
 from tests.support.handoff import handoff_tokens
 

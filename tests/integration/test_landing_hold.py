@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.kv_handoff import KVFetch, KVHandoff, KVReservation
+from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVReservation
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import prefill_and_hold
 from tests.support.step_log import StepLog

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
 from tests.conftest import random_prompts
 
 PROMPTS = random_prompts([40, 95, 160, 300], seed=1)

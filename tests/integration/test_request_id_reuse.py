@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.outputs import RequestOutput
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.outputs import RequestOutput
 from tests.conftest import random_prompts
 from tests.support.held_step import HeldStep
 

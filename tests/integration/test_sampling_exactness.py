@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.hashing import hash_prompt_blocks
-from engine.kv_handoff import KVHandoff
+from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine.hashing import hash_prompt_blocks
+from pdserve.engine.kv_handoff import KVHandoff
 from tests.conftest import EOS_TOKEN_ID, Oracle, random_prompts
 
 MAX_TOKENS = 20

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.spec_decode.decoder import SpecDecoder
+from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine.spec_decode.decoder import SpecDecoder
 from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE, Oracle, random_prompts
 from tests.support.handoff import handoff_tokens
 from tests.support.proposers import ScriptedProposer

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.kv_handoff import DRAFT_SECTION_SUFFIX, KVHandoff, KVLayout
-from engine.spec_decode.config import SpeculativeConfig
-from kv_transfer.descriptor import handoff_from_proto, handoff_to_proto
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.kv_handoff import DRAFT_SECTION_SUFFIX, KVHandoff, KVLayout
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.kv_transfer.descriptor import handoff_from_proto, handoff_to_proto
 from tests.conftest import Oracle, random_prompts
 from tests.integration.test_spec_decode_draft import shallow_draft  # noqa: F401 - fixture
 from tests.support.handoff import finished_outputs, prefill_and_hold

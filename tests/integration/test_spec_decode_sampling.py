@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import VOCAB_SIZE, random_prompts
 from tests.support.proposers import ScriptedProposer
 

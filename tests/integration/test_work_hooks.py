@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
 from tests.conftest import random_prompts
 
 

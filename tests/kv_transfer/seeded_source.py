@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
-from engine.kv_cache import pack_int8, quantize_int8
-from kv_transfer.descriptor import KVLayout
+from pdserve.engine.kv_cache import pack_int8, quantize_int8
+from pdserve.kv_transfer.descriptor import KVLayout
 
 # 32 KiB per block: a few blocks stay small, BIG_REQUEST spans several 1 MiB chunks.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, block_size=16, dtype="float32")

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_transfer import KVHandoff
+from pdserve.kv_transfer import KVHandoff
 from tests.kv_transfer.seeded_source import LAYOUT, NUM_BLOCKS, layout_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import sys
 
 import grpc
 
-from kv_transfer import INTERNAL_GRPC_OPTIONS, KVSenderServicer, TransferConfig
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.kv_transfer import INTERNAL_GRPC_OPTIONS, KVSenderServicer, TransferConfig
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.kv_transfer.seeded_source import SeededSource
 
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.hashing import BlockHash
-from kv_transfer import KVHandoff, KVLayout, TransferConfig, make_receiver, make_stager
-from kv_transfer.descriptor import handoff_from_proto, handoff_to_proto, layout_from_proto, layout_to_proto
+from pdserve.engine.hashing import BlockHash
+from pdserve.kv_transfer import KVHandoff, KVLayout, TransferConfig, make_receiver, make_stager
+from pdserve.kv_transfer.descriptor import handoff_from_proto, handoff_to_proto, layout_from_proto, layout_to_proto
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 

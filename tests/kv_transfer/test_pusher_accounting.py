@@ -12,9 +12,9 @@ import asyncio
 import pytest
 import torch
 
-from engine.kv_handoff import KVLayout
-from kv_transfer.config import TransferConfig
-from kv_transfer.pusher import KVPusher
+from pdserve.engine.kv_handoff import KVLayout
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.pusher import KVPusher
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 NUM_BLOCKS = 3
@@ -67,7 +67,7 @@ async def test_a_push_stopped_while_a_piece_is_sent_counts_its_bytes_once() -> N
 async def test_the_stream_ends_with_the_start_after_every_piece_whichever_comes_first(finish_first: bool) -> None:
     # The engine hands over its last piece and the end (push_end) on its thread; the service's
     # finish() queues the request's start from the event loop, possibly before them.
-    from protos.pdserve.v1.internal import worker_pb2
+    from pdserve.protos.pdserve.v1.internal import worker_pb2
 
     pusher = _pusher(chunk_bytes=1 << 20)
     pusher.start("r", "127.0.0.1:1", "grpc", LAYOUT, NUM_BLOCKS)

@@ -16,8 +16,8 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer import INTERNAL_GRPC_OPTIONS, MAX_CHUNK_BYTES, KVTransferError, TransferConfig, make_receiver
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.kv_transfer import INTERNAL_GRPC_OPTIONS, MAX_CHUNK_BYTES, KVTransferError, TransferConfig, make_receiver
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.kv_transfer.seeded_source import (
     BF16_REQUEST,
     BIG_REQUEST,

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos.pdserve.v1 import generation_pb2
-from service_common.logs import TEXT_FORMAT, JsonFormatter, RequestIdFilter, request_id_context
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.service_common.logs import TEXT_FORMAT, JsonFormatter, RequestIdFilter, request_id_context
 from tests.conftest import StartInProcessCluster
 from tests.support.cluster import ClusterOptions
 from tests.support.waiting import wait_until
@@ -126,7 +126,7 @@ async def test_lines_logged_while_handling_a_request_carry_its_id(
     llama_checkpoint: Path, caplog: pytest.LogCaptureFixture, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     caplog.handler.addFilter(RequestIdFilter())
-    caplog.set_level(logging.DEBUG, logger="gateway.server")
+    caplog.set_level(logging.DEBUG, logger="pdserve.gateway.server")
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=NUM_BLOCKS))
     assert cluster.stub is not None
     request = generation_pb2.GenerateRequest(
@@ -156,8 +156,8 @@ def test_worker_scaling_signals_are_the_engine_snapshot_at_scrape_time() -> None
     """What the autoscalers in deploy/kubernetes read: queued prompt tokens, running sequences, KV usage."""
     from prometheus_client import generate_latest
 
-    from engine.llm_engine import EngineStats
-    from service_common.metrics import WorkerMetrics
+    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.service_common.metrics import WorkerMetrics
 
     stats = EngineStats(num_running=3, num_waiting=2, num_queued_tokens=1234, num_free_blocks=25, num_total_blocks=100,
                         num_held=0, num_preemptions=0)
@@ -174,9 +174,9 @@ def test_worker_scaling_signals_are_the_engine_snapshot_at_scrape_time() -> None
 def test_worker_metrics_show_the_openmp_spin_governor() -> None:
     from prometheus_client import generate_latest
 
-    from engine.llm_engine import EngineStats
-    from engine.openmp import SpinGovernor
-    from service_common.metrics import WorkerMetrics
+    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.engine.openmp import SpinGovernor
+    from pdserve.service_common.metrics import WorkerMetrics
 
     stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,
                         num_held=0, num_preemptions=0)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm import LLM
-from engine.parallel.group import TensorParallelError
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.engine.parallel.group import TensorParallelError
+from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 
@@ -90,7 +90,7 @@ def test_tensor_parallel_greedy_matches_transformers_through_batching_prefix_hit
 
 
 def test_tensor_parallel_kv_heads_follow_the_rank(checkpoints: dict[str, Path]) -> None:
-    from engine.parallel.sharding import kv_heads_of_rank
+    from pdserve.engine.parallel.sharding import kv_heads_of_rank
 
     # split where the ranks divide the KV heads, replicated where they outnumber them
     assert [kv_heads_of_rank(6, 3, r) for r in range(3)] == [range(0, 2), range(2, 4), range(4, 6)]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from protos.pdserve.v1 import generation_pb2
-from service_common.server import ServerConfig
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.service_common.server import ServerConfig
 from tests.conftest import StartInProcessCluster, random_prompts
 from tests.parallel.support import Reference, build, comparable
 from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture

@@ -20,16 +20,16 @@ import grpc
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from engine.kv_handoff import KVFetch, KVHoldParams
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kv_transfer.base import make_receiver
-from kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from kv_transfer.sender import KVSenderServicer
-from kv_transfer.sharded import FETCHER, RankFetchOptions
-from protos.pdserve.v1.internal import worker_pb2_grpc
-from service_common.security import TlsConfig, open_channel, server_credentials
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.kv_handoff import KVFetch, KVHoldParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import make_receiver
+from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
+from pdserve.kv_transfer.sender import KVSenderServicer
+from pdserve.kv_transfer.sharded import FETCHER, RankFetchOptions
+from pdserve.protos.pdserve.v1.internal import worker_pb2_grpc
+from pdserve.service_common.security import TlsConfig, open_channel, server_credentials
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.layers import linear
-from engine.llm import LLM
-from engine.model_loader import load_hf_config, load_model
-from engine.parallel import vocab_head
-from engine.parallel.sharding import TensorParallelShard, check_tensor_parallel
-from engine.parallel.vocab_head import VocabSplitHead, install_split_head, uses_split_head, vocab_range
-from engine.sampling_params import SamplingParams
+from pdserve.engine.layers import linear
+from pdserve.engine.llm import LLM
+from pdserve.engine.model_loader import load_hf_config, load_model
+from pdserve.engine.parallel import vocab_head
+from pdserve.engine.parallel.sharding import TensorParallelShard, check_tensor_parallel
+from pdserve.engine.parallel.vocab_head import VocabSplitHead, install_split_head, uses_split_head, vocab_range
+from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parallel.support import ODD_VOCAB_SIZE, Reference, build, comparable, llama_config
 
@@ -135,8 +135,8 @@ def test_prompt_logprobs_under_tensor_parallelism_equal_one_rank(odd_vocab: Path
 
 
 def test_a_steps_logits_rows_cross_the_step_codec_after_its_block_tables() -> None:
-    from engine.attention.backend import AttentionBatch
-    from engine.parallel.step_codec import StepInputs, decode_step, encode_step
+    from pdserve.engine.attention.backend import AttentionBatch
+    from pdserve.engine.parallel.step_codec import StepInputs, decode_step, encode_step
 
     cpu = torch.device("cpu")
     batch = AttentionBatch(

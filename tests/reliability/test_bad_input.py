@@ -11,9 +11,9 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.validation import RequestLimits, validate_generate_request
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2
+from pdserve.gateway.validation import RequestLimits, validate_generate_request
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
 from tests.conftest import VOCAB_SIZE
 from tests.support.cluster import NUM_KV_BLOCKS, InProcessCluster
 

@@ -13,8 +13,8 @@ import pytest_asyncio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.validation import RequestLimits, validate_generate_request
-from protos.pdserve.v1 import generation_pb2
+from pdserve.gateway.validation import RequestLimits, validate_generate_request
+from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import VOCAB_SIZE
 from tests.support.cluster import NUM_KV_BLOCKS, InProcessCluster
 

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from pdserve.cli import main
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.security import (
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.service_common.security import (
     BearerTokenInterceptor,
     TlsConfig,
     bearer_metadata,
@@ -26,7 +26,7 @@ from service_common.security import (
     server_credentials,
     server_ssl_context,
 )
-from service_common.server import ServerConfig, channel_options
+from pdserve.service_common.server import ServerConfig, channel_options
 from tests.conftest import StartInProcessCluster
 from tests.support.cluster import ClusterOptions, InProcessCluster
 

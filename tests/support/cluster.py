@@ -22,19 +22,19 @@ from typing import Any
 
 import grpc
 
-from cluster_index import connect
-from decode_service.colocated import ColocatedServer
-from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from engine.spec_decode.config import SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from gateway.server import GatewayServer
-from prefill_service.server import PrefillServer
-from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.security import TlsConfig, open_channel
-from service_common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerConfig
-from service_common.worker import WorkerConfig
+from pdserve.cluster_index import connect
+from pdserve.decode_service.colocated import ColocatedServer
+from pdserve.decode_service.server import DecodeServer
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.gateway.server import GatewayServer
+from pdserve.prefill_service.server import PrefillServer
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.service_common.security import TlsConfig, open_channel
+from pdserve.service_common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerConfig
+from pdserve.service_common.worker import WorkerConfig
 from tests.support.waiting import DEFAULT_TIMEOUT_S, wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

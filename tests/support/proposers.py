@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.sequence import Sequence
-from engine.spec_decode.proposer import Proposer
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.proposer import Proposer
 
 
 class ScriptedProposer(Proposer):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 
 
 def fake_step(scheduler: Scheduler) -> SchedulerOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine import LLMEngine
+from pdserve.engine import LLMEngine
 
 
 class StepLog:

@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster_index import connect
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from service_common.server import ServerConfig
+from pdserve.cluster_index import connect
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
+from pdserve.service_common.server import ServerConfig
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.support.cluster import REDIS_URL, ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until, wait_until_sync

@@ -31,7 +31,7 @@ print(json.dumps({
     "token_ids": list(completion.token_ids),
     "finish_reason": completion.finish_reason,
     "usage": [completion.usage.prompt_tokens, completion.usage.completion_tokens],
-    "heavy": sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "engine", "transformers", "gateway", "protos")),
+    "heavy": sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "pdserve", "transformers")),
 }))
 """
 
@@ -104,7 +104,11 @@ def test_the_client_and_the_server_distributions_own_disjoint_files(wheels: dict
         "pdserve_client/py.typed", "pdserve_client/v1/__init__.py", "pdserve_client/v1/generation_pb2.py",
         "pdserve_client/v1/generation_pb2.pyi", "pdserve_client/v1/generation_pb2_grpc.py",
     }
-    assert "pdserve/client.py" in server and "protos/pdserve/v1/generation_pb2.py" in server
+    assert "pdserve/client.py" in server and "pdserve/protos/pdserve/v1/generation_pb2.py" in server
+    # One import namespace: nothing the server installs can clash with a user's own top-level package.
+    assert {name.split("/")[0] for name in server} == {"pdserve"}
+    assert {"pdserve/engine/__init__.py", "pdserve/gateway/__init__.py", "pdserve/kv_transfer/__init__.py",
+            "pdserve/engine/kernels/paged_attention.c"} <= server
     assert client & server == set()
     requires = zipfile.ZipFile(wheels["server"]).read(
         next(n for n in zipfile.ZipFile(wheels["server"]).namelist() if n.endswith(".dist-info/METADATA"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.default_model import DEFAULT_MODEL_ID, _marker_for, default_gguf_path
+from pdserve.engine.default_model import DEFAULT_MODEL_ID, _marker_for, default_gguf_path
 from pdserve.client import AsyncClient, SamplingOptions
 from tests.conftest import VOCAB_SIZE, Oracle
 from tests.support.waiting import wait_until
@@ -107,7 +107,7 @@ def test_without_torch_the_default_tokenizer_is_built_from_the_gguf_metadata(tmp
 
     cache = tmp_path / "cache"
     reading = (
-        "import json, sys; from gateway.tokenizer import load_tokenizer; tokenizer = load_tokenizer(None); "
+        "import json, sys; from pdserve.gateway.tokenizer import load_tokenizer; tokenizer = load_tokenizer(None); "
         "print(json.dumps([tokenizer.name_or_path, tokenizer('The capital of France is')['input_ids'], "
         "tokenizer.eos_token, 'torch' in sys.modules]))"
     )
@@ -139,7 +139,7 @@ def test_without_torch_the_default_tokenizer_is_built_from_the_gguf_metadata(tmp
 def test_the_workers_converted_folder_is_the_default_tokenizer_when_present(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.default_model
+    import pdserve.engine.default_model
 
     converted = tmp_path / "models" / DEFAULT_MODEL_ID
     converted.mkdir(parents=True)
@@ -148,5 +148,5 @@ def test_the_workers_converted_folder_is_the_default_tokenizer_when_present(
     def must_not_convert(*args: object) -> None:
         raise AssertionError("converted although the workers' folder is there")
 
-    monkeypatch.setattr(engine.default_model, "_convert", must_not_convert)
-    assert engine.default_model.ensure_default_tokenizer(tmp_path) == converted
+    monkeypatch.setattr(pdserve.engine.default_model, "_convert", must_not_convert)
+    assert pdserve.engine.default_model.ensure_default_tokenizer(tmp_path) == converted

@@ -13,8 +13,8 @@ from tests.torchfree.environment import REPO_ROOT
 
 # torch itself, the engine's modules, and transformers' model code (modeling_utils, models.*.modeling_*).
 _LISTED = (
-    "import json, sys; print(json.dumps(sorted(name for name in sys.modules if name.split('.')[0] in "
-    "('torch', 'engine') or (name.startswith('transformers.') and 'modeling' in name))))"
+    "import json, sys; print(json.dumps(sorted(name for name in sys.modules if name.split('.')[0] == 'torch' "
+    "or name.split('.')[:2] == ['pdserve', 'engine'] or (name.startswith('transformers.') and 'modeling' in name))))"
 )
 
 
@@ -31,10 +31,12 @@ def _heavy_modules_after(statement: str, *argv: str) -> list[str]:
     ("statement", "expected"),
     [
         # The gateway needs the engine's pure-Python block hash and error type, nothing else.
-        ("import gateway.server", ["engine", "engine.errors", "engine.hashing"]),
+        ("import pdserve.gateway.server", ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing"]),
         # What `pdserve gateway` imports before it loads a tokenizer: the CLI, the gateway, its HTTP API.
-        ("import pdserve.cli, gateway.server, gateway.http_api, gateway.tokenizer",
-         ["engine", "engine.errors", "engine.hashing"]),
+        ("import pdserve.cli, pdserve.gateway.server, pdserve.gateway.http_api, pdserve.gateway.tokenizer",
+         ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing"]),
+        # The one namespace: importing it, or asking what it offers, loads nothing heavy.
+        ("import pdserve; dir(pdserve)", []),
         ("import pdserve.client", []),
         ("import pdserve_client", []),
     ],
@@ -46,17 +48,19 @@ def test_the_gateway_and_the_client_import_neither_torch_nor_model_code(statemen
 def test_the_default_tokenizer_loads_without_torch_where_torch_is_installed(tmp_path: Path) -> None:
     """What `pdserve gateway` does at start with the default model, in an interpreter that could import torch."""
     statement = (
-        "import os, sys; os.environ['PDSERVE_CACHE_DIR'] = sys.argv[1]; from gateway.tokenizer import load_tokenizer; "
+        "import os, sys; os.environ['PDSERVE_CACHE_DIR'] = sys.argv[1]; from pdserve.gateway.tokenizer import load_tokenizer; "
         "tokenizer = load_tokenizer(None); "
         "assert tokenizer('The capital of France is')['input_ids'] == [504, 3575, 282, 4649, 314]"
     )
-    assert _heavy_modules_after(statement, str(tmp_path)) == ["engine", "engine.default_model", "engine.gguf_tokenizer"]
+    assert _heavy_modules_after(statement, str(tmp_path)) == [
+        "pdserve.engine", "pdserve.engine.default_model", "pdserve.engine.gguf_tokenizer"
+    ]
 
 
 def test_autotokenizer_gives_the_default_tokenizer_the_same_class_and_ids(tmp_path: Path) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from engine.default_model import ensure_default_tokenizer
+    from pdserve.engine.default_model import ensure_default_tokenizer
 
     folder = ensure_default_tokenizer(tmp_path)
     auto, direct = AutoTokenizer.from_pretrained(str(folder)), PreTrainedTokenizerFast.from_pretrained(str(folder))

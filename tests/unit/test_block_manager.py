@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager, BlockRemoved, BlockStored
-from engine.hashing import hash_prompt_blocks
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import BlockManager, BlockRemoved, BlockStored
+from pdserve.engine.hashing import hash_prompt_blocks
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 MODEL = "tiny"
 BS = 4

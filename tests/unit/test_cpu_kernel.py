@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import native
-from engine.attention import cpu_kernel, select_backend
-from engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
-from engine.attention.backend import write_to_cache
-from engine.kv_cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
+from pdserve.engine import native
+from pdserve.engine.attention import cpu_kernel, select_backend
+from pdserve.engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
+from pdserve.engine.attention.backend import write_to_cache
+from pdserve.engine.kv_cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
 
 
 def _reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import engine.default_model
-from engine.default_model import DEFAULT_MODEL_ID, default_cache_dir, ensure_default_model
+import pdserve.engine.default_model
+from pdserve.engine.default_model import DEFAULT_MODEL_ID, default_cache_dir, ensure_default_model
 
 
 def test_cache_dir_env_is_read_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,7 +52,7 @@ def test_default_model_converts_once_into_a_plain_float_checkpoint(
     def must_not_convert(*args: object) -> None:
         raise AssertionError("converted a second time")
 
-    monkeypatch.setattr(engine.default_model, "_convert", must_not_convert)
+    monkeypatch.setattr(pdserve.engine.default_model, "_convert", must_not_convert)
     assert ensure_default_model(tmp_path) == folder
     assert marker.stat().st_mtime_ns == marker_mtime
 

@@ -1,4 +1,4 @@
-"""pdserve's dense GEMMs (engine/kernels/dense_gemm.c) against a float64 reference, in every build this CPU runs.
+"""pdserve's dense GEMMs (pdserve/engine/kernels/dense_gemm.c) against a float64 reference, in every build this CPU runs.
 
 Each output is one float32 sum over the input columns: float32 results lie
 within the float32 accumulation bound of the exact product (k * 2^-24 of the
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers import linear as linear_module
-from engine.layers.dense_kernels import PANEL, dense_kernel_serves_this_cpu, load_dense_kernels, pack_dense, unpack_dense
-from engine.layers.linear import PackedLinear
-from engine.native import cpu_flags, cpu_vendor
+from pdserve.engine.layers import linear as linear_module
+from pdserve.engine.layers.dense_kernels import PANEL, dense_kernel_serves_this_cpu, load_dense_kernels, pack_dense, unpack_dense
+from pdserve.engine.layers.linear import PackedLinear
+from pdserve.engine.native import cpu_flags, cpu_vendor
 
 # Every build this CPU runs: the portable code everywhere, AVX2 and AVX-512 (bf16: AVX512-BF16) where it has them.
 BUILDS = [pytest.param(("-mno-avx2", "-mno-avx512f"), {torch.float32: "portable", torch.bfloat16: "portable"}, id="portable")]

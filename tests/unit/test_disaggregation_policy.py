@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.disaggregation import (
+from pdserve.gateway.disaggregation import (
     REASONS,
     DisaggregationPolicy,
     LinearCost,
@@ -175,8 +175,8 @@ def test_measured_costs_learn_local_and_remote_prefill_and_the_handoff() -> None
 
 
 def test_request_timing_measures_first_token_second_token_gap_and_time_per_token_from_the_second() -> None:
-    from gateway.prefill_route import RequestTiming
-    from protos.pdserve.v1 import generation_pb2
+    from pdserve.gateway.prefill_route import RequestTiming
+    from pdserve.protos.pdserve.v1 import generation_pb2
 
     now = [10.0]
     timing = RequestTiming(clock=lambda: now[0])

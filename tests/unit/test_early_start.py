@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from decode_service.early_start import EarlyStart, EarlyStarts
-from engine.errors import EngineDeadError
-from protos.pdserve.v1 import generation_pb2
-from protos.pdserve.v1.internal import worker_pb2
+from pdserve.decode_service.early_start import EarlyStart, EarlyStarts
+from pdserve.engine.errors import EngineDeadError
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
 
 START = worker_pb2.KVPushStart(
     prompt_token_ids=[3, 4, 5],

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention.backend import AttentionBatch, select_backend
-from engine.kv_cache import KVCache
-from engine.layers import linear as linear_module
-from engine.layers.dense_kernels import load_dense_kernels
-from engine.model_loader import load_hf_config, load_model
-from engine.models.fused_decode import FUSED_DECODE_MAX_ROWS, build_fused_decoder
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention.backend import AttentionBatch, select_backend
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.layers import linear as linear_module
+from pdserve.engine.layers.dense_kernels import load_dense_kernels
+from pdserve.engine.model_loader import load_hf_config, load_model
+from pdserve.engine.models.fused_decode import FUSED_DECODE_MAX_ROWS, build_fused_decoder
+from pdserve.engine.models.llama import LlamaForCausalLM
 from tests.conftest import random_prompts
 
 BLOCK_SIZE = 4

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import fused_ops
-from engine.layers.fused_ops import FusedOps, load_fused_ops
+from pdserve.engine.layers import fused_ops
+from pdserve.engine.layers.fused_ops import FusedOps, load_fused_ops
 
 
 def _ops() -> FusedOps:

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM
-from engine import kv_cache as kv_cache_module
-from engine.attention.backend import read_cache, write_to_cache
-from engine.config import CacheConfig
-from engine.kv_cache import (
+from pdserve.engine import LLM
+from pdserve.engine import kv_cache as kv_cache_module
+from pdserve.engine.attention.backend import read_cache, write_to_cache
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.kv_cache import (
     KVCache,
     QuantizedKV,
     bytes_per_block,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.hashing import hash_prompt_blocks
-from engine.kv_cache import KVCache
-from engine.kv_handoff import KVHandoff, KVLayout
-from engine.kv_leases import LeaseTable
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.hashing import hash_prompt_blocks
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_handoff import KVHandoff, KVLayout
+from pdserve.engine.kv_leases import LeaseTable
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 BS, NUM_BLOCKS = 4, 8
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers import linear as linear_module
-from engine.layers.linear import (
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers import linear as linear_module
+from pdserve.engine.layers.linear import (
     INT4_KERNEL_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
     LM_HEAD_KERNEL_MAX_ROWS,
@@ -22,7 +22,7 @@ from engine.layers.linear import (
     linear_method,
     lm_head_method,
 )
-from engine.layers.quant_kernels import unpack_int8
+from pdserve.engine.layers.quant_kernels import unpack_int8
 
 # Row counts on both sides of the kernel/dequantize dispatch, decode and prefill sizes.
 ROWS = tuple(sorted({1, 5, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 256}))
@@ -145,7 +145,7 @@ def test_prefill_sized_batches_dequantize_to_bf16_only_where_the_cpu_has_bf16_un
 ) -> None:
     # Without bf16 units oneDNN emulates bf16 products at several times float32's cost, so the
     # dequantized GEMM runs in float32 there, for float32 and bf16 activations alike.
-    import engine.layers.linear as linear
+    import pdserve.engine.layers.linear as linear
 
     monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: native_bf16)
     for dtype in (torch.float32, torch.bfloat16):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.logits_processors import TokenHistory, adjust_logits_
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from pdserve.engine.logits_processors import TokenHistory, adjust_logits_
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
 
 INF = float("inf")
 # Values that are exact in float32, so every expected number below is exact too.

@@ -1,4 +1,4 @@
-"""Loading tiny random Hugging Face checkpoints, built at test time, through engine.model_loader."""
+"""Loading tiny random Hugging Face checkpoints, built at test time, through pdserve.engine.model_loader."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM
 
-from engine.model_loader import (
+from pdserve.engine.model_loader import (
     HUB_ALLOW_PATTERNS,
     load_eos_token_ids,
     load_hf_config,
@@ -255,8 +255,8 @@ def test_resolve_model_path_unknown_model_raises_value_error(monkeypatch: pytest
 def test_resolve_model_path_default_uses_the_embedded_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str | None
 ) -> None:
-    import engine.model_loader
+    import pdserve.engine.model_loader
 
-    monkeypatch.setattr(engine.model_loader, "ensure_default_model", lambda: tmp_path / "converted")
+    monkeypatch.setattr(pdserve.engine.model_loader, "ensure_default_model", lambda: tmp_path / "converted")
 
     assert resolve_model_path(model) == tmp_path / "converted"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.openmp import on_a_passing_thread
+from pdserve.engine.openmp import on_a_passing_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_an_error_is_raised_on_the_calling_thread_as_it_was() -> None:
 # Run in a fresh interpreter: this test process's main thread has an OpenMP pool already.
 _POOLS = """
 import os, time, torch
-from engine.openmp import on_a_passing_thread
+from pdserve.engine.openmp import on_a_passing_thread
 
 torch.set_num_threads(2)
 

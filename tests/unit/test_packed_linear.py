@@ -1,5 +1,5 @@
 """PackedLinear: fused projections compute what the separate nn.Linear layers do, on CPU float32 through MKL's packed
-GEMM and through pdserve's dense kernel (engine/layers/dense_kernels.py; each path pinned here, whichever this CPU
+GEMM and through pdserve's dense kernel (pdserve/engine/layers/dense_kernels.py; each path pinned here, whichever this CPU
 would pick)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.layers import linear as linear_module
-from engine.layers.dense_kernels import load_dense_kernels
-from engine.models.llama import PackedLinear
+from pdserve.engine.layers import linear as linear_module
+from pdserve.engine.layers.dense_kernels import load_dense_kernels
+from pdserve.engine.models.llama import PackedLinear
 
 
 @pytest.fixture(params=["library", "dense"])

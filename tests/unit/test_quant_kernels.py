@@ -1,4 +1,4 @@
-"""The INT8/INT4 CPU kernels (engine/kernels/quant_gemv.c) against a torch model of their integer arithmetic.
+"""The INT8/INT4 CPU kernels (pdserve/engine/kernels/quant_gemv.c) against a torch model of their integer arithmetic.
 
 The reference quantizes the activation exactly as the kernel does (float32
 ``d = max|x| / 127``, ``xq = round(x * (127 / max|x|))`` half to even, per block
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import quant_kernels as qk
-from engine.native import cpu_flags
+from pdserve.engine.layers import quant_kernels as qk
+from pdserve.engine.native import cpu_flags
 
 KERNELS = qk.load_quant_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this machine")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import NoWorkerAvailable, RecentPrefills, Router
-from gateway.workers import WorkerHandle, WorkerPool
-from protos.pdserve.v1.internal import worker_pb2
+from pdserve.gateway.router import NoWorkerAvailable, RecentPrefills, Router
+from pdserve.gateway.workers import WorkerHandle, WorkerPool
+from pdserve.protos.pdserve.v1.internal import worker_pb2
 
 
 class _FakeLookup:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.sampler import Sampler, SamplerOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplerOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 # Distinct values in no particular order, so that sorting and scattering back
 # to vocabulary order are both exercised.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
 from tests.support.scheduling import fake_step, plan
 
 BS = 4

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from engine.spec_decode.adaptive import (
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.adaptive import (
     FIRST_BACKOFF_STEPS,
     PRIOR_TOKEN_COST,
     PROBE_TOKENS,
@@ -21,7 +21,7 @@ from engine.spec_decode.adaptive import (
     best_num_tokens,
     expected_tokens,
 )
-from engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 from tests.conftest import VOCAB_SIZE, Oracle, random_prompts
 from tests.support.proposers import ScriptedProposer
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
-from engine.spec_decode.proposer import NgramProposer, ngram_lookup
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from pdserve.engine.spec_decode.proposer import NgramProposer, ngram_lookup
 
 BS = 4
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.step_trace import ENV, read_trace
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.step_trace import ENV, read_trace
 
 
 def test_each_step_is_written_with_its_sequences_and_tokens(

@@ -30,7 +30,7 @@ def _patch(engine_class: type) -> None:
 
 class _PatchEngineOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 - the finder protocol
-        if name != "engine.llm_engine":
+        if name != "pdserve.engine.llm_engine":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

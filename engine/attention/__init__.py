@@ -1,7 +1,0 @@
-"""Attention over the paged KV cache, behind one interface with one backend per hardware path."""
-
-from __future__ import annotations
-
-from engine.attention.backend import AttentionBackend, AttentionBatch, select_backend
-
-__all__ = ["AttentionBackend", "AttentionBatch", "select_backend"]

@@ -1,1 +1,0 @@
-"""Layers whose storage and arithmetic depend on the precision: the linear methods (engine/layers/linear.py)."""

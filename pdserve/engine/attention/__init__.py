@@ -1,0 +1,7 @@
+"""Attention over the paged KV cache, behind one interface with one backend per hardware path."""
+
+from __future__ import annotations
+
+from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch, select_backend
+
+__all__ = ["AttentionBackend", "AttentionBatch", "select_backend"]

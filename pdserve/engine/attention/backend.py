@@ -1,0 +1,151 @@
+"""The attention-backend interface and the batch description every backend starts from."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.engine.config import ATTENTION_BACKENDS
+from pdserve.engine.kv_cache import QuantizedKV, dequantize_int8, quantize_int8
+
+# One layer's keys or values in the pool: a tensor in the KV dtype, or int8 data with scales.
+CacheTensor = torch.Tensor | QuantizedKV
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """The sequences of one step, as attention needs them; built once per step by the runner.
+
+    Decode sequences (one new token each) come first in the flattened token
+    batch, then prefill chunks. ``context_lens[i]`` is sequence i's length after
+    this step (cached prefix + new tokens).
+    """
+
+    num_decodes: int
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    # Cache slot (block_id * block_size + offset) of every new token: (num_tokens,)
+    slot_mapping: torch.Tensor
+    block_size: int
+    device: torch.device
+    # The model's attention shape: query heads, and the KV heads they share
+    num_heads: int
+    num_kv_heads: int
+
+
+class AttentionBackend(abc.ABC):
+    """Writes a layer's new K/V into the paged cache and attends over each sequence's context."""
+
+    name: str
+
+    @abc.abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> Any:
+        """Per-step tensors shared by every layer (masks, gather indices, cu_seqlens)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        key_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        metadata: Any,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        """Store ``key``/``value`` at the batch's slots, then return causal attention output."""
+
+
+def write_to_cache(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    value: torch.Tensor,
+    key_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache: CacheTensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,)
+) -> tuple[CacheTensor, CacheTensor]:
+    """Store each new token's K/V at its slot (cast or quantized to the cache's dtype);
+    returns the caches viewed as (slots, kv_heads, head_dim)."""
+    return _store(key, key_cache, slot_mapping), _store(value, value_cache, slot_mapping)
+
+
+def flat_slots(cache: CacheTensor) -> CacheTensor:
+    """The cache viewed as (num_blocks * block_size, num_kv_heads, head_dim): one row per slot."""
+    if isinstance(cache, QuantizedKV):
+        num_blocks, block_size, num_kv_heads, head_dim = cache.data.shape
+        return QuantizedKV(
+            cache.data.view(num_blocks * block_size, num_kv_heads, head_dim),
+            cache.scales.view(num_blocks * block_size, num_kv_heads),
+        )
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    return cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+
+
+def _store(new: torch.Tensor, cache: CacheTensor, slot_mapping: torch.Tensor) -> CacheTensor:
+    flat = flat_slots(cache)
+    if isinstance(flat, QuantizedKV):
+        data, scales = quantize_int8(new)
+        flat.data.index_copy_(0, slot_mapping, data)
+        flat.scales.index_copy_(0, slot_mapping, scales)
+        return flat
+    flat.index_copy_(0, slot_mapping, new.to(flat.dtype))
+    return flat
+
+
+def read_cache(cache: CacheTensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``index`` of the cache's first dimension (blocks, or slots of a flat view), in ``dtype``."""
+    if isinstance(cache, QuantizedKV):
+        return dequantize_int8(cache.data.index_select(0, index), cache.scales.index_select(0, index), dtype)
+    return cache.index_select(0, index).to(dtype)
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(
+    name: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """``auto``: flash-attn on CUDA in half precision when it is importable and the KV
+    cache has the model's dtype; on CPU the C decode kernel (``cpu_paged``) when it
+    builds on this machine and reads the KV dtype (float32, bfloat16, int8) for a
+    float32 or bfloat16 model; SDPA otherwise. ``kv_dtype`` None: the model's dtype."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    use_flash = name == "flash_attn" or (
+        name == "auto"
+        and device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and kv_dtype == dtype
+        and flash_attn_available()
+    )
+    if use_flash:
+        if device.type != "cuda" or not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' needs a CUDA device and the flash-attn package")
+        if kv_dtype != dtype:
+            raise ValueError(f"attention_backend='flash_attn' needs kv_cache_dtype 'auto' (the model's), got {kv_dtype}")
+        from pdserve.engine.attention.flash import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    from pdserve.engine.attention.cpu_kernel import KERNEL_KV_DTYPES, KERNEL_QUERY_DTYPES, load_paged_attention_kernel
+    from pdserve.engine.attention.sdpa import SdpaBackend
+
+    kernel_fits = device.type == "cpu" and dtype in KERNEL_QUERY_DTYPES and kv_dtype in KERNEL_KV_DTYPES
+    if name == "sdpa" or (name == "auto" and not kernel_fits):
+        return SdpaBackend()
+    if not kernel_fits:
+        raise ValueError(
+            "attention_backend='cpu_paged' needs device 'cpu', dtype float32 or bfloat16 and a KV cache of "
+            f"float32, bfloat16 or int8; got {device.type}, {dtype}, KV {kv_dtype}"
+        )
+    kernel = load_paged_attention_kernel()
+    if kernel is None and name == "cpu_paged":
+        raise ValueError("attention_backend='cpu_paged' needs a C compiler to build its kernel (see the log)")
+    return SdpaBackend(kernel)

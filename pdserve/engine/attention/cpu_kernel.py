@@ -1,0 +1,279 @@
+"""Builds and calls the paged-attention C kernel (``pdserve/engine/kernels/paged_attention.c``) on CPUs.
+
+The kernel attends short queries (decode tokens, and the few tokens a
+speculative step verifies) over the paged cache where it lies. It is compiled
+once per machine (``engine.native``) and loaded with ctypes. Without a
+compiler, or when the build fails, ``load_paged_attention_kernel`` returns
+None and the engine keeps the pure-torch SDPA path.
+
+A step's work is split over threads by OpenMP inside the kernel, on the
+OpenMP runtime torch itself runs on (``engine.native.torch_openmp_flags``), so
+that the kernel's threads are the ones torch's GEMMs use. Where that build
+fails (no OpenMP, a torch on another runtime), the kernel is built without it
+and this module splits the work over a Python thread pool instead (ctypes
+releases the GIL); on two cores that pool thread competes with torch's still
+spinning OpenMP workers, which costs (BENCHMARKS.md, issue 11, third session).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.kv_cache import QuantizedKV
+from pdserve.engine.native import compile_kernel, torch_openmp_flags
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention.c"
+_SYMBOL = "pdserve_paged_attention"
+_RANGES_SYMBOL = "pdserve_paged_attention_ranges"
+_OPENMP_SYMBOL = "pdserve_paged_attention_openmp"
+_STORE_SYMBOL = "pdserve_store_kv"
+# The C side's kv_kind codes.
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# The KV dtypes the kernel reads; queries may be float32 or bfloat16 (computed in float32).
+KERNEL_KV_DTYPES = tuple(_KV_KINDS)
+KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16)
+# Query vectors the C side scores per pass over a KV head's rows (VECTORS_PER_PASS there).
+_VECTORS_PER_PASS = 4
+# Work under this many (context position x pass) units runs on the calling thread:
+# handing it to a pool thread costs more than it saves (batch-1 decode).
+_MIN_PARALLEL_WORK = 4096
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One step's sequences for the kernel, built once and shared by every layer.
+
+    Sequence i owns query rows ``query_rows[i]`` .. ``+ query_lens[i] - 1`` of
+    the flattened batch; its queries sit at the end of ``context_lens[i]``
+    positions. ``item_ranges`` split the work items (sequence x KV head) over
+    threads; ``range_points`` holds the same ranges as their boundaries, for the C side.
+    """
+
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int64, padded with 0
+    context_lens: torch.Tensor  # (num_seqs,) int64
+    query_rows: torch.Tensor  # (num_seqs,) int64
+    query_lens: torch.Tensor  # (num_seqs,) int64
+    item_ranges: tuple[tuple[int, int], ...]
+    range_points: torch.Tensor  # (len(item_ranges) + 1,) int64
+
+
+class PagedAttentionKernel:
+    """Attention of short queries over the paged cache, on CPU, float32 arithmetic.
+
+    The cache may be float32, bfloat16 or int8 (a ``QuantizedKV`` with its
+    scales); queries and output are float32 or bfloat16. The work items of a
+    step run on up to ``num_threads`` threads side by side, split into
+    contiguous ranges of about equal cost: OpenMP threads inside the kernel
+    when it was built on torch's runtime (``openmp``), else a Python pool.
+    """
+
+    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
+        self._function = getattr(library, _SYMBOL)
+        self._ranges_function = getattr(library, _RANGES_SYMBOL)
+        self._store_function = getattr(library, _STORE_SYMBOL)
+        self.openmp = bool(getattr(library, _OPENMP_SYMBOL)())
+        self.num_threads = max(1, num_threads)
+        self._pool = None
+        if self.num_threads > 1 and not self.openmp:
+            self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn")
+
+    def plan(
+        self,
+        query_rows: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        num_kv_heads: int,
+        group: int,
+    ) -> KernelPlan:
+        for q_len, ctx_len in zip(query_lens, context_lens):
+            if not 1 <= q_len <= ctx_len:
+                raise ValueError(f"each query length must be in [1, its context length], got {q_len} over {ctx_len}")
+        max_blocks = max(len(table) for table in block_tables)
+        tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        costs = []
+        for q_len, ctx_len in zip(query_lens, context_lens):
+            costs += [ctx_len * math.ceil(q_len * group / _VECTORS_PER_PASS)] * num_kv_heads
+        ranges = self.split(costs)
+        return KernelPlan(
+            block_tables=torch.tensor(tables, dtype=torch.long),
+            context_lens=torch.tensor(context_lens, dtype=torch.long),
+            query_rows=torch.tensor(query_rows, dtype=torch.long),
+            query_lens=torch.tensor(query_lens, dtype=torch.long),
+            item_ranges=ranges,
+            range_points=torch.tensor([begin for begin, _ in ranges] + [ranges[-1][1]], dtype=torch.long),
+        )
+
+    def split(self, costs: list[int]) -> tuple[tuple[int, int], ...]:
+        """Up to ``num_threads`` contiguous ranges of items of about equal total cost (one when the work is small)."""
+        total = sum(costs)
+        threads = self.num_threads if total >= _MIN_PARALLEL_WORK else 1
+        points = [0]
+        running = 0
+        for index, cost in enumerate(costs):
+            running += cost
+            if len(points) < threads and running * threads >= total * len(points) and index + 1 < len(costs):
+                points.append(index + 1)
+        points.append(len(costs))
+        return tuple(zip(points[:-1], points[1:]))
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # (num_rows, num_heads, head_dim); rows may be strided, each row's heads contiguous
+        key_cache: torch.Tensor | QuantizedKV,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: torch.Tensor | QuantizedKV,
+        plan: KernelPlan,
+        scale: float,
+        out: torch.Tensor,  # like query; the plan's rows are written, the others left as they are
+    ) -> None:
+        key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
+        value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
+        _, block_size, num_kv_heads, head_dim = key_data.shape
+        kv_dtype = key_data.dtype
+        if kv_dtype not in _KV_KINDS:
+            raise ValueError(f"the paged attention kernel reads KV in {KERNEL_KV_DTYPES}, got {kv_dtype}")
+        quantized = isinstance(key_cache, QuantizedKV)
+        if quantized != (kv_dtype == torch.int8) or isinstance(value_cache, QuantizedKV) != quantized:
+            raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
+        if query.dtype not in KERNEL_QUERY_DTYPES or out.dtype != query.dtype or out.shape != query.shape:
+            raise ValueError(f"query and out must be float32 or bfloat16 of one shape, got {query.dtype}, {out.dtype}")
+        if query.stride(2) != 1 or query.stride(1) != head_dim or query.device.type != "cpu":
+            raise ValueError(f"query must be a CPU tensor with each row's heads contiguous, strides {query.stride()}")
+        checks = [("out", out, query.dtype), ("key_cache", key_data, kv_dtype), ("value_cache", value_data, kv_dtype)]
+        scales = (0, 0)
+        if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
+            checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
+            scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
+        # The C side trusts these layouts; anything else would read the wrong memory.
+        for name, tensor, dtype in checks:
+            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+        args = (
+            out.data_ptr(), query.data_ptr(), query.stride(0), int(query.dtype == torch.bfloat16),
+            key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales,
+            plan.block_tables.data_ptr(), plan.context_lens.data_ptr(),
+            plan.query_rows.data_ptr(), plan.query_lens.data_ptr(),
+        )
+        shape = (plan.block_tables.shape[1], num_kv_heads, query.shape[1] // num_kv_heads, head_dim, block_size, scale)
+        ranges = plan.item_ranges
+        if self._pool is None:
+            # One call: the ranges run on OpenMP threads (or in turn, on one thread).
+            statuses = [self._ranges_function(*args, plan.range_points.data_ptr(), len(ranges), *shape)]
+        else:
+            pending = [self._pool.submit(self._function, *args, begin, end, *shape) for begin, end in ranges[1:]]
+            begin, end = ranges[0]
+            statuses = [self._function(*args, begin, end, *shape)] + [future.result() for future in pending]
+        if -1 in statuses:
+            raise MemoryError("the paged attention kernel could not allocate its score buffer")
+        if any(status != 0 for status in statuses):
+            raise ValueError("the paged attention kernel was given a query longer than its context")
+
+
+    def store(
+        self,
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim); rows may be strided (a view of fused q/k/v)
+        value: torch.Tensor,  # like key
+        key_cache: torch.Tensor | QuantizedKV,  # (num_blocks, block_size, num_kv_heads, head_dim)
+        value_cache: torch.Tensor | QuantizedKV,
+        slot_mapping: torch.Tensor,  # (num_tokens,) int64: block_id * block_size + offset
+    ) -> None:
+        """Writes each token's K/V at its slot, cast or int8-quantized exactly as ``attention.backend._store`` does."""
+        key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
+        value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
+        kv_dtype = key_data.dtype
+        if kv_dtype not in _KV_KINDS or value_data.dtype != kv_dtype:
+            raise ValueError(
+                f"key_cache and value_cache must be one of {KERNEL_KV_DTYPES}, got {kv_dtype}, {value_data.dtype}"
+            )
+        if (kv_dtype == torch.int8) != isinstance(key_cache, QuantizedKV) or type(key_cache) is not type(value_cache):
+            raise ValueError("int8 key_cache and value_cache must both be QuantizedKV (data with scales)")
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if key_data.shape[2:] != (num_kv_heads, head_dim) or value.shape != key.shape:
+            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must fit the cache's "
+                             f"{tuple(key_data.shape[2:])} heads")
+        for name, tensor in (("key", key), ("value", value)):
+            if tensor.dtype not in KERNEL_QUERY_DTYPES or tensor.dtype != key.dtype or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU float32 or bfloat16 tensor like key, got {tensor.dtype}")
+            if tensor.stride(2) != 1 or tensor.stride(1) != head_dim:
+                raise ValueError(f"{name}'s heads must be contiguous within a token's row, strides {tensor.stride()}")
+        checks = [("key_cache", key_data, kv_dtype), ("value_cache", value_data, kv_dtype),
+                  ("slot_mapping", slot_mapping, torch.long)]
+        scales = (0, 0)
+        if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
+            checks += [("key_scales", key_cache.scales, torch.float32),
+                       ("value_scales", value_cache.scales, torch.float32)]
+            scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
+        for name, tensor, dtype in checks:
+            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
+        if slot_mapping.shape != (num_tokens,):
+            raise ValueError(
+                f"slot_mapping must hold one slot per token ({num_tokens}), got {tuple(slot_mapping.shape)}"
+            )
+        if num_tokens == 0:
+            return
+        num_slots = key_data.shape[0] * key_data.shape[1]
+        status = self._store_function(
+            key.data_ptr(), value.data_ptr(), int(key.dtype == torch.bfloat16), key.stride(0), value.stride(0),
+            key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales, slot_mapping.data_ptr(),
+            num_tokens, num_slots, num_kv_heads, head_dim,
+        )
+        if status == -3:
+            raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the pool's slots); nothing was written")
+        if status != 0:
+            raise ValueError(f"the KV write cannot serve head_dim {head_dim} or KV dtype {kv_dtype}")
+
+
+def load_paged_attention_kernel(num_threads: int | None = None, openmp: bool = True) -> PagedAttentionKernel | None:
+    """The compiled kernel, building it on first use; None where it cannot be built on this machine.
+
+    ``openmp`` False: the build without OpenMP, split over a Python pool (the
+    fallback; benchmarks compare the two).
+    """
+    library = _load_library(openmp)
+    if library is None and openmp:
+        library = _load_library(False)
+    if library is None:
+        return None
+    return PagedAttentionKernel(library, num_threads if num_threads is not None else torch.get_num_threads())
+
+
+@lru_cache(maxsize=2)
+def _load_library(openmp: bool) -> ctypes.CDLL | None:
+    flags = torch_openmp_flags() if openmp else ()
+    if flags is None:
+        logger.info("torch runs on no libgomp: the paged-attention kernel splits its work over a Python pool")
+        return None
+    try:
+        path = compile_kernel(_SOURCE, flags)
+    except OSError as error:
+        if openmp:
+            logger.info("paged-attention kernel: no OpenMP build (%s); trying without", error)
+        else:
+            logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
+        return None
+    library = ctypes.CDLL(str(path))
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    for symbol in (_SYMBOL, _RANGES_SYMBOL):
+        function = getattr(library, symbol)
+        function.restype = ctypes.c_int
+        # The ranges entry takes (points, num_ranges) where the other takes (item_begin, item_end).
+        middle = [integer, integer] if symbol == _SYMBOL else [pointer, integer]
+        function.argtypes = [pointer, pointer, integer, integer, pointer, pointer, integer, pointer, pointer,
+                             pointer, pointer, pointer, pointer] + middle + [integer] * 5 + [ctypes.c_float]
+    getattr(library, _OPENMP_SYMBOL).restype = ctypes.c_int
+    store = getattr(library, _STORE_SYMBOL)
+    store.restype = ctypes.c_int
+    store.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer, integer, pointer, pointer,
+                      pointer, integer, integer, integer, integer]
+    return library

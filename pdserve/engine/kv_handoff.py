@@ -1,0 +1,284 @@
+"""What crosses from a prefill engine to a decode engine: the KV layout and the handoff descriptor.
+
+``KVHandoff`` is the one type of a handoff: the prefill engine builds it when a
+held request finishes (block hashes taken from the sequence, which computed them
+as its tokens arrived), the transports read it, and the decode engine takes it
+as is. Both types are frozen and validated on construction, so a malformed
+handoff fails where it is built or parsed with a ``ValueError`` that names the
+field, never halfway through a transfer. Protobuf conversion lives at the
+service edge (``kv_transfer.descriptor``): the engine imports no protos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from pdserve.engine.hashing import BlockHash
+from pdserve.engine.kv_cache import SCALE_BYTES, bytes_per_block
+
+# Every transport a handoff may name. grpc streams with FetchKV; the others are
+# staged with StageKV and read out of band (kv_transfer.config re-exports these).
+TRANSPORTS: tuple[str, ...] = ("grpc", "shm", "torch_dist", "cuda_ipc")
+
+# The KV cache dtypes the engine supports (engine.config.SUPPORTED_DTYPES less "auto", and int8 KV).
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+}
+# The draft model's section of a handoff is addressed as a request of its own on
+# the prefill worker (``KVHandoff.draft_section``), so every transport moves it unchanged.
+DRAFT_SECTION_SUFFIX = "#draft"
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    # bool is an int subclass; a True layer count is a bug, not a 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and type of KV blocks; the prefill and decode sides must agree on every field.
+
+    A transfer of ``n`` blocks is one contiguous tensor of
+    ``tensor_shape(n) == (num_layers, 2, n, block_size, num_kv_heads, head_dim)``,
+    the layout ``engine.kv_cache.KVCache.export_blocks`` returns. With dtype
+    int8 the last dimension is ``head_dim + 4``: each row's float32 scale
+    travels as 4 bytes after its values (``engine.kv_cache.pack_int8``).
+
+    A decode worker whose ``kv_cache_dtype`` differs from the prefill worker's
+    converts on import (``KVCache.import_blocks``): int8 is dequantized, float
+    is cast or quantized as a local write would be.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            _check_range(name, getattr(self, name), 1, _UINT32_MAX)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype)
+
+    @property
+    def row_size(self) -> int:
+        """Elements of one (token, KV head) row on the wire: head_dim, plus the scale's 4 bytes for int8."""
+        return self.head_dim + (SCALE_BYTES if self.dtype == "int8" else 0)
+
+    def tensor_shape(self, num_blocks: int, num_heads: int | None = None) -> tuple[int, int, int, int, int, int]:
+        """(num_layers, 2, num_blocks, block_size, num_kv_heads, row_size); ``num_heads``: a transfer of some heads only."""
+        _check_range("num_blocks", num_blocks, 0, _UINT32_MAX)
+        heads = self.num_kv_heads if num_heads is None else num_heads
+        return (self.num_layers, 2, num_blocks, self.block_size, heads, self.row_size)
+
+    def check_heads(self, heads: range | None) -> range:
+        """``heads`` (None: all) if it is a non-empty range of this layout's KV heads, else ValueError."""
+        if heads is None:
+            return range(self.num_kv_heads)
+        if heads.step != 1 or not 0 <= heads.start < heads.stop <= self.num_kv_heads:
+            raise ValueError(f"kv heads must be a non-empty range within [0, {self.num_kv_heads}), got {heads}")
+        return heads
+
+    @classmethod
+    def from_tensor(cls, blocks: torch.Tensor) -> KVLayout:
+        """The layout of an exported (num_layers, 2, n, block_size, num_kv_heads, row_size) tensor."""
+        if blocks.dim() != 6 or blocks.shape[1] != 2:
+            raise ValueError(
+                f"KV blocks must be (layers, 2, blocks, block_size, heads, head_dim), got {tuple(blocks.shape)}"
+            )
+        dtype = next((name for name, value in _DTYPES.items() if value == blocks.dtype), str(blocks.dtype))
+        num_layers, _, _, block_size, num_kv_heads, row_size = blocks.shape
+        head_dim = row_size - (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
+        return cls(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+        )
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """Everything a decode worker needs to take over a prefilled request (mirrors ``worker_pb2.KVHandoff``).
+
+    Built once, by the prefill engine when the request finishes
+    (``RequestOutput.kv_handoff``); the decode engine takes it as is
+    (``LLMEngine.add_remote_request``).
+    The prefill worker holds ``num_blocks`` blocks for the request until
+    ``lease_deadline_ms``; ``block_hashes`` cover its full blocks only, so a
+    decode worker can skip the leading ones it already caches and fetch the
+    rest from ``first_block`` on.
+    """
+
+    request_id: str
+    model_id: str
+    layout: KVLayout
+    block_hashes: tuple[BlockHash, ...]
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    first_token_id: int
+    transport: str  # one of TRANSPORTS
+    address: str  # host:port of the prefill worker's internal gRPC server
+    lease_deadline_ms: int  # Unix time after which the prefill worker frees the blocks
+    worker_id: str
+    epoch: int  # changes when the prefill worker restarts
+    # Speculative decoding with a draft model: the draft's KV for the same blocks, built
+    # beside the target's on the prefill worker (None: not built, the decode worker
+    # recomputes it). ``draft_model_id`` names the draft as ``DraftModelProposer.identity``
+    # does; a decode worker whose draft differs ignores the section.
+    draft_layout: KVLayout | None = None
+    draft_model_id: str = ""
+    # How the sender is sharded (pdserve/engine/parallel/sharding.py places its KV heads); receivers ask
+    # for heads by global index, so any sender size serves any receiver size.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_range("tensor_parallel_size", self.tensor_parallel_size, 1, _UINT32_MAX)
+        for name in ("request_id", "model_id", "address", "worker_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not isinstance(self.layout, KVLayout):
+            raise ValueError(f"layout must be a KVLayout, got {type(self.layout).__name__}")
+        if not isinstance(self.block_hashes, tuple) or not all(isinstance(h, bytes) and h for h in self.block_hashes):
+            raise ValueError("block_hashes must be a tuple of non-empty bytes")
+        _check_range("num_tokens", self.num_tokens, 1, _UINT32_MAX)
+        _check_range("first_token_id", self.first_token_id, 0, _UINT32_MAX)
+        _check_range("lease_deadline_ms", self.lease_deadline_ms, 0, _UINT64_MAX)
+        _check_range("epoch", self.epoch, 0, _UINT64_MAX)
+        full_blocks = self.num_tokens // self.layout.block_size
+        if len(self.block_hashes) > full_blocks:
+            raise ValueError(
+                f"block_hashes has {len(self.block_hashes)} hashes but {self.num_tokens} tokens "
+                f"fill only {full_blocks} blocks of {self.layout.block_size}"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"address must be host:port, got {self.address!r}")
+        if self.draft_layout is not None:
+            if not isinstance(self.draft_layout, KVLayout):
+                raise ValueError(f"draft_layout must be a KVLayout or None, got {type(self.draft_layout).__name__}")
+            if self.draft_layout.block_size != self.layout.block_size:
+                raise ValueError(
+                    f"draft_layout.block_size {self.draft_layout.block_size} != layout.block_size "
+                    f"{self.layout.block_size}: the draft's KV lives in the same blocks"
+                )
+            if not isinstance(self.draft_model_id, str) or not self.draft_model_id:
+                raise ValueError("draft_model_id must name the draft when draft_layout is given")
+        elif self.draft_model_id:
+            raise ValueError("draft_model_id is given without draft_layout")
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the prefill worker holds for the request, the last possibly partial."""
+        return -(-self.num_tokens // self.layout.block_size)
+
+    def draft_section(self) -> KVHandoff | None:
+        """The draft model's KV as a handoff of its own (same blocks, the draft's layout), which any
+        transport fetches like a request's; None when the prefill worker built none."""
+        if self.draft_layout is None:
+            return None
+        return replace(
+            self, request_id=self.request_id + DRAFT_SECTION_SUFFIX, layout=self.draft_layout,
+            draft_layout=None, draft_model_id="",
+        )
+
+
+@dataclass(frozen=True)
+class KVHoldParams:
+    """How a prefill worker holds a request's KV once its first token is out (vLLM's ``kv_transfer_params``).
+
+    Given at ``LLMEngine.add_request``; when the request finishes, its blocks go
+    to the engine's lease table for ``lease_s`` seconds and its output carries
+    the ``KVHandoff`` built from these fields and the sequence. With ``push``
+    the engine also hands each layer's blocks to its ``LayerPusher``'s sink as
+    the prefill writes them (``engine.kv_push``), from block ``push_first_block``
+    on (the decode side caches the ones before it).
+    """
+
+    transport: str
+    address: str  # host:port the decode side fetches from
+    worker_id: str
+    epoch: int
+    lease_s: float
+    push: bool = False
+    push_first_block: int = 0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"address must be host:port, got {self.address!r}")
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise ValueError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
+        _check_range("epoch", self.epoch, 0, _UINT64_MAX)
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+        if not isinstance(self.push, bool):
+            raise ValueError(f"push must be a bool, got {type(self.push).__name__}")
+        _check_range("push_first_block", self.push_first_block, 0, _UINT32_MAX)
+
+
+@dataclass(frozen=True)
+class KVFetch:
+    """What lands a handoff on a tensor-parallel decode engine instead of one tensor of every head.
+
+    Each rank receives exactly the KV heads it owns, straight from the sender:
+    ``local_blocks`` are rank 0's heads (fetched by the service like any
+    handoff), and every other rank calls ``fetcher`` ("module:function", the
+    transport layer's, so the engine imports none) as
+    ``fetcher(handoff, first_block, heads, options)`` for its own heads.
+    """
+
+    handoff: KVHandoff
+    local_blocks: torch.Tensor  # (num_layers, 2, n, block_size, rank 0's KV heads, row_size)
+    fetcher: str
+    options: object = None  # handed to the fetcher (the transfer configuration)
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks a decode engine holds for a request's pushed KV before the request itself arrives.
+
+    Block ``i`` of the handoff (``i >= first_block``) is written into
+    ``block_ids[i - first_block]`` as its pieces arrive; the request adopts the
+    blocks when it is allocated, so its KV needs no copy then. The blocks before
+    ``first_block`` were not pushed (the decode engine caches them).
+    """
+
+    first_block: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.block_ids)
+
+
+@dataclass(frozen=True)
+class KVSlot:
+    """Blocks allocated on a decode engine for a request waiting for remote KV.
+
+    The blocks before ``first_block`` were found in this engine's prefix cache;
+    the ones from ``first_block`` on must be filled from the handoff's source.
+    """
+
+    request_id: str
+    first_block: int

@@ -1,0 +1,731 @@
+"""The engine: requests in, one ``step()`` at a time, outputs out.
+
+``step()`` reads like the pipeline: schedule, run the model and sample, update.
+The engine is single-threaded and knows nothing of asyncio or gRPC; the offline
+``LLM`` drives it in a loop, the services drive it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.attention.backend import select_backend
+from pdserve.engine.block_manager import BlockEvent, BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.default_model import DEFAULT_MODEL_ID
+from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from pdserve.engine.hashing import BlockHash
+from pdserve.engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
+from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVReservation, KVSlot
+from pdserve.engine.kv_leases import LeaseTable
+from pdserve.engine.kv_push import LayerPusher
+from pdserve.engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
+from pdserve.engine.model_runner import ModelRunner, StepResult
+from pdserve.engine.native import cpu_has_native_bf16
+from pdserve.engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
+from pdserve.engine.parallel.kv_shards import ShardedKV, import_on_ranks
+from pdserve.engine.parallel.sharding import TensorParallelShard, check_tensor_parallel, kv_heads_of_rank
+from pdserve.engine.parallel.workers import TensorParallelWorkers
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
+from pdserve.engine.step_trace import StepTrace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A load snapshot, for routing and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_held: int  # finished requests whose blocks are pinned for export (leases)
+    num_preemptions: int
+    # Speculative decoding since start (0 without it): verifying steps, proposed and accepted tokens.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+
+class LLMEngine:
+    """One model on one device with its KV pool, scheduler and sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_cfg, cache_cfg = config.model, config.cache
+        self.model_path: Path = resolve_model_path(model_cfg.model)
+        self.model_id = DEFAULT_MODEL_ID if model_cfg.model in (None, "default") else str(model_cfg.model)
+        hf_config = load_hf_config(self.model_path)
+        self.hf_config = hf_config
+        self.device = _resolve_device(model_cfg.device)
+        self.dtype = _resolve_dtype(model_cfg.dtype, self.device)
+        max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        self.max_model_len = model_cfg.max_model_len or max_positions
+        if max_positions and self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings ({max_positions})"
+            )
+        self.vocab_size = int(hf_config.vocab_size)
+
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        self.tensor_parallel_size = tp = config.parallel.tensor_parallel_size
+        self.parallel: TensorParallelWorkers | None = None
+        if tp > 1:
+            check_tensor_parallel(hf_config, tp)
+            _check_parallel_features(config)
+            # Started first: the other ranks load their shards while this one loads its own.
+            self.parallel = TensorParallelWorkers(
+                config, str(self.model_path), self.dtype, self.device, self.kv_cache_dtype, self.max_model_len
+            )
+        try:
+            self._build(config, hf_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, hf_config: object) -> None:
+        model_cfg, cache_cfg = config.model, config.cache
+        tp = self.tensor_parallel_size
+        self.model = load_model(
+            self.model_path, hf_config, self.max_model_len, self.dtype, self.device,
+            model_cfg.quantization, model_cfg.quantization_group_size, model_cfg.quantize_lm_head,
+            shard=TensorParallelShard(0, tp) if tp > 1 else None, enforce_eager=model_cfg.enforce_eager,
+        )
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
+        # A draft model is loaded before the pool is sized: its weights and its parallel KV pool share the memory.
+        spec_config = config.speculative_config
+        draft = load_draft(spec_config, self) if spec_config else None
+
+        block_size = cache_cfg.block_size
+        num_layers = int(hf_config.num_hidden_layers)
+        # This rank's KV heads (all of them without tensor parallelism): every rank's pool has num_blocks blocks.
+        block_bytes = bytes_per_block(
+            num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
+        ) + (draft.block_bytes if draft else 0)
+        max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
+        fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
+        num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
+        self.kv_cache = KVCache(
+            num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype,
+            self.device,
+        )
+        self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
+        sampler = Sampler(model_cfg.seed, self.eos_token_ids)
+        if self.parallel is not None:
+            self.parallel.connect(num_blocks)
+            self.parallel.install(self.model)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device, self.parallel)
+        # The model's KV heads (all ranks together): what a handoff carries.
+        self.kv_layout = KVLayout(
+            num_layers=num_layers,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads),
+            head_dim=self.model.head_dim,
+            block_size=block_size,
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+        )
+        # Requests held with push=True hand each layer's KV to its sink as it is written.
+        self.kv_pusher = LayerPusher(self.model.model.layers, self.kv_cache, block_size)
+        self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
+        self.step_trace = StepTrace.from_env()  # PDSERVE_STEP_TRACE_DIR: each step timed, to a file
+        self.draft = draft
+        # Set: held requests get the draft's prompt KV too, handed over as the handoff's draft section.
+        self._handoff_draft = draft if config.handoff_draft_kv else None
+        # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
+        exported = self.kv_cache if self.parallel is None else ShardedKV(self.kv_cache, self.parallel,
+                                                                          self.kv_layout.num_kv_heads)
+        self.leases = LeaseTable(
+            self.block_manager, exported,
+            draft_kv_cache=self._handoff_draft.kv_cache if self._handoff_draft is not None else None,
+        )
+        self._requests: dict[str, Sequence] = {}
+        # Reservations of pushed KV a piece of which failed to be written (see write_reserved_kv).
+        self._unwritten_reservations: set[KVReservation] = set()
+        # Reservations whose last block's last layer is written (the push is complete) and that no request
+        # has adopted yet, with when that write ran (time.monotonic): see pushes_landed_since.
+        self._landed_reservations: dict[KVReservation, float] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._request_counter = itertools.count()
+
+    @property
+    def local_kv_heads(self) -> range:
+        """The KV heads (global indices) this process's pool holds: rank 0's, or all of them."""
+        return kv_heads_of_rank(self.kv_layout.num_kv_heads, self.tensor_parallel_size, 0)
+
+    def check_ranks(self) -> None:
+        """``TensorParallelError`` when one of the engine's other ranks has died (nothing to check with one)."""
+        if self.parallel is not None:
+            self.parallel.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        parallel, self.parallel = self.parallel, None
+        if parallel is not None:
+            parallel.shutdown()
+
+    # ---- requests ------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompt text needs a tokenizer, and the checkpoint at {self.model_path} has none")
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        hold_kv: KVHoldParams | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument.
+
+        ``hold_kv``: when the request finishes, its blocks go to ``leases``
+        (pinned until released or expired) and its last output carries the
+        ``KVHandoff`` — what a prefill worker does while a decode worker fetches them.
+        """
+        request_id = self._new_request_id(request_id)
+        token_ids = self.validate_request(prompt, params)
+        seq = self._new_sequence(request_id, token_ids, params)
+        seq.kv_hold = hold_kv
+        self._register(seq)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish ``request_id`` with reason "abort" and free its blocks now (held ones too); None if unknown."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            # Finished already, its KV held for a decode worker that will not come.
+            self.leases.release(request_id)
+            return None
+        self.kv_pusher.end(request_id, complete=False)
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, self._detokenizers.pop(request_id, None))
+
+    def stats(self) -> EngineStats:
+        scheduler, manager, spec = self.scheduler, self.block_manager, self.spec_decoder
+        return EngineStats(
+            # A request whose KV is on its way holds its blocks and runs at the next step after it lands.
+            num_running=len(scheduler.running) + len(scheduler.receiving),
+            num_waiting=scheduler.num_waiting,
+            num_queued_tokens=scheduler.num_queued_tokens,
+            num_free_blocks=manager.num_free_blocks,
+            num_total_blocks=manager.num_blocks,
+            num_held=len(self.leases),
+            num_preemptions=scheduler.num_preemptions,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def between_layers(self) -> Callable[[], None] | None:
+        """Called on the engine thread between two decoder layers of a step that runs layer by layer (every
+        step but a fused decode step's): a worker's OpenMP spin governor (pdserve/engine/openmp.py) follows the other
+        processes through a multi-second prefill step with it, not only from one step to the next."""
+        return self.model.between_layers
+
+    @between_layers.setter
+    def between_layers(self, fn: Callable[[], None] | None) -> None:
+        self.model.between_layers = fn
+
+    def has_work(self) -> bool:
+        """Whether ``step()`` may do anything now: false while every request only waits for remote KV."""
+        return self.scheduler.has_work()
+
+    def next_step_has_room_for_prompts(self) -> bool:
+        """Whether prompts wait here and the next step could take more: see ``Scheduler``'s."""
+        return self.scheduler.next_step_has_room_for_prompts()
+
+    def drain_block_events(self) -> list[BlockEvent]:
+        """Prefix blocks stored and evicted since the last call (for the cluster index)."""
+        return self.block_manager.drain_events()
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that got a token (or finished) in it."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        traced = self.step_trace.begin() if self.step_trace is not None else None
+        spec = self.spec_decoder
+        started = spec.step_started() if spec else 0.0
+        generator_states = spec.save_generators(scheduler_output) if spec else {}
+        self.kv_pusher.begin_step(scheduler_output)
+        try:
+            result = self.runner.execute(scheduler_output)
+            self.scheduler.complete_step(scheduler_output)
+            outputs = self._update(result, generator_states, spec)
+        finally:
+            self.kv_pusher.end_step()
+        if spec is not None:
+            spec.observe_step(scheduler_output, started)
+            spec.propose(self.scheduler)
+        if traced is not None:
+            assert self.step_trace is not None
+            self.step_trace.end(traced, len(scheduler_output.scheduled), scheduler_output.num_batched_tokens)
+        return outputs
+
+    def _update(
+        self, result: StepResult, generator_states: dict[str, torch.Tensor], spec: SpecDecoder | None
+    ) -> list[RequestOutput]:
+        for seq, entries in result.prompt_logprobs:
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs.extend(entries)
+        sampled = result.sampled
+        if sampled is None:
+            return []
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        outputs = []
+        proposals = result.spec_token_ids or ((),) * len(result.sampled_seqs)
+        first_row = 0
+        for seq, proposal in zip(result.sampled_seqs, proposals):
+            samples = token_ids[first_row : first_row + 1 + len(proposal)]
+            num_accepted = SpecDecoder.num_accepted(samples, proposal)
+            detokenizer = self._detokenizers.get(seq.request_id)
+            # The accepted proposed tokens, then the target's own: appended one by
+            # one so that a stop condition cuts the run where plain decoding would stop.
+            num_appended = 0
+            for row in range(first_row, first_row + num_accepted + 1):
+                token_id = token_ids[row]
+                num_appended += 1
+                seq.append_token(token_id)
+                if seq.logprobs is not None and logprobs is not None:
+                    n = seq.params.logprobs or 0
+                    top = tuple(zip(top_ids[row][:n], top_lps[row][:n])) if top_ids is not None else ()
+                    seq.logprobs.append(TokenLogprobs(token_id, logprobs[row], top))
+                reason = self._finish_reason(seq, token_id, detokenizer)
+                if reason is not None:
+                    break
+            first_row += 1 + len(proposal)
+            if proposal:
+                assert spec is not None
+                spec.record(seq, len(proposal), num_accepted, generator_states)
+                # Every appended token but the last has its KV computed now, as after plain decoding.
+                self.scheduler.accept_proposed(seq, num_appended - 1)
+            handoff = None
+            if reason is not None:
+                self.scheduler.finish(seq, reason, free_blocks=seq.kv_hold is None)
+                if seq.kv_hold is not None:
+                    if self._handoff_draft is not None:
+                        self._handoff_draft.fill([seq])
+                    handoff = self._handoff(seq, seq.kv_hold)
+                    self.leases.grant(seq, handoff, seq.kv_hold.lease_s)
+                    self.kv_pusher.end(seq.request_id, complete=True)
+                self._requests.pop(seq.request_id, None)
+                self._detokenizers.pop(seq.request_id, None)
+            outputs.append(self._output(seq, detokenizer, handoff))
+        return outputs
+
+    def _handoff(self, seq: Sequence, hold: KVHoldParams) -> KVHandoff:
+        """The descriptor of a finished request's held prompt KV, from what the sequence already has."""
+        num_tokens = seq.num_computed_tokens  # the prompt: the first token's KV was never computed
+        return KVHandoff(
+            request_id=seq.request_id,
+            model_id=self.model_id,
+            layout=self.kv_layout,
+            # Hashed as the tokens arrived (the prefix cache needed them): not computed again.
+            block_hashes=tuple(seq.block_hashes()[: num_tokens // self.block_size]),
+            num_tokens=num_tokens,
+            first_token_id=seq.output_token_ids[0],
+            transport=hold.transport,
+            address=hold.address,
+            lease_deadline_ms=int((time.time() + hold.lease_s) * 1000),
+            worker_id=hold.worker_id,
+            epoch=hold.epoch,
+            draft_layout=self._handoff_draft.kv_layout if self._handoff_draft is not None else None,
+            draft_model_id=self._handoff_draft.identity if self._handoff_draft is not None else "",
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+    def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
+        params = seq.params
+        # Nothing ends a request before min_tokens tokens (vLLM): EOS and stop ids were
+        # masked until then, and stop strings count from the token after the min_tokens-th.
+        may_stop = seq.num_output_tokens > params.min_tokens
+        if may_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if may_stop and token_id in params.stop_token_ids:
+            return "stop"
+        if detokenizer is not None:
+            new_text = detokenizer.add(seq.output_token_ids)
+            if may_stop and params.stop and new_text:
+                index = find_stop(detokenizer.text, len(new_text), params.stop)
+                if index is not None:
+                    detokenizer.text = detokenizer.text[:index]
+                    return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- requests prefilled elsewhere (decode side of a handoff) ----------------------------
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           handoff: KVHandoff, reservation: KVReservation | None = None) -> str:
+        """Queue a request whose prompt KV is on its way from another engine (WAITING_FOR_REMOTE_KVS).
+
+        It gets blocks as soon as it is first in line and they fit (``drain_kv_slots``
+        says where its KV goes), is never scheduled before ``receive_kv``, and an
+        abort frees its blocks like any other request's. ``reservation``: blocks
+        that already hold its pushed KV (``reserve_kv_blocks``), now the request's:
+        it adopts them, and they are freed if it is rejected. Raises ``ValueError``
+        naming the field when ``handoff`` cannot be served here.
+        """
+        self._landed_reservations.pop(reservation, None)
+        try:
+            seq = self._remote_sequence(request_id, prompt_token_ids, params, handoff)
+            if reservation is not None and reservation.end_block != handoff.num_blocks:
+                raise ValueError(f"the KV reservation ends at block {reservation.end_block}, "
+                                 f"handoff.num_blocks is {handoff.num_blocks}")
+        except BaseException:
+            if reservation is not None:
+                self.free_kv_reservation(reservation)
+            raise
+        if reservation in self._unwritten_reservations:
+            # A piece of it could not be written: its blocks are no use, the request fetches its KV instead.
+            self.free_kv_reservation(reservation)
+            reservation = None
+        seq.kv_reservation = reservation
+        self._register(seq)
+        detokenizer = self._detokenizers.get(seq.request_id)
+        if detokenizer is not None:
+            detokenizer.add(seq.output_token_ids)
+        self.scheduler.add_remote(seq)
+        return seq.request_id
+
+    def _remote_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         handoff: KVHandoff) -> Sequence:
+        if handoff.model_id != self.model_id:
+            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {self.model_id!r}")
+        if handoff.layout.block_size != self.block_size:
+            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {self.block_size}")
+        if handoff.num_tokens != len(prompt_token_ids):
+            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt_token_ids)}")
+        request_id = self._new_request_id(request_id)
+        token_ids = self.validate_request(prompt_token_ids, params)
+        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes)
+        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
+        seq.append_token(handoff.first_token_id)
+        seq.num_cached_tokens = 0
+        # Nothing of the prompt is computed here: only the first token is left to run.
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        return seq
+
+    # ---- KV pushed here before its request arrives ------------------------------------
+
+    def reserve_kv_blocks(self, layout: KVLayout, first_block: int, end_block: int) -> KVReservation | None:
+        """Blocks for a push of blocks ``first_block``..``end_block`` in ``layout``, held until a request adopts them
+        (``add_remote_request``) or ``free_kv_reservation``; None when the pool has no room for them now.
+        Raises ``ValueError`` naming the field when KV of ``layout`` cannot be written here."""
+        own = self.kv_layout
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(layout, name) != getattr(own, name):
+                raise ValueError(f"layout.{name} {getattr(layout, name)} != this worker's {getattr(own, name)}")
+        if self.parallel is not None:
+            raise ValueError("this engine is tensor-parallel: each rank fetches its own heads, a push cannot land")
+        if not 0 <= first_block < end_block:
+            raise ValueError(f"first_block {first_block} must be below end_block {end_block}")
+        num_blocks = end_block - first_block
+        if not self.block_manager.can_reserve(num_blocks):
+            return None
+        return KVReservation(first_block, tuple(self.block_manager.reserve(num_blocks)))
+
+    def write_reserved_kv(self, reservation: KVReservation, layer: int, first_block: int, blocks: torch.Tensor) -> None:
+        """Write layer ``layer`` of the handoff's blocks ``first_block``.. ((1, 2, n, ...), any KV dtype) into
+        the reserved blocks that hold them."""
+        start = first_block - reservation.first_block
+        block_ids = reservation.block_ids[start : start + blocks.shape[2]]
+        if start < 0 or len(block_ids) != blocks.shape[2]:
+            raise ValueError(f"blocks {first_block}+{blocks.shape[2]} are outside the reservation of blocks "
+                             f"{reservation.first_block}..{reservation.end_block}")
+        try:
+            self.kv_cache.import_blocks(block_ids, blocks, slice(layer, layer + 1))
+        except BaseException:
+            # Never a request decoding from half-written blocks: add_remote_request refuses them.
+            self._unwritten_reservations.add(reservation)
+            raise
+        # Only the piece that ends the prompt writes its last block (kv_push: earlier chunks push full blocks
+        # only), and a push sends its layers in order: this was the push's last write.
+        if layer == self.kv_layout.num_layers - 1 and first_block + len(block_ids) == reservation.end_block:
+            self._landed_reservations[reservation] = time.monotonic()
+
+    def pushes_landed_since(self, since: float) -> int:
+        """Pushes completed here at or after ``since`` (``time.monotonic``) whose requests have not been added
+        yet: the prefill worker has sampled (or is sampling) their first tokens, and their starts are on the
+        way. ``AsyncEngine`` holds a step briefly for them, so that a prefill step's requests join the batch
+        together; a push whose request never comes (it went to another worker) stops counting once it is
+        older than the hold."""
+        return sum(1 for reservation, landed in self._landed_reservations.items()
+                   if landed >= since and reservation not in self._unwritten_reservations)
+
+    def free_kv_reservation(self, reservation: KVReservation) -> None:
+        """Give back the blocks of a push no request adopted."""
+        self._unwritten_reservations.discard(reservation)
+        self._landed_reservations.pop(reservation, None)
+        self.block_manager.free_reserved(reservation)
+
+    def drain_kv_slots(self) -> list[KVSlot]:
+        """Remote requests that got their blocks since the last call: fetch their KV from ``first_block`` on."""
+        return self.scheduler.drain_kv_slots()
+
+    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor | KVFetch) -> RequestOutput | None:
+        """Write a remote request's KV into its blocks and join it to the running batch.
+
+        ``blocks``: the handoff's blocks from ``first_block`` (its ``KVSlot``) on,
+        (num_layers, 2, n, block_size, num_kv_heads, row_size); under tensor
+        parallelism a ``KVFetch`` instead (rank 0's heads, and how the other ranks
+        fetch theirs; if one cannot, the prompt is recomputed here). Returns the
+        state at landing (the first token and its text), or None when the request
+        is no longer waiting for its KV (aborted): the KV is dropped.
+        """
+        seq = self._receiving(request_id)
+        if seq is None:
+            return None
+        to_fill = seq.block_table[first_block:]
+        local = blocks.local_blocks if isinstance(blocks, KVFetch) else blocks
+        if local.shape[2] != len(to_fill):
+            raise ValueError(f"KV for {request_id!r} has {local.shape[2]} blocks from block {first_block}, "
+                             f"its slot has {len(to_fill)}")
+        if isinstance(blocks, KVFetch) and self.parallel is not None and to_fill:
+            if not import_on_ranks(self.parallel, self.kv_cache, blocks, first_block, to_fill):
+                return self.recompute_remote(request_id)
+        elif to_fill:
+            self.kv_cache.import_blocks(to_fill, local)
+        return self._join_running(seq)
+
+    def land_present_kv(self, slot: KVSlot) -> RequestOutput | None:
+        """Join a remote request to the running batch now if its slot needs nothing copied in (every block
+        was cached here or pushed into it); returns the state at landing, as ``receive_kv`` does. None when
+        blocks must still be filled (``receive_kv`` does that) or the request no longer waits for its KV.
+
+        This spares such a request the trip to whoever fetches KV: it runs in the very next step.
+        """
+        seq = self._receiving(slot.request_id)
+        if seq is None or slot.first_block < len(seq.block_table):
+            return None
+        return self._join_running(seq)
+
+    def _join_running(self, seq: Sequence) -> RequestOutput:
+        self.block_manager.cache_computed_blocks(seq)
+        self.scheduler.kv_received(seq)
+        return self._output(seq, self._detokenizers.get(seq.request_id))
+
+    def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
+        """Whether ``handoff`` carries draft KV that this engine's draft model can use (else: ignored,
+        the draft recomputes the prompt when the request first proposes)."""
+        return (
+            handoff.draft_layout is not None
+            and self.draft is not None
+            and self.draft.accepts(handoff.draft_layout, handoff.draft_model_id)
+        )
+
+    def receive_draft_kv(self, request_id: str, blocks: torch.Tensor) -> bool:
+        """Write a remote request's draft-model KV (its handoff's draft section, from block 0) into the
+        draft's pool, before ``receive_kv``; False when the request no longer waits for its KV.
+
+        Blocks the request shares through the prefix cache are rewritten with the
+        draft's KV of the same tokens: draft KV only steers proposals (see
+        ``engine.spec_decode.draft_model``), so this is harmless to other sequences.
+        """
+        seq = self._receiving(request_id)
+        if seq is None:
+            return False
+        if self.draft is None or self.draft.kv_cache is None:
+            raise ValueError("this engine has no draft model to take draft KV")
+        if blocks.shape[2] != len(seq.block_table):
+            raise ValueError(f"draft KV for {request_id!r} has {blocks.shape[2]} blocks, "
+                             f"the request holds {len(seq.block_table)}")
+        self.draft.kv_cache.import_blocks(seq.block_table, blocks)
+        seq.num_draft_computed_tokens = seq.num_prompt_tokens
+        return True
+
+    def recompute_remote(self, request_id: str) -> RequestOutput | None:
+        """A remote request's KV will never land: compute its prompt and first token here instead.
+
+        The path a preempted sequence takes; a seeded request resumes its random
+        stream after the first token's draw. The state with the first token, or
+        None when the request is no longer waiting for its KV.
+        """
+        seq = self._receiving(request_id)
+        if seq is None:
+            return None
+        self.scheduler.kv_lost(seq)
+        return self._output(seq, self._detokenizers.get(request_id))
+
+    def _receiving(self, request_id: str) -> Sequence | None:
+        seq = self._requests.get(request_id)
+        if seq is None or seq.request_id not in self.scheduler.receiving:
+            return None
+        return seq
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = f"req-{next(self._request_counter)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        # A finished request whose KV is still held counts: reusing its id would orphan its blocks.
+        if request_id in self._requests or request_id in self.leases:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return request_id
+
+    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ``ValueError`` naming what makes the request unservable here."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+        for token_id, _ in params.logit_bias:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias key {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        capacity = self.block_manager.num_blocks * self.block_size
+        if len(token_ids) + params.max_tokens > capacity:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV pool "
+                f"({capacity} tokens); raise num_kv_blocks"
+            )
+        return token_ids
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_draws_done: int = 0,
+        block_hashes: tuple[BlockHash, ...] = (),
+    ) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed)
+            # A request continued from another worker resumes the same random stream.
+            if not params.is_greedy:
+                for _ in range(num_draws_done):
+                    torch.empty(self.vocab_size).exponential_(generator=generator)
+        return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator, block_hashes)
+
+    def _register(self, seq: Sequence) -> None:
+        self._requests[seq.request_id] = seq
+        if self.tokenizer is not None:
+            self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def _output(
+        self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, kv_handoff: KVHandoff | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=detokenizer.text if detokenizer is not None else "",
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            # Complete from the first output on (the step that samples it ends the
+            # prompt); an abort before then reports none rather than a part.
+            prompt_logprobs=None if seq.needs_prompt_logprobs else seq.prompt_logprobs,
+            kv_handoff=kv_handoff,
+            spec_decode_stats=None
+            if self.spec_decoder is None
+            else SpecDecodeStats(seq.num_spec_steps, seq.num_draft_tokens, seq.num_accepted_tokens),
+        )
+
+
+def _check_parallel_features(config: EngineConfig) -> None:
+    """ValueError naming the option that tensor_parallel_size > 1 does not serve yet."""
+    tp = config.parallel.tensor_parallel_size
+    if config.model.quantization is not None:
+        raise ValueError(
+            f"quantization={config.model.quantization!r} is not supported with tensor_parallel_size={tp}; "
+            "use quantization=None or tensor_parallel_size=1"
+        )
+    if config.speculative_config is not None:
+        raise ValueError(
+            f"speculative_config is not supported with tensor_parallel_size={tp}; "
+            "drop speculative_config or use tensor_parallel_size=1"
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device {device!r} is not a valid torch device") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return resolved
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return auto_dtype(device)
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.warning(
+            "dtype='bfloat16' on a CPU without bf16 units (no avx512_bf16 or amx_bf16): its products are emulated, "
+            "several times slower than float32 (dtype='auto' picks float32 here; quantized layers dequantize to float32)"
+        )
+    return TORCH_DTYPES[dtype]
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What ``dtype="auto"`` serves in: bf16 on GPUs, and on CPUs whose matrix units run it natively
+    (AMX or AVX512-BF16: there bf16 matches float32's perplexity on the default model and runs its
+    GEMMs 2.3-6.5x faster, BENCHMARKS.md issue 11); float32 on other CPUs, where bf16 is emulated.
+    vLLM picks bf16 on CPU too."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def _load_tokenizer(path: Path) -> object | None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / name).is_file() for name in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,327 @@
+"""A decode step through every decoder layer in one C call (``pdserve/engine/kernels/fused_decode.c``).
+
+At batch 1 a layer's arithmetic is a few hundred microseconds, and the Python
+and torch dispatch around its ten kernel calls (plus eight small torch ops of
+rotary) cost about as much again: llama.cpp runs a token as one graph of C ops.
+``FusedDecoder`` collects every layer's weight pointers (INT8/INT4 tiles,
+scales, biases, norm weights) once, when the model is packed, into a ctypes
+struct array, and the KV pool's pointers when it first sees the pool; a step
+then passes only its own inputs (embeddings, positions, slots and the attention
+kernel's plan). The C side calls the very kernels the unfused path calls, in the
+same order and with the same rounding, so hidden states are bit for bit the
+unfused bfloat16 path's (tests/unit/test_fused_decode.py).
+
+It serves bfloat16 models on CPU whose projections all run pdserve's C
+kernels: INT8/INT4, or unquantized bf16 on a CPU with AVX512-BF16 and no AMX
+(pdserve/engine/layers/dense_kernels.py), with SiLU MLPs, for steps whose every token the paged
+attention kernel attends (decodes, and the short chunks a speculative step
+verifies) and of at most ``FUSED_DECODE_MAX_ROWS`` tokens. Everything else —
+float32 (the exactness oracle), GPU, bf16 weights oneDNN serves, tensor parallelism,
+no C compiler, prefill chunks, larger batches, forward hooks on the decoder
+layers (the KV pusher's), ``enforce_eager=True`` — runs the
+model's layer-by-layer forward; ``LlamaForCausalLM.forward`` is the one place
+that chooses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention.sdpa import SdpaMetadata
+from pdserve.engine.kv_cache import QuantizedKV
+from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
+from pdserve.engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
+from pdserve.engine.native import compile_kernel, torch_openmp_flags
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parents[1] / "kernels" / "fused_decode.c"
+# Steps of up to this many tokens take the fused path. One thread, the default model, INT4: the fused step
+# took 0.56x the layer-by-layer step's time at 1 row, 0.73x at 8, 0.94x at 32 and 1.04x at 128 (min; 0.86x
+# by the medians): BENCHMARKS.md, issue 11, fourth session. It can go no further than the projections' own
+# kernels (their kernel_max_rows: 256 on CPUs with AMX or without VNNI): above those the layer-by-layer path
+# dequantizes to bf16.
+FUSED_DECODE_MAX_ROWS = 32
+# The attention kernel's limit (paged_attention.c's MAX_HEAD_DIM) and the quantized tiles' column block.
+_MAX_HEAD_DIM = 256
+_QBLOCK = 32
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_INT8, _INT4, _BF16 = 1, 2, 3
+_STATUS_ERRORS = {
+    -1: "the fused decode step could not allocate its scratch memory",
+    -2: "the fused decode step was given attention it cannot serve (a query longer than its context?)",
+    -3: "slot_mapping must lie in the KV pool's slots; nothing was written",
+    -4: "positions must lie in [0, the rotary tables' length); nothing was written",
+}
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("qweight", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("minimums", ctypes.c_void_p),
+        ("group_size", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+        ("out_features", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("parallel", ctypes.c_int64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("input_eps", ctypes.c_float),
+        ("post_eps", ctypes.c_float),
+        ("qkv", _Projection),
+        ("o", _Projection),
+        ("gate_up", _Projection),
+        ("down", _Projection),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("key_scales", ctypes.c_void_p),
+        ("value_scales", ctypes.c_void_p),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("kv_kind", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("num_slots", ctypes.c_int64),
+        ("max_positions", ctypes.c_int64),
+        ("attn_scale", ctypes.c_float),
+        ("final_eps", ctypes.c_float),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+class FusedDecoder:
+    """Every decoder layer of one model, and its final norm, as one C call per decode step.
+
+    Holds the pointers of the model's weights (the model must outlive it, and its
+    packed weights must not be replaced) and of the KV pool it last ran on.
+    """
+
+    def __init__(self, library: ctypes.CDLL, model: LlamaForCausalLM, max_rows: int) -> None:
+        self._function = library.pdserve_fused_decode
+        self.max_rows = max_rows
+        decoder = model.model
+        attn = decoder.layers[0].self_attn
+        self._decoder_layers = list(decoder.layers)
+        self._layers = (_Layer * len(decoder.layers))()
+        for struct, layer in zip(self._layers, decoder.layers):
+            struct.input_norm = layer.input_layernorm.weight.data_ptr()
+            struct.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            struct.input_eps = layer.input_layernorm.eps
+            struct.post_eps = layer.post_attention_layernorm.eps
+            struct.qkv = _projection(layer.self_attn.qkv_proj)
+            struct.o = _projection(layer.self_attn.o_proj)
+            struct.gate_up = _projection(layer.mlp.gate_up_proj)
+            struct.down = _projection(layer.mlp.down_proj)
+        rotary = decoder.rotary
+        self._model = _Model(
+            num_layers=len(decoder.layers),
+            hidden=decoder.norm.weight.shape[0],
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=decoder.layers[0].mlp.intermediate_size,
+            max_positions=rotary.cos.shape[0],
+            # As the attention backend computes it (Python's double, then the kernel's float).
+            attn_scale=attn.head_dim**-0.5,
+            final_eps=decoder.norm.eps,
+            cos=rotary.cos.data_ptr(),
+            sin=rotary.sin.data_ptr(),
+            final_norm=decoder.norm.weight.data_ptr(),
+            layers=self._layers,
+        )
+        self._pool_key: tuple[Any, ...] | None = None
+        self._kv_caches: list[Any] | None = None
+
+    def serves(self, num_tokens: int, attn_metadata: Any) -> bool:
+        """Whether a step of ``num_tokens`` tokens with this attention metadata can run fused."""
+        return (
+            0 < num_tokens <= self.max_rows
+            and isinstance(attn_metadata, SdpaMetadata)
+            # Every token attended by the C kernel: no SDPA decodes, no prefill chunks.
+            and attn_metadata.kernel_plan is not None
+            and attn_metadata.num_decodes == 0
+            and not attn_metadata.prefills
+            # A hook on a decoder layer (pdserve/engine/kv_push.py's export of each layer's KV) must see every layer run.
+            and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self._decoder_layers)
+        )
+
+    def __call__(
+        self,
+        residual: torch.Tensor,  # (num_tokens, hidden) bf16: the token embeddings, used as the residual stream
+        positions: torch.Tensor,  # (num_tokens,) int64
+        kv_caches: list[tuple[Any, Any]],
+        attn_metadata: SdpaMetadata,
+    ) -> torch.Tensor:  # (num_tokens, hidden) bf16: the final norm's output
+        if kv_caches is not self._kv_caches:
+            self._bind_pool(kv_caches)
+        plan = attn_metadata.kernel_plan
+        assert plan is not None
+        slots = attn_metadata.slot_mapping
+        for name, tensor in (("positions", positions), ("slot_mapping", slots)):
+            if tensor.dtype != torch.long or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU int64 tensor")
+        if residual.dtype != torch.bfloat16 or not residual.is_contiguous() or residual.shape[1] != self._model.hidden:
+            raise ValueError(f"the embeddings must be bfloat16 (num_tokens, {self._model.hidden}), got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        rows = residual.shape[0]
+        if positions.shape != (rows,) or slots.shape != (rows,):
+            raise ValueError(f"positions and slot_mapping must hold one entry per token ({rows})")
+        hidden = torch.empty_like(residual)
+        status = self._function(
+            ctypes.byref(self._model), residual.data_ptr(), hidden.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), plan.block_tables.data_ptr(), plan.context_lens.data_ptr(),
+            plan.query_rows.data_ptr(), plan.query_lens.data_ptr(), plan.range_points.data_ptr(),
+            len(plan.item_ranges), plan.block_tables.shape[1], rows, torch.get_num_threads(),
+        )
+        if status != 0:
+            error = MemoryError if status == -1 else ValueError
+            raise error(_STATUS_ERRORS.get(status, f"the fused decode step failed ({status})"))
+        return hidden
+
+    def _bind_pool(self, kv_caches: list[tuple[Any, Any]]) -> None:
+        """Point every layer at its KV in this pool (once per pool: the runner passes the same list each step)."""
+        key = tuple(_cache_data(cache).data_ptr() for pair in kv_caches for cache in pair)
+        if key == self._pool_key:
+            self._kv_caches = kv_caches
+            return
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {len(self._layers)}")
+        first = _cache_data(kv_caches[0][0])
+        num_blocks, block_size, kv_heads, head_dim = first.shape
+        if (kv_heads, head_dim) != (self._model.kv_heads, self._model.head_dim) or first.dtype not in _KV_KINDS:
+            raise ValueError(f"the KV pool's layout {tuple(first.shape)} {first.dtype} does not fit the model")
+        for struct, (key_cache, value_cache) in zip(self._layers, kv_caches):
+            for cache in (key_cache, value_cache):
+                data = _cache_data(cache)
+                if data.shape != first.shape or data.dtype != first.dtype or not data.is_contiguous():
+                    raise ValueError("every layer's key and value caches must be contiguous and of one shape and dtype")
+                if isinstance(cache, QuantizedKV) and not cache.scales.is_contiguous():
+                    raise ValueError("int8 KV scales must be contiguous")
+            struct.key_cache = _cache_data(key_cache).data_ptr()
+            struct.value_cache = _cache_data(value_cache).data_ptr()
+            quantized = isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV)
+            struct.key_scales = key_cache.scales.data_ptr() if quantized else None
+            struct.value_scales = value_cache.scales.data_ptr() if quantized else None
+        self._model.kv_kind = _KV_KINDS[first.dtype]
+        self._model.block_size = block_size
+        self._model.num_slots = num_blocks * block_size
+        self._pool_key, self._kv_caches = key, kv_caches
+
+
+def build_fused_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
+    """The fused decode step for a packed ``model``, or None where it does not apply (see the module docstring)."""
+    decoder = model.model
+    weight = decoder.norm.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or decoder.norm.fused is None:
+        return None
+    attn = decoder.layers[0].self_attn
+    if attn.head_dim > _MAX_HEAD_DIM or attn.head_dim % 2 or attn.num_heads % attn.num_kv_heads:
+        return None
+    max_rows = FUSED_DECODE_MAX_ROWS
+    for layer in decoder.layers:
+        if layer.mlp.fused is None:  # SiLU only
+            return None
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(_fits(projection) for projection in projections):
+            return None
+        # Bit for bit the layer-by-layer path only where that path runs the same kernels (the bf16 kernel
+        # serves every row count; the quantized methods dequantize above theirs).
+        max_rows = min([max_rows] + [
+            projection.method.kernel_max_rows for projection in projections
+            if not isinstance(projection.method, UnquantizedLinearMethod)
+        ])
+    library = _load_library()
+    return None if library is None else FusedDecoder(library, model, max_rows)
+
+
+def _fits(projection: nn.Module) -> bool:
+    # A tensor-parallel wrapper (an all-reduce after the product) is not served, nor a layer without a C kernel.
+    if type(projection) is not PackedLinear:
+        return False
+    if isinstance(projection.method, UnquantizedLinearMethod):
+        return projection._dense_gemm is not None and projection._dense_gemm.dtype == torch.bfloat16
+    return (
+        isinstance(projection.method, (Int8LinearMethod, Int4LinearMethod))
+        and projection._quant_kernels is not None
+        and projection.in_features % _QBLOCK == 0
+        and (projection.bias is None or projection.bias.dtype == torch.bfloat16)
+    )
+
+
+def _projection(layer: PackedLinear) -> _Projection:
+    gemm = layer._dense_gemm
+    if gemm is not None:
+        return _Projection(
+            kind=_BF16,
+            qweight=gemm.panels.data_ptr(),
+            bias=None if gemm.bias is None else gemm.bias.data_ptr(),
+            out_features=gemm.out_features,
+            in_features=gemm.in_features,
+            parallel=int(gemm.parallel),
+        )
+    int4 = isinstance(layer.method, Int4LinearMethod)
+    return _Projection(
+        kind=_INT4 if int4 else _INT8,
+        qweight=layer.qweight.data_ptr(),
+        scales=layer.scales.data_ptr(),
+        minimums=layer.minimums.data_ptr() if int4 else None,
+        group_size=layer.method.group_size if int4 else 0,
+        bias=None if layer.bias is None else layer.bias.data_ptr(),
+        out_features=layer.out_features,
+        in_features=layer.in_features,
+        # As BoundGemm splits a projection over threads.
+        parallel=int(layer.qweight.numel() >= _PARALLEL_MIN_BYTES),
+    )
+
+
+def _cache_data(cache: torch.Tensor | QuantizedKV) -> torch.Tensor:
+    return cache.data if isinstance(cache, QuantizedKV) else cache
+
+
+@lru_cache(maxsize=1)
+def _load_library() -> ctypes.CDLL | None:
+    try:
+        # On torch's OpenMP runtime, as the kernels it includes are built (pdserve/engine/native.py).
+        path = compile_kernel(_SOURCE, torch_openmp_flags() or ())
+    except OSError as error:
+        logger.warning("CPU fused decode step unavailable (%s); decode runs layer by layer", error)
+        return None
+    library = ctypes.CDLL(str(path))
+    sizes = library.pdserve_fused_decode_struct_sizes
+    sizes.restype, sizes.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    expected = (ctypes.sizeof(_Projection), ctypes.sizeof(_Layer), ctypes.sizeof(_Model))
+    if tuple(sizes(which) for which in range(3)) != expected:
+        logger.warning("CPU fused decode step: the C structs do not match their ctypes mirrors; not used")
+        return None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    library.pdserve_fused_decode.restype = integer
+    library.pdserve_fused_decode.argtypes = [pointer] * 10 + [integer] * 4
+    return library

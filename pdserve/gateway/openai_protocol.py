@@ -1,0 +1,358 @@
+"""OpenAI's JSON request bodies, translated to pdserve's GenerateRequest (responses: ``openai_responses``).
+
+Pure functions: no I/O, so the translation is testable without a server.
+Every top-level key a body may hold is named here, in ``COMPLETION_KEYS`` and
+``CHAT_KEYS``: the ones pdserve honours, and the ones it accepts only with a
+value that changes nothing about the output (``NO_OP_VALUES``). Anything else
+is answered 400 naming the key, so no parameter is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.protos.pdserve.v1 import generation_pb2
+
+DEFAULT_MAX_N = 16
+
+# vLLM's extensions that pdserve honours, on both endpoints.
+VLLM_KEYS = frozenset({"top_k", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos", "prompt_logprobs"})
+_SHARED_KEYS = frozenset({
+    "model", "n", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens", "seed", "stop",
+    "stream", "stream_options", "temperature", "top_p", "user",
+}) | VLLM_KEYS
+COMPLETION_KEYS = _SHARED_KEYS | {"prompt", "best_of", "echo", "suffix"}
+CHAT_KEYS = _SHARED_KEYS | {
+    "messages", "max_completion_tokens", "top_logprobs", "audio", "function_call", "functions", "metadata",
+    "modalities", "moderation", "parallel_tool_calls", "prediction", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention", "reasoning_effort", "response_format", "safety_identifier", "service_tier", "store",
+    "tool_choice", "tools", "verbosity", "web_search_options",
+}
+
+
+class InvalidRequest(ValueError):
+    """A request body OpenAI's API would refuse; answered 400 with ``param`` naming the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_string(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_string_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+# Keys accepted only with values that change nothing about the output (null is
+# always accepted: OpenAI reads it as unset); any other value is refused 400.
+# name -> (accepts, what is accepted, why nothing else is)
+NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "user": (_is_string, "a string", "an end-user id; pdserve does not use it"),
+    "safety_identifier": (_is_string, "a string", "an end-user id; pdserve does not use it"),
+    "prompt_cache_key": (_is_string, "a string", "pdserve's prefix cache matches prompts by content"),
+    "metadata": (_is_string_map, "an object of strings", "pdserve does not store completions"),
+    "store": (lambda v: v is False, "false", "pdserve does not store completions"),
+    "suffix": (lambda v: v == "", '""', "pdserve does not insert text (no fill-in-the-middle)"),
+    "modalities": (lambda v: v == ["text"], '["text"]', "pdserve answers in text only"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "pdserve has no structured output"),
+    "tools": (lambda v: v == [], "[]", "pdserve does not call tools"),
+    "functions": (lambda v: v == [], "[]", "pdserve does not call functions"),
+    "tool_choice": (lambda v: v == "none", '"none"', "pdserve does not call tools"),
+    "function_call": (lambda v: v == "none", '"none"', "pdserve does not call functions"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean", "without tools it has no effect"),
+    "service_tier": (lambda v: v in ("auto", "default"), '"auto" or "default"', "pdserve has one tier"),
+    "prompt_cache_retention": (lambda v: v == "in_memory", '"in_memory"', "pdserve's cache lives in worker memory"),
+    # Accepted only as null: each would change the output or promise what pdserve does not do.
+    "audio": (lambda v: False, "null", "pdserve answers in text only"),
+    "moderation": (lambda v: False, "null", "pdserve has no moderation"),
+    "prediction": (lambda v: False, "null", "pdserve has no predicted outputs"),
+    "prompt_cache_options": (lambda v: False, "null", "pdserve makes no promise of cache lifetime"),
+    "reasoning_effort": (lambda v: False, "null", "the served models do not reason on a budget"),
+    "verbosity": (lambda v: False, "null", "pdserve does not steer verbosity"),
+    "web_search_options": (lambda v: False, "null", "pdserve does not search the web"),
+}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What the HTTP layer needs from a completions or chat body.
+
+    ``generate`` is choice 0's request; ``choice_requests`` derives all ``n``.
+    """
+
+    generate: generation_pb2.GenerateRequest
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool  # usage on every streamed chunk (vLLM's stream_options.continuous_usage_stats)
+    logprobs: bool  # whether to return them at all (chat's logprobs may be true with top_logprobs 0)
+    logprobs_count: int  # alternatives per token in the answer's logprobs
+    echo: bool = False  # completions: the prompt is prepended to each choice's text (and logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (returned as its own field)
+
+    def choice_requests(self) -> list[generation_pb2.GenerateRequest]:
+        """One request per choice: choice i samples with seed + i; only choice 0 computes prompt logprobs.
+
+        Choices 1..n-1 then hit the prefix cache that choice 0 filled (a request
+        asking for prompt logprobs computes its whole prompt).
+        """
+        requests = []
+        for index in range(self.n):
+            request = generation_pb2.GenerateRequest()
+            request.CopyFrom(self.generate)
+            params = request.sampling_params
+            if index and params.HasField("seed"):
+                params.seed += index
+            if index and params.HasField("prompt_logprobs"):
+                params.ClearField("prompt_logprobs")
+            requests.append(request)
+        return requests
+
+
+def parse_completion(body: Mapping[str, Any], max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt only)."""
+    _check_keys(body, COMPLETION_KEYS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    request = generation_pb2.GenerateRequest()
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise InvalidRequest("prompt token ids must be >= 0", "prompt")
+        _assign(lambda: request.prompt_token_ids.extend(prompt), "prompt", "token ids must be below 2**32")
+    else:
+        raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    logprobs = _optional(body, "logprobs", int)
+    echo = bool(_optional(body, "echo", bool))
+    n = _choices(body, max_n)
+    best_of = _optional(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise InvalidRequest(f"best_of must equal n ({n}): this server returns every sample it draws, got {best_of}",
+                             "best_of")
+    params = request.sampling_params
+    _sampling_params(body, params, body.get("max_tokens"), logprobs)
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+    if echo and logprobs is not None:
+        # The prompt's tokens come first in logprobs, with as many alternatives as the completion's.
+        params.prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    return ParsedRequest(request, n, *_stream_flags(body), logprobs is not None, logprobs or 0, echo, prompt_logprobs)
+
+
+def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
+    """``POST /v1/chat/completions``: the messages through the tokenizer's chat template."""
+    _check_keys(body, CHAT_KEYS)
+    messages = chat_messages(body.get("messages"))
+    if tokenizer is None:
+        raise InvalidRequest("chat needs the model's tokenizer, and this gateway has none; use /v1/completions "
+                             "with token ids", "messages")
+    try:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as error:  # noqa: BLE001 - a template's own error, reported to the caller
+        raise InvalidRequest(f"messages do not fit the model's chat template: {error}", "messages") from error
+    token_ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+    request = generation_pb2.GenerateRequest(prompt_token_ids=list(token_ids))
+    wants_logprobs = bool(_optional(body, "logprobs", bool))
+    top_logprobs = _optional(body, "top_logprobs", int)
+    if top_logprobs is not None and not wants_logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    n = _choices(body, max_n)
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
+        raise InvalidRequest("set max_completion_tokens or max_tokens, not both", "max_tokens")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = request.sampling_params
+    _sampling_params(body, params, max_tokens, (top_logprobs or 0) if wants_logprobs else None)
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+    return ParsedRequest(request, n, *_stream_flags(body), wants_logprobs, top_logprobs or 0, False, prompt_logprobs)
+
+
+def _check_keys(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(key for key in body if key not in known)
+    if unknown:
+        raise InvalidRequest(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                             "(this server refuses what it would not honour)", unknown[0])
+    _optional(body, "model", str)  # any name: the gateway serves one model
+    for name, (accepts, accepted, reason) in NO_OP_VALUES.items():
+        value = body.get(name)
+        if value is not None and name in known and not accepts(value):
+            raise InvalidRequest(f"{name} may only be {accepted} (or null) here: {reason}; got {_short(value)}", name)
+
+
+# Message roles and the role the chat template sees: OpenAI's "developer" is
+# its newer name for "system" (vLLM renders it as system too).
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_MESSAGE_KEYS = ("role", "content", "name")
+_PART_KEYS = ("type", "prompt_cache_breakpoint")  # a cache breakpoint is a hint: pdserve caches every full block
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI's messages as a chat template reads them: text content, system/user/assistant roles.
+
+    Content given as a list of text parts is joined with newlines (as vLLM
+    does for templates that take a string).
+    """
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise InvalidRequest("messages must be a non-empty list of message objects", "messages")
+    rendered = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        role = message.get("role")
+        if role in ("tool", "function"):
+            raise InvalidRequest(f"{where}.role {role!r} answers a tool call, and this server does not call tools",
+                                 f"{where}.role")
+        if role not in _ROLES:
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {_short(role)}",
+                                 f"{where}.role")
+        for key in message:
+            if key not in _MESSAGE_KEYS:
+                raise InvalidRequest(f"{where}.{key} is not supported: messages hold role, content and name "
+                                     "(this server does not call tools)", f"{where}.{key}")
+        entry = {"role": _ROLES[role], "content": _message_text(message.get("content"), where, role)}
+        name = message.get("name")
+        if name is not None:
+            entry["name"] = _typed(f"{where}.name", name, str)
+        rendered.append(entry)
+    return rendered
+
+
+def _message_text(content: Any, where: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise InvalidRequest(f"{where}.content must be a string or a non-empty list of content parts",
+                             f"{where}.content")
+    texts = []
+    for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
+        if not isinstance(part, dict):
+            raise InvalidRequest(f"{at} must be a content part object", at)
+        kind = part.get("type")
+        # OpenAI allows an assistant's refusal as a part of its message; vLLM reads it as text too.
+        text_key = "text" if kind == "text" else "refusal" if kind == "refusal" and role == "assistant" else None
+        if text_key is None:
+            raise InvalidRequest(f"{at}.type {_short(kind)} is not supported: this server reads text parts only "
+                                 "(and refusal parts of assistant messages)", f"{at}.type")
+        for key in part:
+            if key not in (text_key, *_PART_KEYS):
+                raise InvalidRequest(f"{at}.{key} is not supported in a {kind} part", f"{at}.{key}")
+        texts.append(_typed(f"{at}.{text_key}", part.get(text_key), str))
+    return "\n".join(texts)
+
+
+def _choices(body: Mapping[str, Any], max_n: int) -> int:
+    n = _optional(body, "n", int)
+    if n is None:
+        return 1
+    if not 1 <= n <= max_n:
+        raise InvalidRequest(f"n must be in [1, {max_n}] (this server's --max-n), got {n}", "n")
+    return n
+
+
+def _sampling_params(
+    body: Mapping[str, Any], params: generation_pb2.SamplingParams, max_tokens: Any, logprobs: int | None
+) -> None:
+    """Type checks only; ranges are the gateway's validation's, so both APIs refuse the same values."""
+    if max_tokens is not None:
+        _set(params, "max_tokens", _typed("max_tokens", max_tokens, int))
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _optional(body, name, float)
+        if value is not None:
+            setattr(params, name, value)
+    for name in ("top_k", "seed", "min_tokens", "prompt_logprobs"):
+        value = _optional(body, name, int)
+        if value is not None:
+            _set(params, name, value)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        params.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        params.stop.extend(stop)
+    elif stop is not None:
+        raise InvalidRequest("stop must be a string or a list of strings", "stop")
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, list) or not all(_is_token_id(t) for t in stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be a list of token ids (integers >= 0)", "stop_token_ids")
+        _assign(lambda: params.stop_token_ids.extend(stop_token_ids), "stop_token_ids", "ids must be below 2**32")
+    _logit_bias(body.get("logit_bias"), params)
+    if logprobs is not None:
+        _set(params, "logprobs", logprobs)
+    params.ignore_eos = bool(_optional(body, "ignore_eos", bool))  # vLLM's extension
+
+
+def _logit_bias(bias: Any, params: generation_pb2.SamplingParams) -> None:
+    """OpenAI's ``{"token id": bias}``; the keys are strings in JSON."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= 2**32:
+            raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got {key!r}", "logit_bias")
+        params.logit_bias[int(key)] = _typed(f"logit_bias[{key!r}]", value, float, "logit_bias")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    stream = bool(_optional(body, "stream", bool))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object", "stream_options")
+    if options and not stream:
+        raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise InvalidRequest(f"unknown stream option {key!r}: include_usage and continuous_usage_stats are "
+                                 "supported", f"stream_options.{key}")
+    include_usage = _optional(options, "include_usage", bool, "stream_options.include_usage")
+    continuous = _optional(options, "continuous_usage_stats", bool, "stream_options.continuous_usage_stats")
+    return stream, bool(include_usage), bool(continuous)
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type, param: str | None = None) -> Any:
+    value = body.get(name)
+    return None if value is None else _typed(param or name, value, kind)
+
+
+def _typed(name: str, value: Any, kind: type, param: str | None = None) -> Any:
+    # bool is an int in Python, and JSON's true is not a token count.
+    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise InvalidRequest(f"{name} must be {_KIND_NAMES[kind]}, got {_short(value)}", param or name)
+    return value
+
+
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _set(params: generation_pb2.SamplingParams, name: str, value: int) -> None:
+    _assign(lambda: setattr(params, name, value), name, f"got {value}")
+
+
+def _assign(assign: Callable[[], None], param: str, detail: str) -> None:
+    """A protobuf assignment; an integer too large for the field is the caller's error, not a 500."""
+    try:
+        assign()
+    except (ValueError, TypeError) as error:
+        raise InvalidRequest(f"{param} is out of range: {detail}", param) from error
+
+
+def _short(value: Any) -> str:
+    # Bounded in depth and length: an error message stays short whatever was sent.
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60

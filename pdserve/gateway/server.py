@@ -1,0 +1,482 @@
+"""The public Generation service."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import grpc
+
+from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
+from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
+from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
+from pdserve.gateway.disaggregation import DisaggregationPolicy
+from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
+from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
+from pdserve.gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
+from pdserve.gateway.workers import WorkerHandle, WorkerPool
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2
+from pdserve.service_common.errors import Overloaded, Unavailable, grpc_errors
+from pdserve.service_common.logs import request_id_context
+from pdserve.service_common.metrics import GatewayMetrics, MetricsEndpoint
+from pdserve.service_common.security import TlsConfig, server_ssl_context
+from pdserve.service_common.server import Server, ServerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# The transports a prefill worker pushes KV over (kv_transfer.pusher's; the gateway imports no torch).
+PUSH_TRANSPORTS = ("grpc", "shm")
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Tokenize, validate, route, prefill (first token streamed at once), then relay the decode stream."""
+
+    def __init__(
+        self,
+        router: Router,
+        tokenizer: Any,
+        transport: str,
+        limits: RequestLimits | None = None,
+        admission: Admission | None = None,
+        max_prefill_attempts: int = 3,
+        metrics: GatewayMetrics | None = None,
+        disaggregation: DisaggregationPolicy | None = None,
+        kv_push: bool = True,
+        max_decode_attempts: int = 2,
+    ) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self.limits = limits or RequestLimits()
+        self.admission = admission or Admission()
+        self.max_prefill_attempts = max_prefill_attempts
+        # Choose the decode worker before the prefill, so the prefill worker pushes the KV there as it computes it.
+        self.kv_push = kv_push and transport in PUSH_TRANSPORTS
+        self.max_decode_attempts = max_decode_attempts
+        self.metrics = metrics or GatewayMetrics()
+        self.disaggregation = disaggregation or DisaggregationPolicy()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @grpc_errors
+    async def Generate(  # noqa: N802 - the gRPC method name
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
+        request_id = request.request_id or f"gw-{uuid.uuid4().hex}"
+        with request_id_context(request_id), self.metrics.track(lambda: _deadline_passed(context)) as tracker:
+            token_ids = self.prompt_token_ids(request)
+            validate_generate_request(request, token_ids, self._request_limits())
+            assert token_ids is not None  # validation rejects a prompt it could not tokenize
+            log.debug("generate: %d prompt tokens, max_tokens %d", len(token_ids), request.sampling_params.max_tokens)
+            with self.admission.admit(len(token_ids)):
+                route = await choose_route(self.disaggregation, self.router, self.metrics, request, token_ids)
+                if route.decision.local:
+                    responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
+                                                     token_ids, context.time_remaining())
+                else:
+                    push_to = self._push_target(request, route.decode)
+                    push_cached = await self._push_cached_tokens(route, push_to, token_ids)
+                    prefill, prefill_response = await self._prefill(request, request_id, token_ids, context,
+                                                                    route.prefill, push_to, push_cached)
+                    responses = self._relay(request, request_id, token_ids, prefill, prefill_response, context,
+                                            push_to)
+                async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
+                    async for response in responses:
+                        tracker.responded(response)
+                        route.timing.responded(response)
+                        yield response
+                learn(self.disaggregation, route)
+
+    async def _prefill(
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        context: grpc.aio.ServicerContext,
+        choice: PrefillChoice | None = None,
+        push_to: WorkerHandle | None = None,
+        push_cached_tokens: int = 0,
+    ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
+        """Prefill on the best worker (``choice``, when routing chose it already); when one is unreachable
+        (crashed, partitioned), on the next best.
+
+        ``push_to``: the decode worker the prefill worker pushes the KV to while it computes it;
+        ``push_cached_tokens``: what that worker caches of the prompt (not pushed).
+        """
+        prefill_request = worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            transport=self.transport,
+        )
+        failed: set[str] = set()
+        while True:
+            try:
+                if choice is None or failed:
+                    choice = await self.router.choose_prefill(token_ids, exclude=failed)
+            except NoWorkerAvailable as error:
+                raise Unavailable(str(error)) from error
+            prefill = choice.worker
+            self.metrics.routed("prefill", prefill.worker_id)
+            # A colocated worker finds the prompt in its own prefix cache: nothing to push.
+            pushing = push_to is not None and push_to.address != prefill.address
+            prefill_request.push_address = push_to.address if pushing else ""
+            prefill_request.push_cached_tokens = push_cached_tokens if pushing else 0
+            try:
+                # Count the work this adds there: the tokens its cache does not already hold
+                # (all of them when the prompt's logprobs are asked for: those skip the cache).
+                cached = 0 if request.sampling_params.HasField("prompt_logprobs") else choice.expected_cached_tokens
+                with _Inflight(prefill, len(token_ids) - cached):
+                    response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
+                self.router.prefilled(choice)
+                return prefill, response
+            except BaseException as error:
+                # Cancelled or failed after the worker may have granted the lease:
+                # release it now rather than pinning the blocks until it expires.
+                self._release_prefill(prefill, request_id)
+                retry = (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+                         and len(failed) + 1 < self.max_prefill_attempts)
+                if not retry:
+                    if pushing:  # what it pushed before the end (a retry pushes again, replacing it there)
+                        self._drop_push(push_to, request_id)
+                    raise
+                # Nothing was streamed yet, so the request can start over elsewhere.
+                log.warning("prefill worker %s failed for %s (%s); retrying on another worker",
+                            prefill.address, request_id, error.details())
+                prefill.healthy = False
+                failed.add(prefill.address)
+                self.metrics.retried("prefill")
+
+    async def _relay(
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        token_ids: list[int],
+        prefill: WorkerHandle,
+        prefill_response: worker_pb2.PrefillResponse,
+        context: grpc.aio.ServicerContext,
+        push_to: WorkerHandle | None = None,
+    ):
+        """The first token at once, then the decode worker's stream, ending with usage.
+
+        The decode worker is ``push_to`` (chosen before the prefill) when there is one. One that
+        fails before sending anything is replaced by another, which pulls the KV (still leased).
+        """
+        usage = generation_pb2.Usage(
+            prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
+        )
+        first = generation_pb2.GenerateResponse(
+            request_id=request_id, token_ids=[prefill_response.first_token_id], text=prefill_response.text
+        )
+        if prefill_response.HasField("logprobs"):
+            first.logprobs.append(prefill_response.logprobs)
+        # Only here: the decode worker (even when it recomputes the prompt) never sends them.
+        first.prompt_logprobs.extend(prefill_response.prompt_logprobs)
+        if prefill_response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+            if push_to is not None:
+                self._drop_push(push_to, request_id)  # the first token ended it: no Decode will claim the push
+            first.finish_reason = prefill_response.finish_reason
+            first.usage.CopyFrom(usage)
+            yield first
+            return
+
+        # A completed push shows push_to answered a moment ago, and the KV (and the request the push
+        # started) is there: an unhealthy mark from an older missed poll does not outweigh that. If
+        # push_to has failed after all, the Decode there fails and is retried on another worker.
+        decode = push_to if push_to is not None and (push_to.healthy or prefill_response.kv_pushed) else None
+        decode_request = worker_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            handoff=prefill_response.handoff,
+            # The prefill worker pushed only to push_to; any other decode worker pulls.
+            kv_pushed=prefill_response.kv_pushed and decode is not None,
+        )
+        first_sent = finished = push_dropped = False
+        attempts = 0
+        try:
+            while True:
+                attempts += 1
+                if decode is None:
+                    try:
+                        decode = self.router.choose_decode()
+                    except NoWorkerAvailable as error:
+                        raise Unavailable(str(error)) from error
+                if push_to is not None and decode is not push_to and not push_dropped:
+                    # Served elsewhere: what the push holds on push_to, and the request it started there
+                    # (computing tokens nobody reads), end now rather than when this request ends.
+                    self._drop_push(push_to, request_id)
+                    push_dropped = True
+                self.metrics.routed("decode", decode.worker_id)
+                # Open the decode stream (it starts taking the KV) before the first token
+                # goes out, so the two overlap; the client never waits for it.
+                call = decode.stub.Decode(decode_request, timeout=context.time_remaining())
+                received = False
+                with _Inflight(decode, 0):
+                    try:
+                        if not first_sent:
+                            first_sent = True
+                            yield first
+                        async for piece in call:
+                            received = True
+                            usage.completion_tokens += len(piece.token_ids)
+                            response = generation_pb2.GenerateResponse(
+                                request_id=request_id, token_ids=piece.token_ids, text=piece.text,
+                                logprobs=piece.logprobs,
+                            )
+                            if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                                response.finish_reason = piece.finish_reason
+                                usage.spec_decode_drafts = piece.spec_decode_drafts
+                                usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
+                                usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
+                                response.usage.CopyFrom(usage)
+                                finished = True
+                            yield response
+                        return
+                    except grpc.aio.AioRpcError as error:
+                        if error.code() != grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        # Crashed or its engine died: out of rotation now, not at the next load poll,
+                        # so requests arriving meanwhile go to the other decode workers.
+                        decode.healthy = False
+                        if received or attempts >= self.max_decode_attempts:
+                            raise
+                        # Nothing came from it yet: another decode worker pulls the KV the prefill worker holds.
+                        log.warning("decode worker %s failed for %s (%s); retrying on another worker",
+                                    decode.address, request_id, error.details())
+                        self.metrics.retried("decode")
+                        decode, decode_request.kv_pushed = None, False
+                    finally:
+                        if not finished:
+                            call.cancel()
+        finally:
+            if not finished:
+                # Client cancel, deadline or a failed decode: stop the decode
+                # worker's request and free the prefill worker's pinned blocks.
+                self._release_prefill(prefill, request_id)
+            if push_to is not None and not push_dropped and not (finished and decode is push_to):
+                # The blocks a push holds on push_to if no Decode there took it: the request ended before
+                # its Decode ran. A push confirmed too late for the prefill worker to say kv_pushed still
+                # lands there, so this does not depend on that flag; a Decode that ran on push_to took
+                # the push or, told to pull, dropped it itself.
+                self._drop_push(push_to, request_id)
+
+    async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:
+        """What ``push_to`` caches of the prompt, by the prefix index (auto routing looked it up already)."""
+        if push_to is None:
+            return 0
+        if route.inputs is not None and route.decode is push_to:
+            return route.inputs.local_cached_tokens
+        hashes = route.prefill.block_hashes if route.prefill is not None else ()
+        return await self.router.decode_cached_tokens(push_to, token_ids, hashes)
+
+    def _push_target(
+        self, request: generation_pb2.GenerateRequest, chosen: WorkerHandle | None = None
+    ) -> WorkerHandle | None:
+        """The decode worker chosen before the prefill (``chosen``: the one routing weighed), for the
+        prefill worker to push the KV to; None: pull."""
+        if not self.kv_push or request.sampling_params.max_tokens == 1:
+            return None
+        if chosen is not None and chosen.healthy:
+            return chosen
+        try:
+            return self.router.choose_decode()
+        except NoWorkerAvailable:
+            return None  # _relay says so, if a decode worker is needed at all
+
+    @grpc_errors
+    async def ModelInfo(  # noqa: N802
+        self, request: generation_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelInfoResponse:
+        workers = self.router.pool.healthy("prefill") + self.router.pool.healthy("decode")
+        report = next((w.report for w in workers if w.report is not None), None)
+        if report is None:
+            raise Unavailable("no worker is available to describe the model")
+        return generation_pb2.ModelInfoResponse(
+            model_id=report.model_id,
+            max_context_length=report.max_model_len,
+            block_size=report.block_size,
+            vocab_size=report.vocab_size,
+            eos_token_ids=report.eos_token_ids,
+        )
+
+    def prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | None:
+        """The prompt as token ids; None for a text prompt this gateway cannot tokenize.
+
+        Which of prompt and prompt_token_ids must be set is checked by validation.
+        """
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        if request.prompt and self.tokenizer is not None:
+            return list(self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
+        return None if request.prompt else []
+
+    def _request_limits(self) -> RequestLimits:
+        """The configured limits plus the model's, once a worker has reported them.
+
+        The smallest reported values: a request must fit its prefill and its decode worker.
+        """
+        workers = self.router.pool.healthy("prefill") + self.router.pool.healthy("decode")
+        reports = [w.report for w in workers if w.report is not None]
+        if not reports:
+            return self.limits
+        return self.limits.for_model(min(r.vocab_size for r in reports), min(r.max_model_len for r in reports))
+
+    def _release_prefill(self, prefill: WorkerHandle, request_id: str) -> None:
+        async def release() -> None:
+            try:
+                await prefill.stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass  # the lease expires on its own
+
+        self._in_background(release())
+
+    def _drop_push(self, decode: WorkerHandle, request_id: str) -> None:
+        """Free what a push holds on ``decode`` for a request whose Decode will not take it (a no-op if it did)."""
+        async def drop() -> None:
+            try:
+                await decode.stub.DropPush(worker_pb2.DropPushRequest(request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass  # the unclaimed push expires on its own
+
+        self._in_background(drop())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
+class _Inflight:
+    """Counts a request against a worker while this gateway waits on it."""
+
+    def __init__(self, worker: WorkerHandle, tokens: int) -> None:
+        self.worker, self.tokens = worker, tokens
+
+    def __enter__(self) -> None:
+        self.worker.inflight_requests += 1
+        self.worker.inflight_tokens += self.tokens
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.inflight_requests -= 1
+        self.worker.inflight_tokens -= self.tokens
+
+
+class Admission:
+    """The gateway's admission limits: past them a request gets RESOURCE_EXHAUSTED at once.
+
+    Counts requests in flight through this gateway and their prompt tokens, so
+    a burst cannot grow queues (and memory) without bound. An idle gateway
+    admits any single request.
+    """
+
+    def __init__(self, max_requests: int = 1024, max_tokens: int = 1 << 20) -> None:
+        if max_requests < 1 or max_tokens < 1:
+            raise ValueError("admission limits must be >= 1")
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.requests = self.tokens = 0
+
+    @contextlib.contextmanager
+    def admit(self, num_tokens: int) -> Iterator[None]:
+        if self.requests and (self.requests + 1 > self.max_requests or self.tokens + num_tokens > self.max_tokens):
+            raise Overloaded(
+                f"the gateway is over its admission limit ({self.requests} requests, {self.tokens} prompt tokens "
+                "in flight); retry later"
+            )
+        self.requests += 1
+        self.tokens += num_tokens
+        try:
+            yield
+        finally:
+            self.requests -= 1
+            self.tokens -= num_tokens
+
+
+class GatewayServer:
+    """The gateway process: worker pool, router, public server."""
+
+    def __init__(
+        self,
+        server_config: ServerConfig,
+        tokenizer: Any,
+        prefill_addresses: list[str] = (),  # type: ignore[assignment]
+        decode_addresses: list[str] = (),  # type: ignore[assignment]
+        redis_url: str | None = None,
+        redis_prefix: str = "pdserve",
+        transport: str = "grpc",
+        poll_s: float = 0.5,
+        routing: str = "prefix",
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_inflight_requests: int = 1024,
+        max_inflight_tokens: int = 1 << 20,
+        client_tls: TlsConfig | None = None,  # of the channels to workers; None: plaintext
+        http_port: int | None = None,  # OpenAI-compatible HTTP API on the gRPC host; None: off, 0: ephemeral
+        metrics_port: int | None = None,  # Prometheus /metrics on the gRPC host; None: off, 0: ephemeral
+        http_max_n: int = DEFAULT_MAX_N,  # the most choices (n) one HTTP request may ask for
+        http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        disaggregation: str = "auto",  # always | never | auto: where prompts are prefilled (pdserve/gateway/disaggregation.py)
+        max_tpot_increase: float = 0.1,  # auto: local prefills' stall budget on a decode worker's streams
+        kv_push: bool = True,  # push KV to the decode worker while the prefill runs (grpc, shm); False: pull
+    ) -> None:
+        self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
+        self.http_api: OpenAIHttpApi | None = None
+        # The HTTP port serves TLS exactly when the gRPC port does, with its certificate and client CA;
+        # built here so that a bad file fails the gateway before anything listens.
+        self.http_ssl_context = (
+            server_ssl_context(server_config.tls) if http_port is not None and server_config.tls is not None else None
+        )
+        self._redis = connect(redis_url) if redis_url else None
+        registry = WorkerRegistry(self._redis, redis_prefix) if self._redis is not None else None
+        lookup = PrefixIndexLookup(self._redis, redis_prefix) if self._redis is not None else None
+        self.pool = WorkerPool(list(prefill_addresses), list(decode_addresses), registry, poll_s=poll_s, tls=client_tls)
+        self.router = Router(self.pool, lookup, routing)
+        self.servicer = GenerationServicer(
+            self.router,
+            tokenizer,
+            transport,
+            RequestLimits(max_logprobs=max_logprobs),
+            Admission(max_inflight_requests, max_inflight_tokens),
+            disaggregation=DisaggregationPolicy(disaggregation, max_tpot_increase=max_tpot_increase),
+            kv_push=kv_push,
+        )
+        self.metrics_endpoint = (
+            MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)
+            if metrics_port is not None else None
+        )
+        self.server = Server(server_config, [SERVICE_NAME])
+        self.server.add_servicer(generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer)
+
+    async def start(self) -> int:
+        await self.pool.start()
+        port = await self.server.start()
+        log.info("gateway serving on %s:%d", self.server.config.host, port)
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.start()
+        if self.http_port is not None:
+            config = self.server.config
+            self.http_api = OpenAIHttpApi(self.servicer, config.host, self.http_port, None, self.servicer.tokenizer,
+                                          auth_token=config.auth_token, grace_s=config.grace_s,
+                                          max_n=self.http_max_n, max_body_bytes=self.http_max_body_bytes,
+                                          ssl_context=self.http_ssl_context)
+            self.http_port = await self.http_api.start()
+        return port
+
+    async def stop(self) -> None:
+        if self.http_api is not None:
+            await self.http_api.stop()
+        await self.server.stop()
+        await self.pool.stop()
+        if self.metrics_endpoint is not None:
+            await self.metrics_endpoint.stop()
+        if self._redis is not None:
+            await self._redis.aclose()
