@@ -42,7 +42,11 @@ _LAZY = {
     "SpeculativeConfig": "pdserve.engine.spec_decode.config",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "AsyncEngine", "CacheConfig", "EngineConfig", "LLM", "LLMEngine", "ModelConfig", "ParallelConfig",
+    "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
+]
+assert sorted(__all__) == sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

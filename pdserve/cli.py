@@ -19,7 +19,7 @@ from pdserve.security_flags import (
     client_tls_from_args,
 )
 from pdserve.serve import add_speculative_config_argument, engine_config, run_colocated, run_decode, run_gateway, run_prefill
-from pdserve.up import DEFAULT_BATCH_WINDOW_MS, run_up
+from pdserve.up import DEFAULT_BATCH_WINDOW_MS, DEFAULT_KV_HANDOFF_TIMEOUT_S, run_up
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
@@ -52,6 +52,25 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+class _RenamedFlag(argparse.Action):
+    """An old flag name that still works, with a warning that names the new one."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_name: str = "", **kwargs: object) -> None:
+        self.new_name = new_name
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        print(f"pdserve: warning: {option_string} is deprecated; use {self.new_name}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -125,7 +144,7 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         "OMP_WAIT_POLICY=PASSIVE turns spinning off either way (default: adaptive)")
     parser.add_argument("--batch-window-ms", type=_non_negative_float, default=DEFAULT_BATCH_WINDOW_MS,
                         help="an idle worker that gets a prompt waits while more requests keep arriving (each within "
-                        "5 ms of the last: pdserve/engine/async_engine.py's ARRIVAL_GAP_S), up to this long, before its first "
+                        "5 ms of the last: pdserve/engine/batch_window.py's ARRIVAL_GAP_S), up to this long, before its first "
                         "step, unless that step is full already: a burst then starts as one batch; a request arriving "
                         "alone waits 5 ms. A decode worker also holds a step, up to this long, for requests whose "
                         "pushed KV has fully landed and whose start is on its way, so that a prefill step's requests "
@@ -135,6 +154,17 @@ def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: i
                         help="raise this worker's niceness by N (0-19) at start, threads and TP ranks included: on a "
                         "machine shared with other workers it then gets the cores only when they leave them idle "
                         "(`pdserve up --prefill-niceness`; default 0)")
+    parser.add_argument("--kv-handoff-timeout", type=_positive_float, default=DEFAULT_KV_HANDOFF_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="the one deadline for what a KV handoff holds that nobody claims: a prefill worker's "
+                        "lease on a finished prompt's KV (no decode worker took it), KV pushed to a decode worker "
+                        "whose request never came, a request a decode worker started on its push that no Decode "
+                        "claimed. Each is freed then; the metric pdserve_kv_handoff_expired_total counts them. "
+                        "Prefill and colocated workers still take its former name, --lease-seconds "
+                        "(default: %(default)g)")
+    if role in ("prefill", "colocated"):
+        parser.add_argument("--lease-seconds", dest="kv_handoff_timeout", type=_positive_float, new_name=
+                            "--kv-handoff-timeout", action=_RenamedFlag, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     prefill = commands.add_parser("prefill", help="run a prefill worker")
     _add_worker_args(prefill, "prefill", 50061)
-    prefill.add_argument("--lease-seconds", type=float, default=30.0, help="how long held KV waits for its decode worker")
     prefill.add_argument("--handoff-draft-kv", action="store_true",
                          help="with a draft_model --speculative-config: build the draft's prompt KV here beside the "
                          "target's and hand both over (default: the decode worker recomputes it)")
@@ -190,7 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
     colocated = commands.add_parser("colocated", help="run a worker doing prefill and decode on one engine")
     _add_worker_args(colocated, "colocated", 50081)
     add_client_tls_arguments(colocated, "prefill workers (itself included)")
-    colocated.add_argument("--lease-seconds", type=float, default=30.0)
     colocated.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
     colocated.set_defaults(func=run_colocated)
 
@@ -244,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-niceness", type=_niceness, default=0,
                     help="--niceness of every prefill worker: on this machine its prefills then take the cores the "
                     "decode workers leave idle, so decode steps slow down less while prompts compute, and a prompt "
-                    "may wait longer for its first token (BENCHMARKS.md, issue 13; default 0: equal shares)")
+                    "may wait longer for its first token (docs/performance.md has the measured trade-off; default 0: "
+                    "equal shares)")
     up.add_argument("--decode-workers", type=int, default=1)
     up.add_argument("--colocated-workers", type=int, default=0,
                     help="run N workers doing both prefill and decode instead of separate ones")
@@ -267,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every worker's --batch-window-ms: how long an idle worker may wait for the rest of a burst "
                     "before its first step, and a decode worker for requests whose pushed KV has landed "
                     "(0: off; default: %(default)g)")
+    up.add_argument("--kv-handoff-timeout", type=_positive_float, default=DEFAULT_KV_HANDOFF_TIMEOUT_S,
+                    metavar="SECONDS",
+                    help="every worker's --kv-handoff-timeout: how long a handoff may hold KV nobody claims "
+                    "(default: %(default)g)")
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")
     add_speculative_config_argument(up, "of every decode and colocated worker (prefill workers do not decode); ")

@@ -48,6 +48,8 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         speculative_config=args.speculative_config,
         handoff_draft_kv=getattr(args, "handoff_draft_kv", False),
+        # Workers only: an offline engine hands nothing off.
+        kv_handoff_timeout_s=getattr(args, "kv_handoff_timeout", EngineConfig.kv_handoff_timeout_s),
     )
 
 
@@ -149,13 +151,13 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     if role == "prefill":
         from pdserve.prefill_service.server import PrefillServer
 
-        return _serve(lambda: PrefillServer(engine, server_config, worker_config, args.lease_seconds,
+        return _serve(lambda: PrefillServer(engine, server_config, worker_config,
                                             advertise_host=advertise, metrics_port=args.metrics_port,
                                             client_tls=client_tls), args)
     if role == "colocated":
         from pdserve.decode_service.colocated import ColocatedServer
 
-        return _serve(lambda: ColocatedServer(engine, server_config, worker_config, args.lease_seconds,
+        return _serve(lambda: ColocatedServer(engine, server_config, worker_config,
                                               advertise_host=advertise, kv_failure_policy=args.kv_failure_policy,
                                               client_tls=client_tls, metrics_port=args.metrics_port), args)
     from pdserve.decode_service.server import DecodeServer

@@ -10,6 +10,8 @@ import sys
 # A worker's --batch-window-ms (and up's) when not given: how long an idle worker may wait for the rest of a burst,
 # and a decode step for requests whose pushed KV has landed.
 DEFAULT_BATCH_WINDOW_MS = 30.0
+# A worker's --kv-handoff-timeout (and up's) when not given: EngineConfig.kv_handoff_timeout_s's default.
+DEFAULT_KV_HANDOFF_TIMEOUT_S = 30.0
 
 
 def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -17,6 +19,8 @@ def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
     engine_args: tuple[str, ...] = ("--num-kv-blocks", str(args.num_kv_blocks)) if args.num_kv_blocks else ()
     if args.batch_window_ms != DEFAULT_BATCH_WINDOW_MS:
         engine_args += ("--batch-window-ms", f"{args.batch_window_ms:g}")
+    if args.kv_handoff_timeout != DEFAULT_KV_HANDOFF_TIMEOUT_S:
+        engine_args += ("--kv-handoff-timeout", f"{args.kv_handoff_timeout:g}")
     if args.quantization:
         engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
     if args.kv_cache_dtype != "auto":

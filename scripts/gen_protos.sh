@@ -25,3 +25,7 @@ sed -i 's/^from protos\.pdserve\.v1\.internal import worker_pb2 as /from pdserve
   pdserve/protos/pdserve/v1/internal/worker_pb2_grpc.py
 sed -i "s/'protos\.pdserve\.v1\.internal\.worker_pb2'/'pdserve.protos.pdserve.v1.internal.worker_pb2'/" \
   pdserve/protos/pdserve/v1/internal/worker_pb2.py
+# The stubs refuse a grpcio older than the one that generated them: pin the check to the oldest
+# grpcio the packages accept (pyproject.toml, client/pyproject.toml), whatever grpcio-tools ran here.
+sed -i "s/^GRPC_GENERATED_VERSION = '[0-9.]*'/GRPC_GENERATED_VERSION = '1.85.1'/" \
+  pdserve_client/v1/generation_pb2_grpc.py pdserve/protos/pdserve/v1/internal/worker_pb2_grpc.py

@@ -28,7 +28,6 @@ class ColocatedServer(WorkerServer):
         engine: LLMEngine,
         server_config: ServerConfig,
         worker_config: WorkerConfig,
-        lease_s: float = 30.0,
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
         kv_failure_policy: str = "recompute",
@@ -38,7 +37,7 @@ class ColocatedServer(WorkerServer):
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [PREFILL_SERVICE, DECODE_SERVICE],
                          advertise_host, metrics_port=metrics_port)
         transfer = transfer or TransferConfig()
-        self.prefill = PrefillServicer(self.runtime, lease_s, transfer)
+        self.prefill = PrefillServicer(self.runtime, transfer)
         # The decode side fetches from this worker's own address: with TLS on, it needs client_tls too.
         self.decode = DecodeServicer(self.runtime, transfer, kv_failure_policy, client_tls)
         self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.prefill)

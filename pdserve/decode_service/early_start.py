@@ -5,8 +5,9 @@ sampling parameters and the handoff its Decode will carry. The decode worker
 starts the request then (``DecodeServicer._start_early``) instead of when the
 gateway's Decode arrives one hop later, and the Decode claims it here. A
 Decode that carries something else ends it (and is served as any other); one
-that does not come within ``ttl_s`` (the push's time to live) ends it too, as
-does the gateway's DropPush. A push that completes while its request already
+that does not come within ``timeout_s`` (the engine's one handoff deadline,
+``EngineConfig.kv_handoff_timeout_s``) ends it too, as does a DropPush (from the
+decode worker the gateway sent the Decode to instead). A push that completes while its request already
 runs here (a retried prefill pushed again) starts nothing: its Decode either
 attaches to the running request or, carrying the new handoff, ends it and
 takes the new push. Ending cancels the wait for the first output and
@@ -16,8 +17,9 @@ The prefill worker's copy of the KV (its lease) outlives the start: a Decode
 that differs, or one the gateway sends to another decode worker, pulls it.
 The claimant lets it go once its first output is there
 (``EarlyStart.release_lease``), and so does the expiry, which no Decode
-follows. A DropPush or a closing worker leaves it to the gateway or to the
-lease's own expiry: the gateway may have sent the Decode elsewhere.
+follows. A DropPush or a closing worker leaves it to the decode worker that
+serves the request (which pulls it, then releases it) or to the lease's own
+expiry.
 """
 
 from __future__ import annotations
@@ -57,17 +59,21 @@ class EarlyStart:
 
 
 class EarlyStarts:
-    """Early-started requests by the prefill worker's request id, each waiting at most ``ttl_s`` for its Decode."""
+    """Early-started requests by the prefill worker's request id, each waiting at most ``timeout_s`` for its
+    Decode (the handoff deadline)."""
 
-    def __init__(self, ttl_s: float) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        self.ttl_s = ttl_s
+    def __init__(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
         self._waiting: dict[str, EarlyStart] = {}
+        # Requests dropped here (DropPush, Abort): a start of theirs that comes later is not started.
+        self._dropped: set[str] = set()
         self._ending: set[asyncio.Task[None]] = set()
         self.num_started = 0
         self.num_claimed = 0
         self.num_ended = 0  # expired, dropped, mismatched or closed
+        self.num_expired = 0  # of those, ended because no Decode came in time
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -78,7 +84,7 @@ class EarlyStarts:
     def add(self, request_id: str, early: EarlyStart) -> None:
         """Keep ``early`` for its Decode; the caller checked that ``request_id`` has none waiting."""
         assert request_id not in self._waiting, request_id
-        early.expiry = asyncio.get_running_loop().call_later(self.ttl_s, self._expire, request_id, early)
+        early.expiry = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, request_id, early)
         self._waiting[request_id] = early
         self.num_started += 1
 
@@ -102,10 +108,19 @@ class EarlyStarts:
         return early
 
     def drop(self, request_id: str) -> None:
-        """End the request ``request_id`` started early, if any (its request ended before its Decode)."""
+        """End the request ``request_id`` started early, if any (its request ended before its Decode), and
+        remember for ``timeout_s`` that it ended (``was_dropped``)."""
         early = self._waiting.pop(request_id, None)
         if early is not None:
             self._end(early)
+        if request_id not in self._dropped:
+            self._dropped.add(request_id)
+            asyncio.get_running_loop().call_later(self.timeout_s, self._dropped.discard, request_id)
+
+    def was_dropped(self, request_id: str) -> bool:
+        """Whether ``request_id`` was dropped here within the last ``timeout_s``: a push of it that completes
+        now starts nothing."""
+        return request_id in self._dropped
 
     async def close(self) -> None:
         for request_id in list(self._waiting):
@@ -114,8 +129,9 @@ class EarlyStarts:
 
     def _expire(self, request_id: str, early: EarlyStart) -> None:
         if self._waiting.get(request_id) is early:
-            log.warning("no Decode claimed %s, started on its push, in %g s: ended", request_id, self.ttl_s)
+            log.warning("no Decode claimed %s, started on its push, in %g s: ended", request_id, self.timeout_s)
             del self._waiting[request_id]
+            self.num_expired += 1
             self._end(early)
             early.release_lease()  # no Decode is coming to pull it either
 

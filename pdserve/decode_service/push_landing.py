@@ -1,4 +1,4 @@
-"""The decode worker's ``PushLanding``: pushed KV reserved and written in its engine's own blocks, on the engine thread.
+"""The decode worker's ``PushLanding``: pushed KV reserved and written by its engine's KV connector, on the engine thread.
 
 Every call becomes a command on the engine thread, so the block manager and the
 KV cache keep one writer; the writes run between steps while the prefill
@@ -16,32 +16,41 @@ import torch
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.errors import EngineDeadError
-from pdserve.engine.kv_handoff import KVLayout, KVReservation
+from pdserve.engine.kv_connector import PushedKV
+from pdserve.engine.kv_handoff import KVLayout
 
 
 class EngineLanding:
-    """``kv_transfer.push_inbox.PushLanding`` over an ``AsyncEngine``."""
+    """``pdserve.kv_transfer.push_inbox.PushLanding`` over an ``AsyncEngine``'s KV connector.
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    ``max_bytes``: the most pushed KV the engine holds for requests whose Decode has not come yet;
+    past it a push is refused (and pulled).
+    """
+
+    def __init__(self, engine: AsyncEngine, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.engine = engine
+        self.max_bytes = max_bytes
 
-    async def reserve(self, layout: KVLayout, first_block: int, end_block: int) -> KVReservation | None:
-        call = asyncio.ensure_future(
-            self.engine.call(lambda engine: engine.reserve_kv_blocks(layout, first_block, end_block))
-        )
+    async def open(self, request_id: str, layout: KVLayout, first_block: int, num_blocks: int) -> PushedKV:
+        max_bytes = self.max_bytes
+        call = asyncio.ensure_future(self.engine.call(
+            lambda engine: engine.kv_connector.open_push(request_id, layout, first_block, num_blocks, max_bytes)
+        ))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             # The command runs anyway: whatever it reserves for a push that is gone goes back.
-            call.add_done_callback(self._free_unclaimed)
+            call.add_done_callback(self._drop_unread)
             raise
 
-    def write(self, reservation: KVReservation, layer: int, first_block: int, blocks: torch.Tensor) -> None:
-        self.engine.submit(lambda engine: engine.write_reserved_kv(reservation, layer, first_block, blocks))
+    def write(self, push: PushedKV, layer: int, first_block: int, blocks: torch.Tensor) -> None:
+        self.engine.submit(lambda engine: engine.kv_connector.write_push(push, layer, first_block, blocks))
 
-    def free(self, reservation: KVReservation) -> None:
+    def drop(self, push: PushedKV) -> None:
         if self.engine.is_alive:  # a dead engine's blocks are gone with it
-            self.engine.submit(lambda engine: engine.free_kv_reservation(reservation))
+            self.engine.submit(lambda engine: engine.kv_connector.drop_push(push.request_id, push))
 
     def after_writes(self, fn: Callable[[], None]) -> None:
         try:
@@ -50,6 +59,6 @@ class EngineLanding:
         except EngineDeadError:
             fn()  # no write will ever run
 
-    def _free_unclaimed(self, call: asyncio.Future[KVReservation | None]) -> None:
-        if not call.cancelled() and call.exception() is None and call.result() is not None:
-            self.free(call.result())
+    def _drop_unread(self, call: asyncio.Future[PushedKV]) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self.drop(call.result())

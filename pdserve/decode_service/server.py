@@ -7,7 +7,8 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
+from typing import Any
 
 import grpc
 import torch
@@ -21,8 +22,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.descriptor import handoff_from_proto
-from pdserve.kv_transfer.push_inbox import PushedKV, PushInbox
-from pdserve.kv_transfer.sharded import FETCHER, RankFetchOptions
+from pdserve.kv_transfer.push_inbox import PushInbox
+from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from pdserve.service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
 from pdserve.service_common.errors import Unavailable, grpc_errors
@@ -43,10 +44,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     once it has them, only the blocks it does not already cache are fetched,
     written in between two steps, and decoding goes on. When the prefill worker
     pushed the KV here while it prefilled (PushKV, ``DecodeRequest.kv_pushed``),
-    it is already in blocks reserved for it (``kv_transfer.push_inbox``): the
-    request adopts them, and pulls only what the push did not leave there. A push
-    that ends with its request's start (``KVPushStart``) starts the request when
-    it completes, and the Decode attaches to it (``decode_service.early_start``).
+    it is already in blocks reserved for it (``pdserve.kv_transfer.push_inbox``
+    reads the stream, the engine's KV connector owns the blocks): the request
+    adopts them, and pulls only what the push did not leave there. A push that
+    ends with its request's start (``KVPushStart``) starts the request when it
+    completes, and the Decode attaches to it (``pdserve.decode_service.early_start``).
+
+    This worker, not the gateway, ends what a handoff holds elsewhere: it
+    releases the prefill worker's lease once the KV landed (or the request
+    ended), and asks the decode worker a push went to, when the Decode came
+    here instead (``DecodeRequest.pushed_to``), to drop it.
     """
 
     FAILURE_POLICIES = ("recompute", "fail")
@@ -67,15 +74,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.transfer = transfer
         self.client_tls = client_tls  # of the channels to prefill workers; None: plaintext
         self._receivers: dict[str, KVReceiver] = {}
-        self._channels: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.PrefillWorkerStub]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefill_stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
         self._background: set[asyncio.Task[object]] = set()
         self.kv_bytes_received = 0
         self.kv_receive_seconds = 0.0
         self.kv_transfers = 0
         self.kv_pushes = 0
-        self.early = EarlyStarts(transfer.push_ttl_s)
+        # An early start no Decode claims ends at the handoff deadline, as the prefill worker's lease does.
+        self.early = EarlyStarts(runtime.engine.kv_handoff_timeout_s)
         runtime.metrics.watch_early_starts(self.early)
-        self.inbox = PushInbox(transfer, EngineLanding(self.engine), transfer.push_inbox_bytes, transfer.push_ttl_s,
+        self.inbox = PushInbox(transfer, EngineLanding(self.engine, transfer.push_inbox_bytes),
                                on_start=self._start_early)
 
     @grpc_errors
@@ -90,6 +99,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield response
             return
         handoff = handoff_from_proto(request.handoff)
+        if request.pushed_to and request.pushed_to != self.runtime.address:
+            # The KV was pushed to another decode worker, and this one serves the request: what the push
+            # holds there (and the request it started) ends now, not at the handoff deadline.
+            self._drop_push_at(request.pushed_to, handoff.request_id)
         early = await self.early.claim(request)
         if early is not None:
             # Started when its push completed (KVPushStart): attach to it.
@@ -122,28 +135,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params: SamplingParams,
         kv_pushed: bool,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The handed-off request's outputs, the first once its KV landed; it adopts the pushed KV if it is here."""
+        """The handed-off request's outputs, the first once its KV landed. ``kv_pushed``: it adopts the KV
+        pushed here; otherwise it pulls, and the engine drops any push of it (one confirmed too late for the
+        prefill worker, or pushed here while the gateway sent the Decode elsewhere and back)."""
         request_id = _engine_id(handoff)
-        if kv_pushed:
-            pushed = self.inbox.take(handoff)
-        else:
-            # The prefill worker did not see its push confirmed in time (or pushed elsewhere): this request
-            # pulls, so a push of it that is here, or completes later, would hold blocks nobody claims.
-            pushed = None
-            self.inbox.discard(handoff.request_id)
-        reservation = None
-        if pushed is not None:
-            # From here on the request owns the blocks the push wrote (the engine frees them with it).
-            reservation, pushed.reservation = pushed.reservation, None
-            self.inbox.release(pushed)
-            # Moved while the prefill ran; counted as one transfer, as a pull is.
-            self.kv_pushes += 1
-            self._count_received(handoff.transport, len(reservation.block_ids) * handoff.layout.bytes_per_block, 0.0)
-        elif kv_pushed:
-            log.warning("the KV of %s was pushed but is not here (dropped or expired); pulling it",
-                        handoff.request_id)
         receive_kv = functools.partial(self._receive_kv, handoff, stub, request_id=request_id)
-        return self.engine.import_request(request_id, prompt, params, handoff, receive_kv, reservation)
+        on_admitted = functools.partial(self._count_push, handoff)
+        return self.engine.import_request(request_id, prompt, params, handoff, receive_kv, pushed=kv_pushed,
+                                          on_admitted=on_admitted)
+
+    def _count_push(self, handoff: KVHandoff, num_blocks: int) -> None:
+        """The request adopted ``num_blocks`` blocks its push wrote: moved while the prefill ran, and counted as
+        one transfer, as a pull is."""
+        if num_blocks:
+            self.kv_pushes += 1
+            self._count_received(handoff.transport, num_blocks * handoff.layout.bytes_per_block, 0.0)
 
     async def _first_output(
         self,
@@ -161,21 +167,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if release_lease:
                     self._release_lease(handoff, stub)
 
-    def _start_early(self, pushed: PushedKV) -> None:
+    def _start_early(self, push_request_id: str, start: worker_pb2.KVPushStart) -> None:
         """``PushInbox.on_start``: a complete push announced its request's Decode; start decoding now."""
-        start = pushed.start
-        assert start is not None
         try:
             handoff = handoff_from_proto(start.handoff)
             params = sampling_params_from_proto(start.sampling_params)
-            if handoff.request_id != pushed.request_id:
+            if handoff.request_id != push_request_id:
                 raise ValueError(f"start.handoff.request_id {handoff.request_id!r} is not the push's")
         except ValueError as error:
             # Left to the Decode, which takes the push as ever.
-            log.warning("the KV push of %s cannot start its request (%s)", pushed.request_id, error)
+            log.warning("the KV push of %s cannot start its request (%s)", push_request_id, error)
             return
         if not self.engine.is_alive or handoff.request_id in self.early:
             return  # the Decode takes the push as ever (one waiting here is claimed or ended by it first)
+        if self.early.was_dropped(handoff.request_id):
+            return  # its request ended (DropPush, Abort) while the push completed: nobody will claim it
         stub = self._stub(handoff.address)
         stream = self._import(handoff, stub, list(start.prompt_token_ids), params, kv_pushed=True)
         # The prefill worker's copy stays until the Decode claims this request: a Decode the gateway
@@ -228,7 +234,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         landed first (``_receive_draft_kv``); one it cannot use is ignored.
         """
         draft = None
-        if request_id and self.runtime.engine.accepts_draft_kv(handoff):
+        if request_id and self.runtime.engine.kv_connector.accepts_draft_kv(handoff):
             draft = asyncio.ensure_future(self._receive_draft_kv(handoff, stub, request_id))
         try:
             return await self._fetch(handoff, first_block, stub)
@@ -255,7 +261,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         assert section is not None
         try:
             blocks = await self._fetch(section, 0, stub)
-            await self.engine.call(lambda engine: engine.receive_draft_kv(request_id, blocks))
+            await self.engine.call(lambda engine: engine.kv_connector.fill_draft(request_id, blocks))
         except (grpc.aio.AioRpcError, KVTransferError, ValueError) as error:
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             log.warning("draft KV transfer for %s failed (%s); the draft recomputes it", handoff.request_id, detail)
@@ -274,9 +280,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def DropPush(  # noqa: N802 - the gRPC method name
         self, request: worker_pb2.DropPushRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DropPushResponse:
-        self.inbox.discard(request.request_id)
-        self.early.drop(request.request_id)
+        self._drop_push(request.request_id)
         return worker_pb2.DropPushResponse()
+
+    @grpc_errors
+    async def Abort(  # noqa: N802 - the gRPC method name
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        if not request.HasField("handoff"):
+            raise ValueError("handoff must be set: it names the prefill worker whose lease ends")
+        handoff = handoff_from_proto(request.handoff)
+        if request.request_id != handoff.request_id:
+            raise ValueError(f"request_id {request.request_id!r} is not handoff.request_id {handoff.request_id!r}")
+        self._drop_push(handoff.request_id)
+        self._release_lease(handoff, self._stub(handoff.address))
+        return worker_pb2.AbortResponse()
+
+    def _drop_push(self, request_id: str) -> None:
+        """Free what a push of ``request_id`` holds here, end the request it started, and refuse a push of it,
+        or a start, that comes later (it may be slower than the word to drop it)."""
+        if self.engine.is_alive:
+            self.engine.submit(lambda engine: engine.kv_connector.drop_push(request_id, refuse_later=True))
+        self.early.drop(request_id)
 
     @grpc_errors
     async def Load(  # noqa: N802
@@ -305,7 +330,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if heads is not None:
             # Counted above: rank 0's part only; the other ranks' parts move when the KV lands,
             # over channels opened as this worker's (TLS when it has TLS).
-            return KVFetch(handoff, blocks, FETCHER, RankFetchOptions(self.transfer, self.client_tls))
+            return KVFetch(handoff, blocks, rank_fetcher(RankFetchOptions(self.transfer, self.client_tls)))
         return blocks
 
     def _count_received(self, transport: str, num_bytes: int, seconds: float) -> None:
@@ -320,10 +345,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return self._receivers[transport]
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        if address not in self._prefill_stubs:
+            self._prefill_stubs[address] = worker_pb2_grpc.PrefillWorkerStub(self._channel(address))
+        return self._prefill_stubs[address]
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """One channel per worker this one talks to (prefill workers, and decode workers it asks to drop a push)."""
         if address not in self._channels:
-            channel = open_channel(address, self.client_tls, INTERNAL_GRPC_OPTIONS)
-            self._channels[address] = (channel, worker_pb2_grpc.PrefillWorkerStub(channel))
-        return self._channels[address][1]
+            self._channels[address] = open_channel(address, self.client_tls, INTERNAL_GRPC_OPTIONS)
+        return self._channels[address]
 
     def _release_lease(self, handoff: KVHandoff, stub: worker_pb2_grpc.PrefillWorkerStub) -> None:
         async def release() -> None:
@@ -333,7 +363,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 # The lease expires on its own; this only frees the blocks sooner.
                 log.warning("ReleaseKV for %s failed: %s", handoff.request_id, error.code())
 
-        task = asyncio.get_running_loop().create_task(release())
+        self._in_background(release())
+
+    def _drop_push_at(self, address: str, request_id: str) -> None:
+        """Ask the decode worker at ``address`` to drop what a push of ``request_id`` holds there."""
+        async def drop() -> None:
+            try:
+                stub = worker_pb2_grpc.DecodeWorkerStub(self._channel(address))
+                await stub.DropPush(worker_pb2.DropPushRequest(request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError as error:
+                # It may be gone; an unclaimed push ends at the handoff deadline there anyway.
+                log.info("DropPush of %s at %s failed: %s", request_id, address, error.code())
+
+        self._in_background(drop())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -341,9 +386,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         await self.early.close()
         for task in list(self._background):
             await asyncio.gather(task, return_exceptions=True)
-        for channel, _ in self._channels.values():
+        for channel in self._channels.values():
             await channel.close()
-        self.inbox.close()
+        if self.engine.is_alive:
+            # Whatever pushes still hold here goes back with the worker.
+            await self.engine.call(lambda engine: engine.kv_connector.close())
 
 
 def _engine_id(handoff: KVHandoff) -> str:

@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from pdserve.engine.batch_window import BatchWindow
 from pdserve.engine.block_manager import BlockEvent
 from pdserve.engine.errors import EngineDeadError
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVReservation, KVSlot
+from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVSlot
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -34,11 +35,6 @@ from pdserve.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# How long an engine gathering a burst (``batch_window_s``) waits for the next request. Requests sent at
-# once reached a prefill worker through the gateway 0.2-1.7 ms apart, with now and then a gap of 2.3-4.9 ms
-# among the first few (BENCHMARKS.md, session 14); with 3 ms, a traced burst's first step still had one request.
-ARRIVAL_GAP_S = 0.005
 
 
 # What a request's stream carries: its outputs, where its remote KV goes, or the error that ends it.
@@ -62,11 +58,11 @@ class AsyncEngine:
     the engine. ``on_block_events`` (if given) is called on the engine thread
     after every step that stored or evicted prefix blocks, ``before_work`` (if
     given) on the engine thread before every step and before queued commands run
-    (``SpinGovernor.update``).
-    ``batch_window_s`` (0: off): how long an idle engine that gets prompts may
-    wait for more before its first step (``_gather_arrivals``), and the most a
-    step waits for requests whose pushed KV has landed (``_await_landed_pushes``).
-    Leases on held KV (``engine.leases``) expire between steps.
+    (``SpinGovernor.update``). ``batch_window``: the scheduling policy that may
+    hold a step back for requests on their way (``engine.batch_window``); this
+    bridge only waits as long as it says, running the commands that arrive.
+    What a handoff holds that nobody claimed is dropped between steps
+    (``LLMEngine.expire_unclaimed``).
     """
 
     def __init__(
@@ -75,26 +71,17 @@ class AsyncEngine:
         on_block_events: Callable[[list[BlockEvent]], None] | None = None,
         idle_wait_s: float = 0.05,
         before_work: Callable[[], None] | None = None,
-        batch_window_s: float = 0.0,
-        arrival_gap_s: float = ARRIVAL_GAP_S,
+        batch_window: BatchWindow | None = None,
     ) -> None:
-        if batch_window_s < 0:
-            raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         self.engine = engine
         self._on_block_events = on_block_events
         self._before_work = before_work
         self._idle_wait_s = idle_wait_s
-        self._batch_window_s = batch_window_s
-        self._arrival_gap_s = arrival_gap_s
-        # The last step's wall time and how many requests it gave an output (engine thread).
-        self._last_step_s, self._last_step_streams = 0.0, 0
+        self.batch_window = batch_window or BatchWindow()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         # Each request's stream, attached by the engine-thread command that added the request (``_attach``),
         # detached by its reader; both under ``_lock``. Outputs are delivered on the engine thread.
         self._streams: dict[str, _Stream] = {}
-        # Imported requests that join the batch as soon as their blocks hold all their KV (pushed or
-        # cached here), without a trip through ``receive_kv`` (engine thread only).
-        self._land_when_present: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -205,37 +192,42 @@ class AsyncEngine:
         params: SamplingParams,
         handoff: KVHandoff,
         receive_kv: Callable[[int], Awaitable[torch.Tensor | KVFetch | None]],
-        reservation: KVReservation | None = None,
+        pushed: bool = False,
+        on_admitted: Callable[[int], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Join a request prefilled elsewhere and yield its outputs.
 
         The request waits in the scheduler (WAITING_FOR_REMOTE_KVS) until it has
         blocks; then ``receive_kv(first_block)`` fetches the handoff's blocks from
         ``first_block`` on (None: they cannot be had, and the prompt is recomputed
-        here), and they land between two steps. ``reservation``: blocks that hold
-        its pushed KV already (the request owns them from this call on; see
-        ``LLMEngine.add_remote_request``). When those and the prefix cache hold
-        every block, ``receive_kv`` is not called: the request joins the batch
-        as its blocks are allocated, one step sooner than a round trip through
-        this event loop would (unless the engine's draft model takes the
-        handoff's draft KV: ``receive_kv`` fetches that). The first output is
-        the state at landing: the handed-off first token and its text.
+        here), and they land between two steps. ``pushed``: its KV was pushed
+        here, and it adopts the landed push's blocks (the engine's KV connector
+        owns them until then; ``on_admitted`` hears how many blocks it adopted,
+        once the request is in). When those and the prefix cache hold every
+        block, ``receive_kv`` is not called: the request joins the batch as its
+        blocks are allocated, one step sooner than a round trip through this
+        event loop would (unless the engine's draft model takes the handoff's
+        draft KV: ``receive_kv`` fetches that). The first output is the state at
+        landing: the handed-off first token and its text.
         """
         stream = _Stream(asyncio.get_running_loop())
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: LLMEngine) -> int:
             try:
                 self._check_id_free(request_id)
             except ValueError:
-                if reservation is not None:
-                    engine.free_kv_reservation(reservation)
+                # Refused before the connector saw it: what was pushed for it goes, as the request would
+                # have adopted or dropped it.
+                engine.kv_connector.drop_push(handoff.request_id, refuse_later=not pushed)
                 raise
-            engine.add_remote_request(request_id, prompt_token_ids, params, handoff, reservation)
-            if not engine.accepts_draft_kv(handoff):
-                self._land_when_present.add(request_id)
+            adopted = engine.kv_connector.scheduler.add_remote_request(
+                request_id, prompt_token_ids, params, handoff, pushed)
             self._attach(request_id, stream)
+            return adopted
 
-        await self._start(request_id, stream, add)
+        adopted = await self._start(request_id, stream, add)
+        if on_admitted is not None:
+            on_admitted(adopted)
         async with contextlib.aclosing(self._drain(request_id, stream, receive_kv)) as outputs:
             async for output in outputs:
                 yield output
@@ -246,9 +238,9 @@ class AsyncEngine:
 
     # ---- internals (asyncio side) -------------------------------------------------------
 
-    async def _start(self, request_id: str, stream: _Stream, start: Callable[[LLMEngine], object]) -> None:
-        """Run ``start`` (which adds the request and attaches ``stream``) on the engine thread; undo it if the
-        caller goes away.
+    async def _start(self, request_id: str, stream: _Stream, start: Callable[[LLMEngine], T]) -> T:
+        """Run ``start`` (which adds the request and attaches ``stream``) on the engine thread and return what
+        it returns; undo it if the caller goes away.
 
         A caller cancelled while the command waits behind a long step would
         otherwise leave a request nobody reads (or, with hold_kv, blocks held
@@ -258,13 +250,14 @@ class AsyncEngine:
         """
         started = False
 
-        def run(engine: LLMEngine) -> None:
+        def run(engine: LLMEngine) -> T:
             nonlocal started
-            start(engine)
+            result = start(engine)
             started = True
+            return result
 
         try:
-            await self.call(run)
+            return await self.call(run)
         except asyncio.CancelledError:
             self._detach(request_id, stream)
             self._commands.put(lambda: started and self._abort_on_thread(request_id))
@@ -335,15 +328,15 @@ class AsyncEngine:
                 self._streams[request_id] = stream
 
     def _abort_on_thread(self, request_id: str) -> None:
-        self._land_when_present.discard(request_id)
         self.engine.abort_request(request_id)
 
     def _land_kv(self, slot: KVSlot, blocks: torch.Tensor | KVFetch | None) -> None:
+        connector = self.engine.kv_connector
         try:
             if blocks is None:
-                output = self.engine.recompute_remote(slot.request_id)
+                output = connector.recompute(slot.request_id)
             else:
-                output = self.engine.receive_kv(slot.request_id, slot.first_block, blocks)
+                output = connector.fill(slot.request_id, slot.first_block, blocks)
         except Exception as error:  # noqa: BLE001 - reported to that request only
             self._deliver(slot.request_id, error)
             return
@@ -352,13 +345,12 @@ class AsyncEngine:
             self._deliver(slot.request_id, output)
 
     def _deliver_kv_slots(self) -> None:
-        for slot in self.engine.drain_kv_slots():
-            if slot.request_id in self._land_when_present:
-                self._land_when_present.discard(slot.request_id)
-                output = self.engine.land_present_kv(slot)
-                if output is not None:
-                    self._deliver(slot.request_id, output)
-                    continue
+        """Requests that got their blocks: those whose KV is all there ran into the batch already (their first
+        output goes out), the others' readers fetch what is missing."""
+        slots, joined = self.engine.kv_connector.take_slots()
+        for output in joined:
+            self._deliver(output.request_id, output)
+        for slot in slots:
             self._deliver(slot.request_id, slot)
 
     def _deliver(self, request_id: str, item: _StreamItem) -> None:
@@ -377,51 +369,24 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _gather_arrivals(self) -> None:
-        """An engine that was idle and now has prompts to compute: before its first step, take the requests
-        arriving right behind them, so that a burst starts as one batch (as ``LLM.generate``'s does).
-
-        It waits while they keep coming (each within ``arrival_gap_s`` of the last), for at most
-        ``batch_window_s``, and not once the first step is full. Nothing runs meanwhile, so no stream
-        is held up; a request arriving alone waits ``arrival_gap_s``. Without it a burst's first
-        request is prefilled alone, and then decodes alone on its decode worker, one step's weight
-        reads per token, while the rest of the burst computes (BENCHMARKS.md, session 14).
-        """
-        if self._batch_window_s <= 0:
+    def _hold_before_step(self, busy: bool) -> None:
+        """Wait as long as the batch window says (``engine.batch_window``), running the commands that
+        arrive meanwhile: for a burst's next requests when the engine was idle, for the starts of
+        pushed KV that landed."""
+        window = self.batch_window
+        if not window.enabled:
             return
         engine = self.engine
-        deadline = time.monotonic() + self._batch_window_s
-        while engine.next_step_has_room_for_prompts():
-            wait_s = min(self._arrival_gap_s, deadline - time.monotonic())
-            if wait_s <= 0 or not self._run_next_command(wait_s):
-                return
+        if not busy:
+            deadline = time.monotonic() + window.window_s
+            self._wait_for_commands(lambda now: window.arrival_wait_s(engine, deadline, now))
+        held_since = time.monotonic()
+        self._wait_for_commands(lambda now: window.landing_wait_s(engine, busy, held_since, now))
 
-    def _await_landed_pushes(self, busy: bool) -> None:
-        """Before a step: hold it while pushed KV that has fully landed here waits for its request to start.
-
-        A prefill step's requests finish together, and their pushes complete together; their starts then
-        reach this engine milliseconds apart. Without the hold, the first start's step runs without the rest,
-        and they wait a whole step more for their second tokens, and cost one more step's weight reads
-        (BENCHMARKS.md, session 15). Each request that joins this step rather than the next gets its second
-        token a step sooner; each stream running here waits as long as the hold lasts. So a busy engine
-        holds only while that is the better bargain: at most the last step's time x the requests on their
-        way / the streams of the last step, and never over ``batch_window_s``; an idle one, which holds
-        nobody up, up to ``batch_window_s``. A push counts as on its way for ``batch_window_s`` after it
-        landed (one whose request went elsewhere stops holding steps then).
-        """
-        window = self._batch_window_s
-        if window <= 0:
-            return
-        streams = max(1, self._last_step_streams) if busy else 0
-        started = time.monotonic()
-        while True:
-            now = time.monotonic()
-            arriving = self.engine.pushes_landed_since(now - window)
-            if not arriving:
-                return
-            limit = min(window, self._last_step_s * arriving / streams) if streams else window
-            if now >= started + limit or not self._run_next_command(started + limit - now):
-                return
+    def _wait_for_commands(self, wait_s: Callable[[float], float]) -> None:
+        """Run commands as they come while ``wait_s(now)`` is positive; stop at the first wait with none."""
+        while (timeout_s := wait_s(time.monotonic())) > 0 and self._run_next_command(timeout_s):
+            pass
 
     def _run_next_command(self, timeout_s: float) -> bool:
         """Run the next queued command, waiting up to ``timeout_s`` for it; False when none came."""
@@ -452,14 +417,13 @@ class AsyncEngine:
                 if commands and self._before_work is not None:
                     # Commands compute too (a pushed layer's KV written here is an OpenMP region): a worker
                     # that writes pushed KV while it has nothing to step must not spin on the cores the
-                    # prefill computes on (BENCHMARKS.md, session 15).
+                    # prefill computes on.
                     self._before_work()
                 for command in commands:
                     command()
-                if not busy:
-                    self._gather_arrivals()
-                self._await_landed_pushes(busy)
-                engine.leases.expire()
+                self._hold_before_step(busy)
+                # What handoffs hold that nobody claimed in time (leases, pushed KV) goes back.
+                engine.expire_unclaimed()
                 # A tensor-parallel rank that died ends the engine now, not at the next request's step.
                 engine.check_ranks()
                 # Blocks allocated by a command: the transfer starts now, not after the next step.
@@ -469,8 +433,7 @@ class AsyncEngine:
                         self._before_work()
                     step_started = time.monotonic()
                     outputs = engine.step()
-                    self._last_step_s = time.monotonic() - step_started
-                    self._last_step_streams = len(outputs)
+                    self.batch_window.step_ran(time.monotonic() - step_started, len(outputs))
                     # Before the outputs reach anyone: a Load right after one must see this step.
                     self.latest_stats = engine.stats()
                     self._deliver_step(outputs)

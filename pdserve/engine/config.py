@@ -122,8 +122,15 @@ class EngineConfig:
     # target's for every request it holds for a handoff, and hand both over
     # (default: the decode engine recomputes it). Needs a draft_model speculative_config.
     handoff_draft_kv: bool = False
+    # The one deadline for whatever a KV handoff holds that nobody claims: a prefill engine's lease on a
+    # finished request's blocks, KV pushed to a decode engine whose request never comes, a decode
+    # worker's early start that no Decode claims (``pdserve ... --kv-handoff-timeout``).
+    kv_handoff_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.kv_handoff_timeout_s, (int, float)) and self.kv_handoff_timeout_s > 0):
+            raise ValueError(f"kv_handoff_timeout_s must be a positive number of seconds, "
+                             f"got {self.kv_handoff_timeout_s!r}")
         if self.handoff_draft_kv and (
             self.speculative_config is None or self.speculative_config.method != "draft_model"
         ):

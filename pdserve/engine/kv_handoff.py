@@ -11,6 +11,7 @@ service edge (``kv_transfer.descriptor``): the engine imports no protos.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -206,7 +207,7 @@ class KVHoldParams:
     """How a prefill worker holds a request's KV once its first token is out (vLLM's ``kv_transfer_params``).
 
     Given at ``LLMEngine.add_request``; when the request finishes, its blocks go
-    to the engine's lease table for ``lease_s`` seconds and its output carries
+    to the engine's lease table (until the handoff deadline) and its output carries
     the ``KVHandoff`` built from these fields and the sequence. With ``push``
     the engine also hands each layer's blocks to its ``LayerPusher``'s sink as
     the prefill writes them (``engine.kv_push``), from block ``push_first_block``
@@ -217,9 +218,11 @@ class KVHoldParams:
     address: str  # host:port the decode side fetches from
     worker_id: str
     epoch: int
-    lease_s: float
     push: bool = False
     push_first_block: int = 0
+    # time.monotonic() after which no decode worker can use the held KV (the request's own deadline: its
+    # Decode has the same one), so the lease ends then if that comes before the handoff deadline; None: none.
+    claim_deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -230,11 +233,11 @@ class KVHoldParams:
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError(f"worker_id must be a non-empty string, got {self.worker_id!r}")
         _check_range("epoch", self.epoch, 0, _UINT64_MAX)
-        if not self.lease_s > 0:
-            raise ValueError(f"lease_s must be positive, got {self.lease_s}")
         if not isinstance(self.push, bool):
             raise ValueError(f"push must be a bool, got {type(self.push).__name__}")
         _check_range("push_first_block", self.push_first_block, 0, _UINT32_MAX)
+        if self.claim_deadline is not None and not isinstance(self.claim_deadline, (int, float)):
+            raise ValueError(f"claim_deadline must be a time.monotonic() value or None, got {self.claim_deadline!r}")
 
 
 @dataclass(frozen=True)
@@ -243,15 +246,16 @@ class KVFetch:
 
     Each rank receives exactly the KV heads it owns, straight from the sender:
     ``local_blocks`` are rank 0's heads (fetched by the service like any
-    handoff), and every other rank calls ``fetcher`` ("module:function", the
-    transport layer's, so the engine imports none) as
-    ``fetcher(handoff, first_block, heads, options)`` for its own heads.
+    handoff), and every other rank calls ``fetcher(handoff, first_block, heads)``
+    for its own heads. The fetcher is the transport layer's, passed in by the
+    service (the engine imports no transport); it crosses to the other ranks'
+    processes pickled, so it must be a module-level function or a
+    ``functools.partial`` of one.
     """
 
     handoff: KVHandoff
     local_blocks: torch.Tensor  # (num_layers, 2, n, block_size, rank 0's KV heads, row_size)
-    fetcher: str
-    options: object = None  # handed to the fetcher (the transfer configuration)
+    fetcher: Callable[[KVHandoff, int, range], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A prefill engine finishes a request with ``KVHoldParams`` by handing its
 sequence here instead of freeing its blocks. From then on nothing else knows
 the request: the lease ends on ``release`` (the decode side took the KV, or the
-first token ended the request), on ``expire`` (nobody came in time) or on
+first token ended the request), on ``expire`` (nobody came within the engine's
+handoff deadline, ``EngineConfig.kv_handoff_timeout_s``) or on
 ``release_all`` (shutdown), and each frees the blocks through the block
 manager. Everything but ``export`` runs on the engine thread.
 
@@ -37,15 +38,20 @@ class _Lease:
 
 
 class LeaseTable:
-    """Held requests by id; ``grant`` takes a finished sequence's blocks, ``release``/``expire`` free them."""
+    """Held requests by id; ``grant`` takes a finished sequence's blocks for ``timeout_s`` seconds,
+    ``release``/``expire`` free them."""
 
     def __init__(
         self,
         block_manager: BlockManager,
         kv_cache: KVCache,
+        timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         draft_kv_cache: KVCache | None = None,
     ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = timeout_s
         self._block_manager = block_manager
         self._kv_cache = kv_cache
         # A draft model's pool parallel to ``kv_cache`` (same block ids), when this engine
@@ -61,9 +67,13 @@ class LeaseTable:
 
     # ---- engine thread -------------------------------------------------------------
 
-    def grant(self, seq: Sequence, handoff: KVHandoff, lease_s: float) -> None:
-        """Hold ``seq``'s blocks (already pinned: its finish did not free them) for ``lease_s`` seconds."""
-        lease = _Lease(seq, handoff, self._clock() + lease_s)
+    def grant(self, seq: Sequence, handoff: KVHandoff, claim_deadline: float | None = None) -> None:
+        """Hold ``seq``'s blocks (already pinned: its finish did not free them) until released or expired:
+        ``timeout_s`` from now, or at ``claim_deadline`` (this table's clock) when that comes first."""
+        expires_at = self._clock() + self.timeout_s
+        if claim_deadline is not None:
+            expires_at = min(expires_at, claim_deadline)
+        lease = _Lease(seq, handoff, expires_at)
         with self._lock:
             self._leases[seq.request_id] = lease
 

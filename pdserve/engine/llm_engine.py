@@ -23,14 +23,15 @@ from pdserve.engine.default_model import DEFAULT_MODEL_ID
 from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from pdserve.engine.hashing import BlockHash
 from pdserve.engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVLayout, KVReservation, KVSlot
+from pdserve.engine.kv_connector import DecodeKVConnector
+from pdserve.engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout
 from pdserve.engine.kv_leases import LeaseTable
 from pdserve.engine.kv_push import LayerPusher
 from pdserve.engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from pdserve.engine.model_runner import ModelRunner, StepResult
 from pdserve.engine.native import cpu_has_native_bf16
 from pdserve.engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
-from pdserve.engine.parallel.kv_shards import ShardedKV, import_on_ranks
+from pdserve.engine.parallel.kv_shards import ShardedKV
 from pdserve.engine.parallel.sharding import TensorParallelShard, check_tensor_parallel, kv_heads_of_rank
 from pdserve.engine.parallel.workers import TensorParallelWorkers
 from pdserve.engine.sampler import Sampler
@@ -54,6 +55,12 @@ class EngineStats:
     num_total_blocks: int
     num_held: int  # finished requests whose blocks are pinned for export (leases)
     num_preemptions: int
+    # KV pushed here whose request has not claimed it yet (pushes), and its size.
+    num_pushed: int = 0
+    num_pushed_bytes: int = 0
+    # What handoffs held that nobody claimed before the handoff deadline: leases here, pushes here.
+    num_expired_leases: int = 0
+    num_expired_pushes: int = 0
     # Speculative decoding since start (0 without it): verifying steps, proposed and accepted tokens.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -149,16 +156,16 @@ class LLMEngine:
         # Finished requests whose blocks stay pinned for a decode worker: owned there alone.
         exported = self.kv_cache if self.parallel is None else ShardedKV(self.kv_cache, self.parallel,
                                                                           self.kv_layout.num_kv_heads)
+        # One deadline for whatever a handoff holds that nobody claims: a lease here, a push or an early
+        # start on the decode side (kv_connector, decode_service.early_start).
+        self.kv_handoff_timeout_s = config.kv_handoff_timeout_s
         self.leases = LeaseTable(
-            self.block_manager, exported,
+            self.block_manager, exported, self.kv_handoff_timeout_s,
             draft_kv_cache=self._handoff_draft.kv_cache if self._handoff_draft is not None else None,
         )
         self._requests: dict[str, Sequence] = {}
-        # Reservations of pushed KV a piece of which failed to be written (see write_reserved_kv).
-        self._unwritten_reservations: set[KVReservation] = set()
-        # Reservations whose last block's last layer is written (the push is complete) and that no request
-        # has adopted yet, with when that write ran (time.monotonic): see pushes_landed_since.
-        self._landed_reservations: dict[KVReservation, float] = {}
+        # The decode side of handoffs: requests prefilled elsewhere and the KV pushed here for them.
+        self.kv_connector = DecodeKVConnector(self, self.kv_handoff_timeout_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
 
@@ -203,11 +210,11 @@ class LLMEngine:
         (pinned until released or expired) and its last output carries the
         ``KVHandoff`` — what a prefill worker does while a decode worker fetches them.
         """
-        request_id = self._new_request_id(request_id)
+        request_id = self.new_request_id(request_id)
         token_ids = self.validate_request(prompt, params)
-        seq = self._new_sequence(request_id, token_ids, params)
+        seq = self.new_sequence(request_id, token_ids, params)
         seq.kv_hold = hold_kv
-        self._register(seq)
+        self.register(seq)
         self.scheduler.add(seq)
         return request_id
 
@@ -219,8 +226,15 @@ class LLMEngine:
             self.leases.release(request_id)
             return None
         self.kv_pusher.end(request_id, complete=False)
+        self.kv_connector.request_finished(request_id)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
+
+    def expire_unclaimed(self) -> None:
+        """End what handoffs hold past the handoff deadline that nobody claimed: leases on KV held here
+        for a decode worker, KV pushed here for a request that never came."""
+        self.leases.expire()
+        self.kv_connector.expire()
 
     def stats(self) -> EngineStats:
         scheduler, manager, spec = self.scheduler, self.block_manager, self.spec_decoder
@@ -233,6 +247,10 @@ class LLMEngine:
             num_total_blocks=manager.num_blocks,
             num_held=len(self.leases),
             num_preemptions=scheduler.num_preemptions,
+            num_pushed=len(self.kv_connector.pushes),
+            num_pushed_bytes=self.kv_connector.pushes.num_bytes,
+            num_expired_leases=self.leases.num_expired,
+            num_expired_pushes=self.kv_connector.pushes.num_expired,
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
@@ -337,7 +355,7 @@ class LLMEngine:
                     if self._handoff_draft is not None:
                         self._handoff_draft.fill([seq])
                     handoff = self._handoff(seq, seq.kv_hold)
-                    self.leases.grant(seq, handoff, seq.kv_hold.lease_s)
+                    self.leases.grant(seq, handoff, seq.kv_hold.claim_deadline)
                     self.kv_pusher.end(seq.request_id, complete=True)
                 self._requests.pop(seq.request_id, None)
                 self._detokenizers.pop(seq.request_id, None)
@@ -357,13 +375,19 @@ class LLMEngine:
             first_token_id=seq.output_token_ids[0],
             transport=hold.transport,
             address=hold.address,
-            lease_deadline_ms=int((time.time() + hold.lease_s) * 1000),
+            lease_deadline_ms=int((time.time() + self._lease_s(hold)) * 1000),
             worker_id=hold.worker_id,
             epoch=hold.epoch,
             draft_layout=self._handoff_draft.kv_layout if self._handoff_draft is not None else None,
             draft_model_id=self._handoff_draft.identity if self._handoff_draft is not None else "",
             tensor_parallel_size=self.tensor_parallel_size,
         )
+
+    def _lease_s(self, hold: KVHoldParams) -> float:
+        """How long a lease granted now lasts: the handoff deadline, or less when the request's own comes first."""
+        if hold.claim_deadline is None:
+            return self.kv_handoff_timeout_s
+        return max(0.0, min(self.kv_handoff_timeout_s, hold.claim_deadline - time.monotonic()))
 
     def _finish_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None) -> str | None:
         params = seq.params
@@ -385,209 +409,12 @@ class LLMEngine:
             return "length"
         return None
 
-    # ---- requests prefilled elsewhere (decode side of a handoff) ----------------------------
-
-    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           handoff: KVHandoff, reservation: KVReservation | None = None) -> str:
-        """Queue a request whose prompt KV is on its way from another engine (WAITING_FOR_REMOTE_KVS).
-
-        It gets blocks as soon as it is first in line and they fit (``drain_kv_slots``
-        says where its KV goes), is never scheduled before ``receive_kv``, and an
-        abort frees its blocks like any other request's. ``reservation``: blocks
-        that already hold its pushed KV (``reserve_kv_blocks``), now the request's:
-        it adopts them, and they are freed if it is rejected. Raises ``ValueError``
-        naming the field when ``handoff`` cannot be served here.
-        """
-        self._landed_reservations.pop(reservation, None)
-        try:
-            seq = self._remote_sequence(request_id, prompt_token_ids, params, handoff)
-            if reservation is not None and reservation.end_block != handoff.num_blocks:
-                raise ValueError(f"the KV reservation ends at block {reservation.end_block}, "
-                                 f"handoff.num_blocks is {handoff.num_blocks}")
-        except BaseException:
-            if reservation is not None:
-                self.free_kv_reservation(reservation)
-            raise
-        if reservation in self._unwritten_reservations:
-            # A piece of it could not be written: its blocks are no use, the request fetches its KV instead.
-            self.free_kv_reservation(reservation)
-            reservation = None
-        seq.kv_reservation = reservation
-        self._register(seq)
-        detokenizer = self._detokenizers.get(seq.request_id)
-        if detokenizer is not None:
-            detokenizer.add(seq.output_token_ids)
-        self.scheduler.add_remote(seq)
-        return seq.request_id
-
-    def _remote_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         handoff: KVHandoff) -> Sequence:
-        if handoff.model_id != self.model_id:
-            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {self.model_id!r}")
-        if handoff.layout.block_size != self.block_size:
-            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {self.block_size}")
-        if handoff.num_tokens != len(prompt_token_ids):
-            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt_token_ids)}")
-        request_id = self._new_request_id(request_id)
-        token_ids = self.validate_request(prompt_token_ids, params)
-        seq = self._new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes)
-        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
-        seq.append_token(handoff.first_token_id)
-        seq.num_cached_tokens = 0
-        # Nothing of the prompt is computed here: only the first token is left to run.
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        return seq
-
-    # ---- KV pushed here before its request arrives ------------------------------------
-
-    def reserve_kv_blocks(self, layout: KVLayout, first_block: int, end_block: int) -> KVReservation | None:
-        """Blocks for a push of blocks ``first_block``..``end_block`` in ``layout``, held until a request adopts them
-        (``add_remote_request``) or ``free_kv_reservation``; None when the pool has no room for them now.
-        Raises ``ValueError`` naming the field when KV of ``layout`` cannot be written here."""
-        own = self.kv_layout
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
-            if getattr(layout, name) != getattr(own, name):
-                raise ValueError(f"layout.{name} {getattr(layout, name)} != this worker's {getattr(own, name)}")
-        if self.parallel is not None:
-            raise ValueError("this engine is tensor-parallel: each rank fetches its own heads, a push cannot land")
-        if not 0 <= first_block < end_block:
-            raise ValueError(f"first_block {first_block} must be below end_block {end_block}")
-        num_blocks = end_block - first_block
-        if not self.block_manager.can_reserve(num_blocks):
-            return None
-        return KVReservation(first_block, tuple(self.block_manager.reserve(num_blocks)))
-
-    def write_reserved_kv(self, reservation: KVReservation, layer: int, first_block: int, blocks: torch.Tensor) -> None:
-        """Write layer ``layer`` of the handoff's blocks ``first_block``.. ((1, 2, n, ...), any KV dtype) into
-        the reserved blocks that hold them."""
-        start = first_block - reservation.first_block
-        block_ids = reservation.block_ids[start : start + blocks.shape[2]]
-        if start < 0 or len(block_ids) != blocks.shape[2]:
-            raise ValueError(f"blocks {first_block}+{blocks.shape[2]} are outside the reservation of blocks "
-                             f"{reservation.first_block}..{reservation.end_block}")
-        try:
-            self.kv_cache.import_blocks(block_ids, blocks, slice(layer, layer + 1))
-        except BaseException:
-            # Never a request decoding from half-written blocks: add_remote_request refuses them.
-            self._unwritten_reservations.add(reservation)
-            raise
-        # Only the piece that ends the prompt writes its last block (kv_push: earlier chunks push full blocks
-        # only), and a push sends its layers in order: this was the push's last write.
-        if layer == self.kv_layout.num_layers - 1 and first_block + len(block_ids) == reservation.end_block:
-            self._landed_reservations[reservation] = time.monotonic()
-
-    def pushes_landed_since(self, since: float) -> int:
-        """Pushes completed here at or after ``since`` (``time.monotonic``) whose requests have not been added
-        yet: the prefill worker has sampled (or is sampling) their first tokens, and their starts are on the
-        way. ``AsyncEngine`` holds a step briefly for them, so that a prefill step's requests join the batch
-        together; a push whose request never comes (it went to another worker) stops counting once it is
-        older than the hold."""
-        return sum(1 for reservation, landed in self._landed_reservations.items()
-                   if landed >= since and reservation not in self._unwritten_reservations)
-
-    def free_kv_reservation(self, reservation: KVReservation) -> None:
-        """Give back the blocks of a push no request adopted."""
-        self._unwritten_reservations.discard(reservation)
-        self._landed_reservations.pop(reservation, None)
-        self.block_manager.free_reserved(reservation)
-
-    def drain_kv_slots(self) -> list[KVSlot]:
-        """Remote requests that got their blocks since the last call: fetch their KV from ``first_block`` on."""
-        return self.scheduler.drain_kv_slots()
-
-    def receive_kv(self, request_id: str, first_block: int, blocks: torch.Tensor | KVFetch) -> RequestOutput | None:
-        """Write a remote request's KV into its blocks and join it to the running batch.
-
-        ``blocks``: the handoff's blocks from ``first_block`` (its ``KVSlot``) on,
-        (num_layers, 2, n, block_size, num_kv_heads, row_size); under tensor
-        parallelism a ``KVFetch`` instead (rank 0's heads, and how the other ranks
-        fetch theirs; if one cannot, the prompt is recomputed here). Returns the
-        state at landing (the first token and its text), or None when the request
-        is no longer waiting for its KV (aborted): the KV is dropped.
-        """
-        seq = self._receiving(request_id)
-        if seq is None:
-            return None
-        to_fill = seq.block_table[first_block:]
-        local = blocks.local_blocks if isinstance(blocks, KVFetch) else blocks
-        if local.shape[2] != len(to_fill):
-            raise ValueError(f"KV for {request_id!r} has {local.shape[2]} blocks from block {first_block}, "
-                             f"its slot has {len(to_fill)}")
-        if isinstance(blocks, KVFetch) and self.parallel is not None and to_fill:
-            if not import_on_ranks(self.parallel, self.kv_cache, blocks, first_block, to_fill):
-                return self.recompute_remote(request_id)
-        elif to_fill:
-            self.kv_cache.import_blocks(to_fill, local)
-        return self._join_running(seq)
-
-    def land_present_kv(self, slot: KVSlot) -> RequestOutput | None:
-        """Join a remote request to the running batch now if its slot needs nothing copied in (every block
-        was cached here or pushed into it); returns the state at landing, as ``receive_kv`` does. None when
-        blocks must still be filled (``receive_kv`` does that) or the request no longer waits for its KV.
-
-        This spares such a request the trip to whoever fetches KV: it runs in the very next step.
-        """
-        seq = self._receiving(slot.request_id)
-        if seq is None or slot.first_block < len(seq.block_table):
-            return None
-        return self._join_running(seq)
-
-    def _join_running(self, seq: Sequence) -> RequestOutput:
-        self.block_manager.cache_computed_blocks(seq)
-        self.scheduler.kv_received(seq)
-        return self._output(seq, self._detokenizers.get(seq.request_id))
-
-    def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
-        """Whether ``handoff`` carries draft KV that this engine's draft model can use (else: ignored,
-        the draft recomputes the prompt when the request first proposes)."""
-        return (
-            handoff.draft_layout is not None
-            and self.draft is not None
-            and self.draft.accepts(handoff.draft_layout, handoff.draft_model_id)
-        )
-
-    def receive_draft_kv(self, request_id: str, blocks: torch.Tensor) -> bool:
-        """Write a remote request's draft-model KV (its handoff's draft section, from block 0) into the
-        draft's pool, before ``receive_kv``; False when the request no longer waits for its KV.
-
-        Blocks the request shares through the prefix cache are rewritten with the
-        draft's KV of the same tokens: draft KV only steers proposals (see
-        ``engine.spec_decode.draft_model``), so this is harmless to other sequences.
-        """
-        seq = self._receiving(request_id)
-        if seq is None:
-            return False
-        if self.draft is None or self.draft.kv_cache is None:
-            raise ValueError("this engine has no draft model to take draft KV")
-        if blocks.shape[2] != len(seq.block_table):
-            raise ValueError(f"draft KV for {request_id!r} has {blocks.shape[2]} blocks, "
-                             f"the request holds {len(seq.block_table)}")
-        self.draft.kv_cache.import_blocks(seq.block_table, blocks)
-        seq.num_draft_computed_tokens = seq.num_prompt_tokens
-        return True
-
-    def recompute_remote(self, request_id: str) -> RequestOutput | None:
-        """A remote request's KV will never land: compute its prompt and first token here instead.
-
-        The path a preempted sequence takes; a seeded request resumes its random
-        stream after the first token's draw. The state with the first token, or
-        None when the request is no longer waiting for its KV.
-        """
-        seq = self._receiving(request_id)
-        if seq is None:
-            return None
-        self.scheduler.kv_lost(seq)
-        return self._output(seq, self._detokenizers.get(request_id))
-
-    def _receiving(self, request_id: str) -> Sequence | None:
-        seq = self._requests.get(request_id)
-        if seq is None or seq.request_id not in self.scheduler.receiving:
-            return None
-        return seq
-
     # ---- internals -------------------------------------------------------------------
 
-    def _new_request_id(self, request_id: str | None) -> str:
+    # ---- what the KV connector shares: a request's id, sequence, registration and state -------
+
+    def new_request_id(self, request_id: str | None) -> str:
+        """``request_id``, or a new one when None; ``ValueError`` when it is not a string or in use here."""
         if request_id is None:
             request_id = f"req-{next(self._request_counter)}"
         if not isinstance(request_id, str) or not request_id:
@@ -630,7 +457,7 @@ class LLMEngine:
             )
         return token_ids
 
-    def _new_sequence(
+    def new_sequence(
         self,
         request_id: str,
         token_ids: list[int],
@@ -648,10 +475,18 @@ class LLMEngine:
                     torch.empty(self.vocab_size).exponential_(generator=generator)
         return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator, block_hashes)
 
-    def _register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence) -> None:
+        """Track ``seq`` as one of this engine's requests (its text detokenized from the tokens it has)."""
         self._requests[seq.request_id] = seq
         if self.tokenizer is not None:
-            self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+            detokenizer = IncrementalDetokenizer(self.tokenizer)
+            if seq.output_token_ids:  # a request prefilled elsewhere comes with its first token
+                detokenizer.add(seq.output_token_ids)
+            self._detokenizers[seq.request_id] = detokenizer
+
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        """The state of the running request ``seq``, as a step would report it."""
+        return self._output(seq, self._detokenizers.get(seq.request_id))
 
     def _output(
         self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, kv_handoff: KVHandoff | None = None

@@ -18,7 +18,6 @@ import json
 import logging
 import ssl
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -61,7 +61,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_decode_attempts = max_decode_attempts
         self.metrics = metrics or GatewayMetrics()
         self.disaggregation = disaggregation or DisaggregationPolicy()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     @grpc_errors
     async def Generate(  # noqa: N802 - the gRPC method name
@@ -81,10 +81,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 else:
                     push_to = self._push_target(request, route.decode)
                     push_cached = await self._push_cached_tokens(route, push_to, token_ids)
-                    prefill, prefill_response = await self._prefill(request, request_id, token_ids, context,
-                                                                    route.prefill, push_to, push_cached)
-                    responses = self._relay(request, request_id, token_ids, prefill, prefill_response, context,
-                                            push_to)
+                    prefill_response = await self._prefill(request, request_id, token_ids, context, route.prefill,
+                                                           push_to, push_cached)
+                    responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to)
                 async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
                     async for response in responses:
                         tracker.responded(response)
@@ -101,7 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         choice: PrefillChoice | None = None,
         push_to: WorkerHandle | None = None,
         push_cached_tokens: int = 0,
-    ) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
+    ) -> worker_pb2.PrefillResponse:
         """Prefill on the best worker (``choice``, when routing chose it already); when one is unreachable
         (crashed, partitioned), on the next best.
 
@@ -134,16 +133,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 with _Inflight(prefill, len(token_ids) - cached):
                     response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
                 self.router.prefilled(choice)
-                return prefill, response
+                return response
             except BaseException as error:
-                # Cancelled or failed after the worker may have granted the lease:
-                # release it now rather than pinning the blocks until it expires.
-                self._release_prefill(prefill, request_id)
+                # A cancelled or failed Prefill frees what it held on the prefill worker, and drops what it
+                # pushed (the worker cancels its push); a retry pushes again, replacing it there.
                 retry = (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
                          and len(failed) + 1 < self.max_prefill_attempts)
                 if not retry:
-                    if pushing:  # what it pushed before the end (a retry pushes again, replacing it there)
-                        self._drop_push(push_to, request_id)
                     raise
                 # Nothing was streamed yet, so the request can start over elsewhere.
                 log.warning("prefill worker %s failed for %s (%s); retrying on another worker",
@@ -157,7 +153,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request: generation_pb2.GenerateRequest,
         request_id: str,
         token_ids: list[int],
-        prefill: WorkerHandle,
         prefill_response: worker_pb2.PrefillResponse,
         context: grpc.aio.ServicerContext,
         push_to: WorkerHandle | None = None,
@@ -166,6 +161,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         The decode worker is ``push_to`` (chosen before the prefill) when there is one. One that
         fails before sending anything is replaced by another, which pulls the KV (still leased).
+        The gateway manages no KV: the decode worker serving the request releases the prefill
+        worker's lease, and tells ``push_to`` to drop its push when it is not ``push_to``
+        (``DecodeRequest.pushed_to``); whatever no Decode ever reaches ends at the handoff deadline.
         """
         usage = generation_pb2.Usage(
             prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
@@ -178,8 +176,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Only here: the decode worker (even when it recomputes the prompt) never sends them.
         first.prompt_logprobs.extend(prefill_response.prompt_logprobs)
         if prefill_response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-            if push_to is not None:
-                self._drop_push(push_to, request_id)  # the first token ended it: no Decode will claim the push
+            # The first token ended it: the prefill worker released its KV and dropped its push.
             first.finish_reason = prefill_response.finish_reason
             first.usage.CopyFrom(usage)
             yield first
@@ -197,8 +194,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # The prefill worker pushed only to push_to; any other decode worker pulls.
             kv_pushed=prefill_response.kv_pushed and decode is not None,
         )
-        first_sent = finished = push_dropped = False
+        first_sent = finished = False
         attempts = 0
+        answered: WorkerHandle | None = None  # the decode worker that sent a token back
         try:
             while True:
                 attempts += 1
@@ -207,11 +205,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         decode = self.router.choose_decode()
                     except NoWorkerAvailable as error:
                         raise Unavailable(str(error)) from error
-                if push_to is not None and decode is not push_to and not push_dropped:
-                    # Served elsewhere: what the push holds on push_to, and the request it started there
-                    # (computing tokens nobody reads), end now rather than when this request ends.
-                    self._drop_push(push_to, request_id)
-                    push_dropped = True
+                # Served elsewhere: the decode worker that serves it has push_to drop what the push holds there
+                # (and the request it started, computing tokens nobody reads).
+                decode_request.pushed_to = push_to.address if push_to is not None and decode is not push_to else ""
                 self.metrics.routed("decode", decode.worker_id)
                 # Open the decode stream (it starts taking the KV) before the first token
                 # goes out, so the two overlap; the client never waits for it.
@@ -223,7 +219,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             first_sent = True
                             yield first
                         async for piece in call:
-                            received = True
+                            received, answered = True, decode
                             usage.completion_tokens += len(piece.token_ids)
                             response = generation_pb2.GenerateResponse(
                                 request_id=request_id, token_ids=piece.token_ids, text=piece.text,
@@ -255,16 +251,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         if not finished:
                             call.cancel()
         finally:
-            if not finished:
-                # Client cancel, deadline or a failed decode: stop the decode
-                # worker's request and free the prefill worker's pinned blocks.
-                self._release_prefill(prefill, request_id)
-            if push_to is not None and not push_dropped and not (finished and decode is push_to):
-                # The blocks a push holds on push_to if no Decode there took it: the request ended before
-                # its Decode ran. A push confirmed too late for the prefill worker to say kv_pushed still
-                # lands there, so this does not depend on that flag; a Decode that ran on push_to took
-                # the push or, told to pull, dropped it itself.
-                self._drop_push(push_to, request_id)
+            if not finished and answered is None:
+                # Cancelled, past its deadline, or failed before any decode worker answered: the Decode may
+                # never have reached one, so the client's end is relayed to the decode worker it went to (or
+                # the push target), which ends what the handoff holds there and on the prefill worker.
+                target = decode or push_to
+                if target is not None:
+                    self._relay_abort(target, decode_request)
+
+    def _relay_abort(self, decode: WorkerHandle, decode_request: worker_pb2.DecodeRequest) -> None:
+        """Tell ``decode`` that the request of ``decode_request`` ended before it answered (``Abort``)."""
+        request = worker_pb2.AbortRequest(request_id=decode_request.handoff.request_id, handoff=decode_request.handoff)
+
+        async def abort() -> None:
+            try:
+                await decode.stub.Abort(request, timeout=5)
+            except grpc.aio.AioRpcError as error:
+                # It may be gone; what the handoff holds ends at the handoff deadline anyway.
+                log.info("Abort of %s at %s failed: %s", request.request_id, decode.address, error.code())
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:
         """What ``push_to`` caches of the prompt, by the prefix index (auto routing looked it up already)."""
@@ -326,30 +334,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not reports:
             return self.limits
         return self.limits.for_model(min(r.vocab_size for r in reports), min(r.max_model_len for r in reports))
-
-    def _release_prefill(self, prefill: WorkerHandle, request_id: str) -> None:
-        async def release() -> None:
-            try:
-                await prefill.stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=request_id), timeout=5)
-            except grpc.aio.AioRpcError:
-                pass  # the lease expires on its own
-
-        self._in_background(release())
-
-    def _drop_push(self, decode: WorkerHandle, request_id: str) -> None:
-        """Free what a push holds on ``decode`` for a request whose Decode will not take it (a no-op if it did)."""
-        async def drop() -> None:
-            try:
-                await decode.stub.DropPush(worker_pb2.DropPushRequest(request_id=request_id), timeout=5)
-            except grpc.aio.AioRpcError:
-                pass  # the unclaimed push expires on its own
-
-        self._in_background(drop())
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:

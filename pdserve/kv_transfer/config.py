@@ -51,9 +51,8 @@ class TransferConfig:
     # ... the most KV a prefill worker queues to push, over all requests (past it: pulled) ...
     push_max_queued_bytes: int = 1 << 30
     # ... and, on a decode worker, the most pushed KV held for requests whose Decode has not come yet
-    # (past it a push is refused and pulled), each dropped when unclaimed for push_ttl_s.
+    # (past it a push is refused and pulled; each is dropped when unclaimed at the engine's handoff deadline).
     push_inbox_bytes: int = 2 << 30
-    push_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -68,9 +67,8 @@ class TransferConfig:
             )
         if self.torch_dist_max_pairs < 1:
             raise ValueError(f"torch_dist_max_pairs must be at least 1, got {self.torch_dist_max_pairs}")
-        for name in ("push_ack_timeout_s", "push_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.push_ack_timeout_s > 0:
+            raise ValueError(f"push_ack_timeout_s must be positive, got {self.push_ack_timeout_s}")
         for name in ("push_max_queued_bytes", "push_inbox_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

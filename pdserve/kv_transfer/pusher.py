@@ -7,7 +7,8 @@ task on the event loop streams them to the decode worker's PushKV. ``finish``
 sends the request's ``KVPushStart`` (what its Decode will carry, so that the
 decode worker starts decoding the moment the KV is complete), ends the stream
 and waits (bounded) for the decode worker's confirmation that it holds every
-block; ``cancel`` stops a push at once. A push that fails in any way only costs the
+block; ``cancel`` stops a push at once, ending its stream with an abandon so that
+the decode worker drops what arrived. A push that fails in any way only costs the
 pushed bytes: the prefill worker holds the KV under its lease whatever happens,
 and the decode worker pulls it instead.
 
@@ -44,6 +45,7 @@ PUSH_TRANSPORTS: tuple[str, ...] = ("grpc", "shm")
 
 _END = object()  # every piece was handed over (the prefill finished)
 _NO_START = object()  # finish() without a start message: the stream ends after the pieces
+_ABANDON = object()  # cancel(): the stream ends with an abandon, and the decode worker drops what it got
 
 
 @dataclass
@@ -65,6 +67,7 @@ class _Push:
     queued_bytes: int = 0
     stopped: bool = False  # under KVPusher._lock, with queued_bytes: no more bytes are counted
     first_block: int = 0  # the blocks before it are not pushed (the decode worker caches them)
+    abandoned: bool = False  # cancel() ended it: the decode worker's refusal is expected
 
 
 class KVPusher:
@@ -86,6 +89,8 @@ class KVPusher:
         self._stub_for = stub_for
         self.max_queued_bytes = max_queued_bytes
         self._pushes: dict[str, _Push] = {}
+        # Streams of cancelled pushes, ending with their abandon message.
+        self._abandoning: set[asyncio.Task[bool]] = set()
         self._lock = threading.Lock()
         self._queued_bytes = 0
         self.num_pushed = 0  # confirmed by the decode worker
@@ -144,17 +149,33 @@ class KVPusher:
         return task in done and not task.cancelled() and task.exception() is None and task.result()
 
     def cancel(self, request_id: str) -> None:
-        """Stop pushing ``request_id`` (aborted, or nothing to hand off); the decode worker drops what it got."""
+        """Stop pushing ``request_id`` (aborted, or nothing to hand off); the decode worker drops what it got.
+
+        An open stream is ended with an abandon message rather than cancelled: a cancel can reach the
+        decode worker as a half-close, which after the last piece would look like a complete push.
+        """
         with self._lock:
             push = self._pushes.get(request_id)
-        if push is not None:
-            self._forget(push)
+            if push is not None:
+                del self._pushes[request_id]
+        if push is None:
+            return
+        if push.task is None or push.task.done():
+            self._close(push)
+            return
+        self._stop_sending(push)
+        push.abandoned = True
+        push.queue.put_nowait(_ABANDON)
+        self._abandoning.add(push.task)
+        push.task.add_done_callback(self._abandoning.discard)
 
     def close(self) -> None:
         with self._lock:
             pushes = list(self._pushes.values())
         for push in pushes:
             self._forget(push)
+        for task in list(self._abandoning):
+            task.cancel()
 
     # ---- engine thread (KVPushSink) -------------------------------------------------
 
@@ -212,6 +233,8 @@ class KVPusher:
         try:
             response = await call
         except grpc.aio.AioRpcError as error:
+            if push.abandoned:
+                return False  # the decode worker dropped it, as asked
             log.warning("KV push of %s to %s failed (%s: %s); it will be pulled",
                         push.request_id, push.address, error.code().name, error.details())
             self.num_failed += 1
@@ -241,6 +264,9 @@ class KVPusher:
         ending: object = None  # what finish() queued: the start message, or _NO_START
         while not (pieces_done and ending is not None):
             item = await push.queue.get()
+            if item is _ABANDON:
+                yield worker_pb2.KVPushMessage(abandon=worker_pb2.KVPushAbandon())
+                return
             if item is _END:
                 pieces_done = True
                 continue

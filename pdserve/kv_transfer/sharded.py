@@ -1,6 +1,8 @@
 """A tensor-parallel decode rank's own fetch: exactly its KV heads, straight from the prefill worker.
 
-``fetch_heads`` is the fetcher a ``engine.kv_handoff.KVFetch`` names: the engine's
+``fetch_heads`` is the fetcher a ``pdserve.engine.kv_handoff.KVFetch`` carries
+(``rank_fetcher`` binds the options; the decode service passes it in, so the
+engine imports no transport): the engine's
 follower ranks call it (blocking) for the heads they own, over the handoff's
 transport, so no rank's KV passes through rank 0. Each process keeps one event
 loop, its channels and its receivers (a torch_dist receiver keeps its pair
@@ -14,7 +16,9 @@ TLS cluster's follower ranks speak TLS too and never fall back to plaintext.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +28,6 @@ from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.descriptor import KVHandoff
 from pdserve_client.channels import TlsConfig, open_channel
 from pdserve.protos.pdserve.v1.internal import worker_pb2_grpc
-
-FETCHER = "pdserve.kv_transfer.sharded:fetch_heads"
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,13 @@ _transfers: _RankTransfers | None = None
 _lock = threading.Lock()
 
 
+def rank_fetcher(options: RankFetchOptions) -> Callable[[KVHandoff, int, range], torch.Tensor]:
+    """``fetch_heads`` with ``options`` bound: what a ``KVFetch`` carries to the other ranks (picklable)."""
+    return functools.partial(fetch_heads, options=options)
+
+
 def fetch_heads(
-    handoff: KVHandoff, first_block: int, heads: range, options: RankFetchOptions | None
+    handoff: KVHandoff, first_block: int, heads: range, options: RankFetchOptions | None = None
 ) -> torch.Tensor:
     """The handoff's blocks from ``first_block`` on, of KV heads ``heads`` only; blocks the caller until done."""
     global _transfers

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import grpc
 
 from pdserve.engine.kv_handoff import KVHoldParams
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.descriptor import handoff_to_proto
@@ -25,19 +27,18 @@ from pdserve.service_common.worker import WorkerConfig, WorkerRuntime, WorkerSer
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+# A lease outlives its request's deadline by this much: the Decode's trip and a pull cut off right at it.
+CLAIM_MARGIN_S = 1.0
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """Prefill with ``max_tokens=1`` and ``hold_kv``: the first token comes back, the blocks stay pinned."""
 
     def __init__(
-        self, runtime: WorkerRuntime, lease_s: float, transfer: TransferConfig, client_tls: TlsConfig | None = None
+        self, runtime: WorkerRuntime, transfer: TransferConfig, client_tls: TlsConfig | None = None
     ) -> None:
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.runtime = runtime
         self.engine = runtime.async_engine
-        self.lease_s = lease_s
         self.transfer = transfer
         # The engine's lease table owns every held request; the transports read held
         # blocks through it (a KVSource) and hear from it when a lease ends.
@@ -70,14 +71,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         num_blocks = -(-len(prompt) // layout.block_size)
         # The blocks the decode worker caches are not pushed; never the last (it holds the last prompt token).
         first_block = min(request.push_cached_tokens // layout.block_size, max(num_blocks - 1, 0)) if push else 0
+        # The Decode that would claim the held KV carries the client's deadline, as this call does: past it
+        # nobody can, and the lease ends then rather than at the handoff deadline (a client whose deadline
+        # passed between this answer and its Decode leaves a lease no worker hears of).
+        remaining = context.time_remaining()
         hold = KVHoldParams(
             transport=transport,
             address=self.runtime.address,
             worker_id=self.runtime.config.worker_id,
             epoch=self.runtime.epoch,
-            lease_s=self.lease_s,
             push=push,
             push_first_block=first_block,
+            claim_deadline=None if remaining is None else time.monotonic() + remaining + CLAIM_MARGIN_S,
         )
         final = None
         # The first token only, checked against the client's max_tokens; cancelling
@@ -91,11 +96,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params
                 ):
                     final = output
+            assert final is not None and final.token_ids
+            return await self._answer(request, context, final, prompt, params, push)
         except BaseException:
-            # Rejected, aborted or cancelled: the decode worker drops what it got.
+            # Rejected, aborted or cancelled: the decode worker drops what it got, and no Decode will
+            # come for what is held here (once the request finished, its abort no longer frees it).
             self.pusher.cancel(request.request_id)
+            if final is not None and final.finished:
+                self._release(request.request_id)
             raise
-        assert final is not None and final.token_ids
+
+    async def _answer(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext, final: RequestOutput,
+        prompt: list[int], params: SamplingParams, push: bool,
+    ) -> worker_pb2.PrefillResponse:
+        """The first token and the handoff; with a push, once the decode worker confirmed it (or did not in time)."""
         self.runtime.metrics.prefilled(len(prompt), final.num_cached_tokens)
         response = worker_pb2.PrefillResponse(
             first_token_id=final.token_ids[0],
@@ -108,7 +123,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             response.prompt_logprobs.extend(logprobs_to_proto(final.prompt_logprobs))
         assert final.kv_handoff is not None
         if final.finish_reason == "stop" or params.max_tokens == 1:
-            # The first token already ends the request: nothing to hand off.
+            # The first token already ends the request: nothing to hand off, and what was pushed is dropped.
             response.finish_reason = finish_reason_to_proto(final.finish_reason)
             self.pusher.cancel(request.request_id)
             self._release(request.request_id)
@@ -192,7 +207,6 @@ class PrefillServer(WorkerServer):
         engine: LLMEngine,
         server_config: ServerConfig,
         worker_config: WorkerConfig,
-        lease_s: float = 30.0,
         transfer: TransferConfig | None = None,
         advertise_host: str | None = None,
         metrics_port: int | None = None,
@@ -200,7 +214,7 @@ class PrefillServer(WorkerServer):
     ) -> None:
         super().__init__(WorkerRuntime(engine, worker_config), server_config, [SERVICE_NAME], advertise_host,
                          metrics_port=metrics_port)
-        self.servicer = PrefillServicer(self.runtime, lease_s, transfer or TransferConfig(), client_tls)
+        self.servicer = PrefillServicer(self.runtime, transfer or TransferConfig(), client_tls)
         self.server.add_servicer(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer)
 
     async def close_servicer(self) -> None:

@@ -164,9 +164,14 @@ class RequestTracker:
 class WorkerMetrics:
     """A worker's engine load (read at scrape time), prefix-cache hits and KV transfers."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats], spin_governor: SpinGovernor | None = None) -> None:
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats], spin_governor: SpinGovernor | None = None,
+        handoff_timeout_s: float = 0.0,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(engine_stats))
+        self._expired_handoffs = _ExpiredHandoffs(engine_stats, handoff_timeout_s)
+        self.registry.register(self._expired_handoffs)
         if spin_governor is not None:
             self.registry.register(_SpinGovernorCollector(spin_governor))
         self.prefix_cache_hit_tokens = Counter(
@@ -180,7 +185,9 @@ class WorkerMetrics:
                                            ["transport"], registry=self.registry)
 
     def watch_early_starts(self, early: object) -> None:
-        """Export a decode worker's early starts (``decode_service.early_start.EarlyStarts``), read when scraped."""
+        """Export a decode worker's early starts (``pdserve.decode_service.early_start.EarlyStarts``), read when
+        scraped; those that expired count with the other expired handoffs."""
+        self._expired_handoffs.early_starts = early
         self.registry.register(_OutcomeCounts(
             "pdserve_kv_push_early_starts",
             "Requests started when their pushed KV was complete (started), then attached to by their Decode "
@@ -236,6 +243,33 @@ class _EngineStatsCollector(Collector):
                                   value=stats.spec_num_draft_tokens)
         yield CounterMetricFamily("pdserve_spec_decode_num_accepted_tokens", "Proposed tokens the target kept",
                                   value=stats.spec_num_accepted_tokens)
+
+
+class _ExpiredHandoffs(Collector):
+    """Everything a KV handoff held that nobody claimed before the one handoff deadline, in one counter."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats], timeout_s: float) -> None:
+        self.engine_stats = engine_stats
+        self.timeout_s = timeout_s
+        self.early_starts: object | None = None  # a decode worker's EarlyStarts
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.engine_stats()
+        family = CounterMetricFamily(
+            "pdserve_kv_handoff_expired",
+            "What a KV handoff held that nobody claimed within the handoff deadline (--kv-handoff-timeout), "
+            "by what held it: a prefill worker's lease on a finished request's KV (prefill_lease), KV pushed "
+            "to a decode worker whose request never came (pushed_kv), a request a decode worker started on "
+            "its push that no Decode claimed (early_start)",
+            labels=["held"],
+        )
+        family.add_metric(["prefill_lease"], stats.num_expired_leases)
+        family.add_metric(["pushed_kv"], stats.num_expired_pushes)
+        family.add_metric(["early_start"], getattr(self.early_starts, "num_expired", 0))
+        yield family
+        yield GaugeMetricFamily("pdserve_kv_handoff_timeout_seconds",
+                                "The handoff deadline: how long a handoff may hold KV that nobody claims",
+                                value=self.timeout_s)
 
 
 class _SpinGovernorCollector(Collector):

@@ -18,6 +18,7 @@ from pdserve.cluster_index import (
     connect,
 )
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.batch_window import BatchWindow
 from pdserve.service_common.errors import Overloaded
 from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
 from pdserve.engine.block_manager import BlockEvent, BlockStored
@@ -48,8 +49,8 @@ class WorkerConfig:
     # one's CPUs idle (``pdserve prefill|decode|colocated``'s default); "libgomp" leaves it to libgomp.
     openmp_spin: str = "libgomp"
     # An idle engine that gets prompts waits up to this long for the rest of a burst before its first
-    # step, and a step waits at most this long for requests whose pushed KV has landed (AsyncEngine's
-    # batch_window_s; ``pdserve prefill|decode|colocated --batch-window-ms``). 0: off.
+    # step, and a step waits at most this long for requests whose pushed KV has landed
+    # (pdserve.engine.batch_window; ``pdserve prefill|decode|colocated --batch-window-ms``). 0: off.
     batch_window_s: float = 0.0
 
 
@@ -70,9 +71,10 @@ class WorkerRuntime:
         self.async_engine = AsyncEngine(
             engine, on_block_events=self._on_block_events,
             before_work=self.spin_governor.update if self.spin_governor is not None else None,
-            batch_window_s=config.batch_window_s,
+            batch_window=BatchWindow(config.batch_window_s),
         )
-        self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats, spin_governor=self.spin_governor)
+        self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats, spin_governor=self.spin_governor,
+                                     handoff_timeout_s=engine.kv_handoff_timeout_s)
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._batch = BlockEventBatch()

@@ -10,10 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdserve.decode_service.server import DecodeServer
+from pdserve.engine.kv_connector import PushRefused, PushTable
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
-from pdserve.decode_service.server import DecodeServer
 from tests.support.cluster import ClusterOptions, InProcessCluster
 from tests.support.waiting import wait_until
 
@@ -34,6 +35,11 @@ def _shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
 
 
+def _pushes(decode: DecodeServer) -> PushTable:
+    """What pushes hold on ``decode``: its engine's KV connector owns them."""
+    return decode.runtime.engine.kv_connector.pushes
+
+
 async def _assert_nothing_held(cluster: InProcessCluster) -> None:
     """Every block free on every worker, no lease, no push in flight, nothing in any inbox."""
     reports = await cluster.wait_idle()
@@ -43,8 +49,8 @@ async def _assert_nothing_held(cluster: InProcessCluster) -> None:
         assert prefill.servicer.pusher._pushes == {}
         assert prefill.servicer.pusher._queued_bytes == 0
     for decode in cluster.decodes:
-        await wait_until(lambda d=decode: len(d.servicer.inbox) == 0, "every pushed KV claimed or dropped")
-        assert decode.servicer.inbox.num_bytes == 0
+        await wait_until(lambda d=decode: len(_pushes(d)) == 0, "every pushed KV claimed or dropped")
+        assert _pushes(decode).num_bytes == 0 and decode.servicer.inbox.num_receiving == 0
         assert len(decode.servicer.early) == 0  # every request started on its push was claimed or ended
 
 
@@ -111,7 +117,7 @@ class _HoldPrefillAtLayer:
 
 
 async def _wait_for_push_started(cluster: InProcessCluster) -> None:
-    await wait_until(lambda: any(len(d.servicer.inbox) for d in cluster.decodes), "a push to reach a decode worker")
+    await wait_until(lambda: any(len(_pushes(d)) for d in cluster.decodes), "a push to reach a decode worker")
 
 
 @pytest.mark.asyncio
@@ -126,19 +132,20 @@ async def test_pushed_kv_is_written_into_blocks_reserved_while_the_prefill_runs_
     decode_engine = cluster.decode.runtime.engine
     claimed_blocks: list[int] = []
     landed_at_once: list[tuple[str, int]] = []
-    receive_kv, land_present_kv = decode_engine.receive_kv, decode_engine.land_present_kv
+    connector = decode_engine.kv_connector
+    fill, join_if_present = connector.fill, connector.scheduler.join_if_present
 
-    def recording_receive_kv(request_id, first_block, blocks):  # noqa: ANN001, ANN202 - wraps the engine's
+    def recording_fill(request_id, first_block, blocks):  # noqa: ANN001, ANN202 - wraps the connector's
         claimed_blocks.append(blocks.shape[2])
-        return receive_kv(request_id, first_block, blocks)
+        return fill(request_id, first_block, blocks)
 
-    def recording_land_present_kv(slot):  # noqa: ANN001, ANN202 - wraps the engine's
-        output = land_present_kv(slot)
+    def recording_join_if_present(slot):  # noqa: ANN001, ANN202 - wraps the connector's
+        output = join_if_present(slot)
         landed_at_once.append((slot.request_id, slot.first_block if output is not None else -1))
         return output
 
-    decode_engine.receive_kv = recording_receive_kv
-    decode_engine.land_present_kv = recording_land_present_kv
+    connector.fill = recording_fill
+    connector.scheduler.join_if_present = recording_join_if_present
     prompt = random_prompts([200], seed=136)[0]
     num_blocks = -(-len(prompt) // decode_engine.block_size)
     generation = asyncio.create_task(cluster.generate(_request(prompt)))
@@ -200,11 +207,11 @@ async def test_a_decode_worker_without_free_blocks_for_a_push_refuses_it_and_the
     decode_engine = cluster.decode.runtime.engine
     asked: list[int] = []
 
-    def no_room(layout, first_block, end_block):  # noqa: ANN001, ANN202 - the engine's, with a full pool
-        asked.append(end_block - first_block)
-        return None
+    def no_room(request_id, layout, first_block, num_blocks, max_bytes):  # noqa: ANN001, ANN202 - a full pool
+        asked.append(num_blocks - first_block)
+        raise PushRefused("no_room", f"no {num_blocks - first_block} free KV blocks here for the push")
 
-    decode_engine.reserve_kv_blocks = no_room
+    decode_engine.kv_connector.open_push = no_room
     prompt = random_prompts([70], seed=138)[0]
     assert _tokens(await cluster.generate(_request(prompt))) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
     assert asked == [5]  # 70 tokens: 5 blocks of 16
@@ -259,7 +266,7 @@ async def test_decode_worker_dying_while_kv_is_pushed_to_it_falls_back_to_anothe
     try:
         assert await asyncio.to_thread(hold.reached.wait, 30)
         await _wait_for_push_started(cluster)
-        (victim,) = [d for d in cluster.decodes if len(d.servicer.inbox)]
+        (victim,) = [d for d in cluster.decodes if len(_pushes(d))]
         # The decode worker goes away mid-push: its server stops at once, cancelling every call.
         await victim.server.grpc_server.stop(0)
     finally:
@@ -273,8 +280,9 @@ async def test_decode_worker_dying_while_kv_is_pushed_to_it_falls_back_to_anothe
     assert cluster.prefill.servicer.pusher.num_pushed == 0
     await wait_until(lambda: not engine.leases.request_ids, "the lease released")
     assert cluster.prefill.servicer.pusher._pushes == {}
-    assert len(victim.servicer.inbox) == 0 and victim.servicer.inbox.num_bytes == 0
-    assert len(survivor.servicer.inbox) == 0
+    await wait_until(lambda: len(_pushes(victim)) == 0, "the victim's half push dropped")
+    assert _pushes(victim).num_bytes == 0
+    assert len(_pushes(survivor)) == 0
     assert _shm_segments() == segments_before
 
     def all_free() -> bool:
@@ -371,7 +379,7 @@ async def test_a_request_served_off_its_push_target_ends_what_the_push_started_t
 
         def target_let_go() -> bool:
             stats = target.runtime.async_engine.latest_stats
-            return (len(early) == 0 and len(target.servicer.inbox) == 0
+            return (len(early) == 0 and len(_pushes(target)) == 0
                     and stats.num_free_blocks == stats.num_total_blocks)
 
         await wait_until(target_let_go, "the push target to end what the push started while the request runs elsewhere")
@@ -417,7 +425,7 @@ async def test_prefill_worker_dying_mid_push_leaves_nothing_on_the_decode_worker
     # The retry on the other prefill worker pushed to the same decode worker, which took that push.
     assert survivor.servicer.pusher.num_pushed == 1
     assert cluster.decode.servicer.kv_pushes == 1
-    assert len(cluster.decode.servicer.inbox) == 0 and cluster.decode.servicer.inbox.num_bytes == 0
+    assert len(_pushes(cluster.decode)) == 0 and _pushes(cluster.decode).num_bytes == 0
     await wait_until(lambda: victim.runtime.async_engine.latest_stats.num_free_blocks
                      == victim.runtime.async_engine.latest_stats.num_total_blocks, "the dead prefill's blocks freed")
     assert victim.servicer.pusher._pushes == {}
@@ -430,7 +438,8 @@ async def test_a_request_the_first_token_ends_has_its_pushed_kv_dropped_at_once_
     transport: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
     # The prefill worker pushes while it computes; its first token is a stop token, so no Decode
-    # ever claims the push: the gateway has the decode worker drop it, freeing its blocks now.
+    # ever claims the push: the prefill worker cancels it, and the decode worker drops it, freeing its
+    # blocks now.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, kv_transport=transport))
     prompt = random_prompts([90], seed=134)[0]
     first_token = Oracle(llama_checkpoint).generate(prompt, 1)[0]
@@ -438,9 +447,9 @@ async def test_a_request_the_first_token_ends_has_its_pushed_kv_dropped_at_once_
     responses = await cluster.generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params))
     assert _tokens(responses) == [first_token]
     assert responses[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
-    inbox = cluster.decode.servicer.inbox
-    await wait_until(lambda: len(inbox) == 0, "the unclaimed push dropped", timeout_s=5.0)
-    assert (inbox.num_expired, inbox.num_bytes) == (0, 0)
+    pushes = _pushes(cluster.decode)
+    await wait_until(lambda: len(pushes) == 0, "the unclaimed push dropped", timeout_s=5.0)
+    assert (pushes.num_expired, pushes.num_bytes) == (0, 0)
     report = (await cluster.loads())[1]
     assert (report.kv_pushes, report.num_free_blocks) == (0, report.num_total_blocks)
     await _assert_nothing_held(cluster)
@@ -450,11 +459,10 @@ async def test_a_request_the_first_token_ends_has_its_pushed_kv_dropped_at_once_
 async def test_a_push_arriving_after_its_request_was_dropped_is_refused_and_the_kv_pulled(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    # The gateway's DropPush can overtake the push it drops (two connections): the push that opens
-    # afterwards is refused, so nothing holds decode blocks until expiry. Here the drop comes first.
+    # A DropPush can overtake the push it drops (two connections): the push that opens afterwards is
+    # refused, so nothing holds decode blocks until expiry. Here the drop comes first.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
-    inbox = cluster.decode.servicer.inbox
-    inbox.discard("dropped-early")
+    await _decode_stub(cluster).DropPush(worker_pb2.DropPushRequest(request_id="dropped-early"), timeout=5)
     prompt = random_prompts([70], seed=135)[0]
     request = generation_pb2.GenerateRequest(request_id="dropped-early", prompt_token_ids=prompt, sampling_params=PARAMS)
     assert _tokens(await cluster.generate(request)) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
@@ -468,28 +476,29 @@ async def test_a_push_arriving_after_its_request_was_dropped_is_refused_and_the_
 async def test_a_drop_that_comes_while_the_push_reserves_its_blocks_frees_them_at_once(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    # The DropPush finds no entry yet (the push is still reserving on the engine thread); the push must
-    # not register afterwards, or its blocks stay held until expiry (the soak test caught 12 such blocks).
+    # The DropPush comes while the push reserves its blocks: the push must not hold them afterwards, or
+    # they stay held until expiry (the soak test caught 12 such blocks).
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
     inbox = cluster.decode.servicer.inbox
-    reserve = inbox.landing.reserve
+    open_push = inbox.landing.open
     reserved = []
 
-    async def reserve_then_dropped(layout, first_block: int, end_block: int):  # noqa: ANN001, ANN202
-        reservation = await reserve(layout, first_block, end_block)
-        reserved.append(reservation)
-        inbox.discard("dropped-while-reserving")
-        return reservation
+    async def reserve_then_dropped(request_id, layout, first_block: int, num_blocks: int):  # noqa: ANN001, ANN202
+        push = await open_push(request_id, layout, first_block, num_blocks)
+        reserved.append(push.reservation)
+        await _decode_stub(cluster).DropPush(worker_pb2.DropPushRequest(request_id=request_id), timeout=5)
+        return push
 
-    inbox.landing.reserve = reserve_then_dropped
+    inbox.landing.open = reserve_then_dropped
     prompt = random_prompts([70], seed=136)[0]
     request = generation_pb2.GenerateRequest(
         request_id="dropped-while-reserving", prompt_token_ids=prompt, sampling_params=PARAMS
     )
     # The refused push is pulled instead: the output is unchanged.
     assert _tokens(await cluster.generate(request)) == Oracle(llama_checkpoint).generate(prompt, MAX_TOKENS)
+    pushes = _pushes(cluster.decode)
     assert len(reserved) == 1 and reserved[0] is not None
-    assert (len(inbox), inbox.num_bytes, inbox.num_expired) == (0, 0, 0)
+    assert (len(pushes), pushes.num_bytes, pushes.num_expired) == (0, 0, 0)
     report = (await cluster.loads())[1]
     assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
     assert cluster.prefill.servicer.pusher.num_failed == 1
@@ -507,7 +516,7 @@ async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_used_or_dropp
     # attaches to it: nothing is pulled. Without one, the request pulls, and the complete push must
     # not sit in the inbox until expiry.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
-    inbox = cluster.decode.servicer.inbox
+    pushes = _pushes(cluster.decode)
     pusher = cluster.prefill.servicer.pusher
     finish = pusher.finish
 
@@ -528,8 +537,8 @@ async def test_a_push_confirmed_too_late_for_the_prefill_worker_is_used_or_dropp
     else:
         assert (report.kv_pushes, report.kv_transfers, report.kv_recomputes) == (0, 1, 0)
         assert early.num_started == 0
-    await wait_until(lambda: len(inbox) == 0, "the unclaimed push dropped", timeout_s=5.0)
-    assert (inbox.num_bytes, inbox.num_expired) == (0, 0)
+    await wait_until(lambda: len(pushes) == 0, "the unclaimed push dropped", timeout_s=5.0)
+    assert (pushes.num_bytes, pushes.num_expired) == (0, 0)
     await _assert_nothing_held(cluster)
 
 
@@ -560,12 +569,12 @@ def _decode_stub(cluster: InProcessCluster) -> worker_pb2_grpc.DecodeWorkerStub:
 async def test_a_request_started_on_its_push_ends_when_no_decode_claims_it(
     ending: str, llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    # The gateway never sends the Decode (it died, or the client left and it sent DropPush): the request
-    # the push started ends and its blocks are freed. The expiry lets go of the prefill worker's lease too;
-    # after a DropPush the gateway does (it may have sent the Decode to another worker, which pulls).
+    # The Decode never comes here (the gateway died, or sent it to another decode worker, which sent
+    # DropPush): the request the push started ends and its blocks are freed. The expiry lets go of the
+    # prefill worker's lease too; after a DropPush the decode worker serving the request does.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False))
     early = cluster.decode.servicer.early
-    early.ttl_s = 0.3 if ending == "expiry" else 600.0
+    early.timeout_s = 0.3 if ending == "expiry" else 600.0
     await _prefill_pushed(cluster, "unclaimed", random_prompts([70], seed=141)[0])
     assert early.num_started == 1
     if ending == "drop_push":
@@ -601,3 +610,85 @@ async def test_a_decode_that_differs_from_its_push_start_restarts_the_request_wi
     servicer = cluster.decode.servicer
     assert (servicer.kv_pushes, servicer.kv_transfers, servicer.kv_recomputes) == (1, 2, 0)
     await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+async def test_one_handoff_deadline_bounds_the_lease_the_pushed_kv_and_the_early_start(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(
+        llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False, kv_handoff_timeout_s=7.5)
+    )
+    assert cluster.prefill.runtime.engine.leases.timeout_s == 7.5
+    assert _pushes(cluster.decode).timeout_s == 7.5
+    assert cluster.decode.servicer.early.timeout_s == 7.5
+
+
+@pytest.mark.asyncio
+async def test_a_complete_push_whose_request_never_comes_is_dropped_at_the_handoff_deadline(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The push completes without a start (so nothing runs on it), and no Decode ever comes: the decode worker
+    # frees its blocks at the deadline, as the prefill worker frees its lease.
+    cluster = await start_inprocess_cluster(
+        llama_checkpoint, ClusterOptions(num_kv_blocks=256, gateway=False, kv_handoff_timeout_s=0.5)
+    )
+    pusher = cluster.prefill.servicer.pusher
+    finish = pusher.finish
+
+    async def finish_without_start(request_id: str, timeout_s: float, start: object = None) -> bool:
+        return await finish(request_id, timeout_s, None)
+
+    pusher.finish = finish_without_start
+    await _prefill_pushed(cluster, "never-decoded", random_prompts([70], seed=143)[0])
+    pushes = _pushes(cluster.decode)
+    await wait_until(lambda: len(pushes) == 0, "the unclaimed push dropped at the deadline")
+    assert (pushes.num_expired, pushes.num_bytes, cluster.decode.servicer.early.num_started) == (1, 0, 0)
+    await wait_until(lambda: cluster.prefill.runtime.engine.leases.num_expired == 1, "the lease expired")
+    await _assert_nothing_held(cluster)
+
+
+class _RecordingStub:
+    """A worker stub of the gateway's that records which RPCs the gateway calls on it."""
+
+    def __init__(self, stub: object, called: list[str]) -> None:
+        self._stub, self._called = stub, called
+
+    def __getattr__(self, name: str) -> object:
+        self._called.append(name)
+        return getattr(self._stub, name)
+
+
+@pytest.mark.asyncio
+async def test_the_gateway_routes_and_relays_and_never_manages_kv(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # A request that runs to its end, one the first token ends, and one cancelled mid-push: the workers
+    # release leases and drop pushes among themselves; the gateway prefills, decodes, polls loads and at
+    # most relays a client's end to a decode worker (Abort), never ReleaseKV or DropPush.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
+    assert cluster.gateway is not None and cluster.stub is not None
+    called: list[str] = []
+    for handle in cluster.gateway.pool.workers.values():
+        handle.stub = _RecordingStub(handle.stub, called)  # type: ignore[assignment]
+    oracle = Oracle(llama_checkpoint)
+    prompt = random_prompts([70], seed=144)[0]
+    assert _tokens(await cluster.generate(_request(prompt))) == oracle.generate(prompt, MAX_TOKENS)
+    first_token = oracle.generate(prompt, 1)[0]
+    ends_at_once = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[first_token])
+    responses = await cluster.generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                                     sampling_params=ends_at_once))
+    assert _tokens(responses) == [first_token]
+    engine = cluster.prefill.runtime.engine
+    hold = _HoldPrefillAtLayer(engine.kv_pusher.sink, layer=1)
+    engine.kv_pusher.sink = hold
+    call = cluster.stub.Generate(_request(random_prompts([200], seed=145)[0]), timeout=30)
+    try:
+        assert await asyncio.to_thread(hold.reached.wait, 30)
+        await _wait_for_push_started(cluster)
+        call.cancel()
+    finally:
+        hold.release.set()
+    assert await call.code() == grpc.StatusCode.CANCELLED
+    await _assert_nothing_held(cluster)
+    assert {"Prefill", "Decode"} <= set(called) <= {"Prefill", "Decode", "Load", "Abort"}

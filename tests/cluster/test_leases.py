@@ -29,7 +29,7 @@ async def _prefill_worker(
     start_inprocess_cluster: StartInProcessCluster, checkpoint: Path, lease_s: float
 ) -> tuple[PrefillServer, worker_pb2_grpc.PrefillWorkerStub]:
     """A prefill worker on its own: no decode worker will ever claim its handoffs."""
-    options = ClusterOptions(num_kv_blocks=NUM_BLOCKS, decode_workers=0, gateway=False, lease_s=lease_s)
+    options = ClusterOptions(num_kv_blocks=NUM_BLOCKS, decode_workers=0, gateway=False, kv_handoff_timeout_s=lease_s)
     cluster = await start_inprocess_cluster(checkpoint, options)
     return cluster.prefill, cluster.worker_stubs[0]  # type: ignore[return-value]
 
@@ -167,13 +167,14 @@ class _AnswerLostInFlight:
 async def test_client_cancel_while_the_prefill_answer_is_in_flight_still_releases_the_lease(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
 ) -> None:
-    cluster = await start_inprocess_cluster(llama_checkpoint)
+    # The worker grants a lease that no decode worker will claim, and no worker hears of the cancel (the
+    # gateway manages no KV): the handoff deadline frees it, here a short one.
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(kv_handoff_timeout_s=2.0))
     assert cluster.gateway is not None and cluster.stub is not None
     call = cluster.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling_params=PARAMS), timeout=30)
     (handle,) = [w for w in cluster.gateway.pool.workers.values() if w.role == "prefill"]
     handle.stub = _AnswerLostInFlight(handle.stub, on_answered=call.cancel)  # type: ignore[assignment]
     assert await call.code() == grpc.StatusCode.CANCELLED
-    # The worker granted a 30 s lease that no decode worker will claim: the gateway must release it.
     reports = await cluster.wait_idle()
     assert [r.num_free_blocks for r in reports] == [NUM_KV_BLOCKS, NUM_KV_BLOCKS]
     assert len(cluster.prefill.servicer.leases) == 0

@@ -17,7 +17,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, Parall
 from pdserve.engine.kv_handoff import KVFetch, KVHoldParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.sharded import FETCHER, RankFetchOptions
+from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 
@@ -70,15 +70,15 @@ def test_handoff_from_tp2_to_tp2_reshards_over_gpu_transports(checkpoint: Path, 
         receiver = make_receiver(transport, config)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
         prompt = random_prompts([21], seed=62)[0]
-        hold = KVHoldParams(transport=transport, address=sender.address, worker_id="p", epoch=1, lease_s=60.0)
+        hold = KVHoldParams(transport=transport, address=sender.address, worker_id="p", epoch=1)
         request_id = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), hold_kv=hold)
         held = None
         while held is None:
             held = next((o for o in prefill.step() if o.finished), None)
-        decode_id = decode.add_remote_request(request_id, prompt, params, held.kv_handoff)
-        (slot,) = decode.drain_kv_slots()
+        decode_id = decode.kv_connector.add_remote_request(request_id, prompt, params, held.kv_handoff)
+        (slot,) = decode.kv_connector.drain_kv_slots()
         blocks = sender.run(receiver.fetch(held.kv_handoff, slot.first_block, sender.stub, decode.local_kv_heads))
-        assert decode.receive_kv(decode_id, slot.first_block, KVFetch(held.kv_handoff, blocks, FETCHER, RankFetchOptions(config)))
+        assert decode.kv_connector.fill(decode_id, slot.first_block, KVFetch(held.kv_handoff, blocks, rank_fetcher(RankFetchOptions(config))))
         prefill.leases.release(request_id)
         tokens = None
         while decode.has_unfinished_requests():

@@ -187,13 +187,13 @@ def test_kv_import_copies_only_blocks_the_decoder_lacks(llama_checkpoint: Path) 
         decode.step()
     held = prefill_and_hold(prefill, prompt, GREEDY)
     assert held.kv_handoff is not None and len(held.kv_handoff.block_hashes) == 4
-    decode.add_remote_request("moved", prompt, GREEDY, held.kv_handoff)
-    (slot,) = decode.drain_kv_slots()
+    decode.kv_connector.add_remote_request("moved", prompt, GREEDY, held.kv_handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
     # Blocks are allocated before anything moves: the 4 cached ones are shared, only the partial fifth travels.
     assert slot.first_block == 4
     blocks = prefill.leases.export(held.request_id, slot.first_block)
     assert blocks.shape[2] == 1
-    assert decode.receive_kv("moved", slot.first_block, blocks) is not None
+    assert decode.kv_connector.fill("moved", slot.first_block, blocks) is not None
 
 
 def test_seeded_sampling_continues_the_same_stream_across_a_kv_handoff(llama_checkpoint: Path) -> None:

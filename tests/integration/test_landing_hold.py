@@ -3,10 +3,10 @@
 A prefill step's requests finish together; their pushes complete together and
 their starts reach the decode worker a few milliseconds apart. Without the hold
 the first start's step runs without the rest, and they wait a whole step more
-for their second tokens (``AsyncEngine._await_landed_pushes``). Real engines
+for their second tokens (``pdserve.engine.batch_window``). Real engines
 here: a prefill engine holds each prompt's KV, and the test lands it in the
 decode engine's reserved blocks layer by layer, as a decode worker's push inbox
-does.
+does (through the engine's KV connector).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import torch
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVReservation
+from pdserve.engine.batch_window import BatchWindow
+from pdserve.engine.kv_connector import PushedKV
+from pdserve.engine.kv_handoff import KVFetch, KVHandoff
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import prefill_and_hold
 from tests.support.step_log import StepLog
@@ -49,20 +51,20 @@ def _held(prefill: LLMEngine, prompt: list[int]) -> tuple[KVHandoff, torch.Tenso
 
 
 async def _land(async_engine: AsyncEngine, handoff: KVHandoff, blocks: torch.Tensor,
-                log: StepLog | None = None) -> tuple[KVReservation, int]:
+                log: StepLog | None = None) -> tuple[PushedKV, int]:
     """Reserve and write the whole push layer by layer, the last layer by a command of its own after the others;
-    the reservation, and how many steps ``log`` had seen when that last layer was written."""
-    reservation = await async_engine.call(lambda e: e.reserve_kv_blocks(handoff.layout, 0, blocks.shape[2]))
-    assert reservation is not None
+    the push, and how many steps ``log`` had seen when that last layer was written."""
+    push = await async_engine.call(
+        lambda e: e.kv_connector.open_push(handoff.request_id, handoff.layout, 0, blocks.shape[2]))
     last = blocks.shape[0] - 1
     for layer in range(last):
-        async_engine.submit(lambda e, layer=layer: e.write_reserved_kv(reservation, layer, 0, blocks[layer : layer + 1]))
+        async_engine.submit(lambda e, layer=layer: e.kv_connector.write_push(push, layer, 0, blocks[layer : layer + 1]))
 
     def write_last(engine: LLMEngine) -> int:
-        engine.write_reserved_kv(reservation, last, 0, blocks[last:])
+        engine.kv_connector.write_push(push, last, 0, blocks[last:])
         return len(log.steps) if log is not None else 0
 
-    return reservation, await async_engine.call(write_last)
+    return push, await async_engine.call(write_last)
 
 
 async def _never(first_block: int) -> torch.Tensor | KVFetch | None:
@@ -76,9 +78,9 @@ async def _tokens(stream) -> list[int]:  # noqa: ANN001
     return tokens
 
 
-def _import(async_engine: AsyncEngine, request_id: str, prompt: list[int], handoff: KVHandoff,
-            reservation: KVReservation) -> asyncio.Task[list[int]]:
-    stream = async_engine.import_request(request_id, prompt, GREEDY, handoff, _never, reservation)
+def _import(async_engine: AsyncEngine, request_id: str, prompt: list[int], handoff: KVHandoff) -> asyncio.Task[list[int]]:
+    """The request whose KV was pushed, adopting the push."""
+    stream = async_engine.import_request(request_id, prompt, GREEDY, handoff, _never, pushed=True)
     return asyncio.ensure_future(_tokens(stream))
 
 
@@ -87,14 +89,14 @@ async def _idle_engine_first_step(llama_checkpoint: Path, oracle: Oracle, **wind
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     (handoff_a, blocks_a), (handoff_b, blocks_b) = _held(prefill, PROMPTS[0]), _held(prefill, PROMPTS[1])
     log = StepLog(decode)
-    async_engine = AsyncEngine(decode, **window)
+    async_engine = AsyncEngine(decode, batch_window=BatchWindow(**window))
     async_engine.start()
     try:
-        reservation_a, _ = await _land(async_engine, handoff_a, blocks_a)
-        reservation_b, _ = await _land(async_engine, handoff_b, blocks_b)
-        a = _import(async_engine, "a", PROMPTS[0], handoff_a, reservation_a)
+        await _land(async_engine, handoff_a, blocks_a)
+        await _land(async_engine, handoff_b, blocks_b)
+        a = _import(async_engine, "a", PROMPTS[0], handoff_a)
         await asyncio.sleep(0.3)
-        b = _import(async_engine, "b", PROMPTS[1], handoff_b, reservation_b)
+        b = _import(async_engine, "b", PROMPTS[1], handoff_b)
         tokens = await asyncio.wait_for(asyncio.gather(a, b), timeout=60)
         assert await async_engine.call(lambda e: e.block_manager.num_used_blocks) == 0
     finally:
@@ -107,7 +109,7 @@ async def _idle_engine_first_step(llama_checkpoint: Path, oracle: Oracle, **wind
 async def test_an_idle_engine_holds_its_first_step_for_a_landed_push_whose_request_comes_later(
     llama_checkpoint: Path, oracle: Oracle
 ) -> None:
-    assert await _idle_engine_first_step(llama_checkpoint, oracle, batch_window_s=30.0) == ["a", "b"]
+    assert await _idle_engine_first_step(llama_checkpoint, oracle, window_s=30.0) == ["a", "b"]
 
 
 @pytest.mark.asyncio
@@ -126,7 +128,7 @@ async def _busy_engine_steps(llama_checkpoint: Path, oracle: Oracle, streams: in
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     handoff, blocks = _held(prefill, PROMPTS[1])
     log = StepLog(decode, sleep_s=STEP_S)
-    async_engine = AsyncEngine(decode, **window)
+    async_engine = AsyncEngine(decode, batch_window=BatchWindow(**window))
     async_engine.start()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
@@ -135,9 +137,9 @@ async def _busy_engine_steps(llama_checkpoint: Path, oracle: Oracle, streams: in
         # Their prompts' step has run: they decode from now on.
         firsts = [await anext(stream) for stream in running_streams]
         running = asyncio.gather(*(_tokens(stream) for stream in running_streams))
-        reservation, steps_at_landing = await _land(async_engine, handoff, blocks, log)
+        _, steps_at_landing = await _land(async_engine, handoff, blocks, log)
         await asyncio.sleep(start_delay_s)
-        pushed = await asyncio.wait_for(_import(async_engine, "pushed", PROMPTS[1], handoff, reservation), timeout=60)
+        pushed = await asyncio.wait_for(_import(async_engine, "pushed", PROMPTS[1], handoff), timeout=60)
         running_tokens = await asyncio.wait_for(running, timeout=60)
         assert await async_engine.call(lambda e: e.block_manager.num_used_blocks) == 0
     finally:
@@ -154,7 +156,7 @@ async def test_a_busy_engine_holds_the_next_step_for_a_landed_push_whose_request
 ) -> None:
     # One stream running, one request on its way: the hold may last a step (0.6 s). The start comes 0.3 s
     # after the landing, within it, and the very next step gives the pushed request its second token.
-    steps_at_landing, first = await _busy_engine_steps(llama_checkpoint, oracle, 1, 0.3, batch_window_s=30.0)
+    steps_at_landing, first = await _busy_engine_steps(llama_checkpoint, oracle, 1, 0.3, window_s=30.0)
     assert first == steps_at_landing
 
 
@@ -170,14 +172,14 @@ async def test_without_a_window_a_busy_engine_steps_on_and_the_pushed_request_wa
 async def test_the_hold_shrinks_with_the_streams_it_holds_up(llama_checkpoint: Path, oracle: Oracle) -> None:
     # Three streams for one request on its way: a third of a step (0.2 s). The start comes 0.3 s after the
     # landing, past it: the engine stepped on, and the pushed request joins the step after.
-    steps_at_landing, first = await _busy_engine_steps(llama_checkpoint, oracle, 3, 0.3, batch_window_s=30.0)
+    steps_at_landing, first = await _busy_engine_steps(llama_checkpoint, oracle, 3, 0.3, window_s=30.0)
     assert first == steps_at_landing + 1
 
 
 @pytest.mark.asyncio
 async def test_the_hold_never_outlasts_the_window(llama_checkpoint: Path, oracle: Oracle) -> None:
     # A step's worth would be 0.6 s; the window is 0.1 s.
-    steps_at_landing, first = await _busy_engine_steps(llama_checkpoint, oracle, 1, 0.3, batch_window_s=0.1)
+    steps_at_landing, first = await _busy_engine_steps(llama_checkpoint, oracle, 1, 0.3, window_s=0.1)
     assert first == steps_at_landing + 1
 
 
@@ -187,18 +189,19 @@ async def test_a_landed_push_whose_request_never_comes_holds_nothing_for_good(
 ) -> None:
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     (handoff, blocks), (orphan_handoff, orphan_blocks) = _held(prefill, PROMPTS[0]), _held(prefill, PROMPTS[2])
-    async_engine = AsyncEngine(decode, batch_window_s=0.5)
+    async_engine = AsyncEngine(decode, batch_window=BatchWindow(0.5))
     async_engine.start()
     try:
         orphan, _ = await _land(async_engine, orphan_handoff, orphan_blocks)
-        reservation, _ = await _land(async_engine, handoff, blocks)
+        await _land(async_engine, handoff, blocks)
         # The request steps once the orphan's hold is over (it landed over half a second ago by then).
-        tokens = await asyncio.wait_for(_import(async_engine, "a", PROMPTS[0], handoff, reservation), timeout=30)
+        tokens = await asyncio.wait_for(_import(async_engine, "a", PROMPTS[0], handoff), timeout=30)
         assert tokens == oracle.generate(PROMPTS[0], MAX_TOKENS)
-        # Still reserved until its push's time to live frees it (the decode service's inbox does that).
-        assert await async_engine.call(lambda e: e.pushes_landed_since(0.0)) == 1
-        await async_engine.call(lambda e: e.free_kv_reservation(orphan))
-        assert await async_engine.call(lambda e: (e.pushes_landed_since(0.0), e.block_manager.num_used_blocks)) == (0, 0)
+        # Still reserved until the handoff deadline drops it (or its request's worker drops it).
+        assert await async_engine.call(lambda e: e.kv_connector.pushes_landed_since(0.0)) == 1
+        await async_engine.call(lambda e: e.kv_connector.drop_push(orphan.request_id))
+        assert await async_engine.call(
+            lambda e: (e.kv_connector.pushes_landed_since(0.0), e.block_manager.num_used_blocks)) == (0, 0)
     finally:
         await async_engine.stop()
 
@@ -209,20 +212,20 @@ def test_a_push_counts_as_landed_from_its_last_pieces_last_layer_until_a_request
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     handoff, blocks = _held(prefill, PROMPTS[0])  # 3 blocks
     last = blocks.shape[0] - 1
-    reservation = decode.reserve_kv_blocks(handoff.layout, 0, 3)
-    assert reservation is not None
+    connector = decode.kv_connector
+    push = connector.open_push(handoff.request_id, handoff.layout, 0, 3)
     # An earlier chunk's piece (blocks 0-1), every layer of it: the prompt goes on, nothing has landed.
     for layer in range(last + 1):
-        decode.write_reserved_kv(reservation, layer, 0, blocks[layer : layer + 1, :, :2])
+        connector.write_push(push, layer, 0, blocks[layer : layer + 1, :, :2])
     # The piece that ends the prompt, all but its last layer.
     for layer in range(last):
-        decode.write_reserved_kv(reservation, layer, 0, blocks[layer : layer + 1])
-    assert decode.pushes_landed_since(0.0) == 0
+        connector.write_push(push, layer, 0, blocks[layer : layer + 1])
+    assert connector.pushes_landed_since(0.0) == 0
     before = time.monotonic()
-    decode.write_reserved_kv(reservation, last, 0, blocks[last:])
-    assert decode.pushes_landed_since(before) == 1
-    assert decode.pushes_landed_since(time.monotonic() + 1.0) == 0  # landed before that: no longer counted
-    decode.add_remote_request("a", PROMPTS[0], GREEDY, handoff, reservation)
-    assert decode.pushes_landed_since(0.0) == 0
+    connector.write_push(push, last, 0, blocks[last:])
+    assert connector.pushes_landed_since(before) == 1
+    assert connector.pushes_landed_since(time.monotonic() + 1.0) == 0  # landed before that: no longer counted
+    connector.add_remote_request("a", PROMPTS[0], GREEDY, handoff, pushed=True)
+    assert connector.pushes_landed_since(0.0) == 0
     decode.abort_request("a")
     assert decode.block_manager.num_used_blocks == 0

@@ -39,8 +39,8 @@ def test_abort_while_waiting_for_remote_kv_frees_its_blocks(llama_checkpoint: Pa
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     held = prefill_and_hold(prefill, PROMPT, GREEDY)
     assert held.kv_handoff is not None
-    decode.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
-    assert decode.drain_kv_slots() == [KVSlot("r", 0)]
+    decode.kv_connector.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
+    assert decode.kv_connector.drain_kv_slots() == [KVSlot("r", 0)]
     assert decode.block_manager.num_used_blocks == 3
     # Not schedulable until its KV lands: a step does nothing, and nothing is left to step.
     assert not decode.has_work() and decode.step() == []
@@ -55,12 +55,12 @@ def test_kv_that_lands_after_an_abort_is_dropped(llama_checkpoint: Path) -> None
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     held = prefill_and_hold(prefill, PROMPT, GREEDY)
     assert held.kv_handoff is not None
-    decode.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
-    (slot,) = decode.drain_kv_slots()
+    decode.kv_connector.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
     blocks = prefill.leases.export(held.request_id, slot.first_block)
     decode.abort_request("r")
-    assert decode.receive_kv("r", slot.first_block, blocks) is None
-    assert decode.recompute_remote("r") is None
+    assert decode.kv_connector.fill("r", slot.first_block, blocks) is None
+    assert decode.kv_connector.scheduler.recompute("r") is None
     assert decode.block_manager.num_used_blocks == 0 and decode.block_manager.num_cached_blocks == 0
     assert not decode.has_unfinished_requests() and decode.step() == []
 
@@ -157,10 +157,10 @@ def test_a_remote_request_whose_blocks_are_all_here_lands_as_they_are_allocated(
     assert handoff_tokens(prefill, decode, [prompt], GREEDY) == {"req-0": oracle_llama.generate(prompt, MAX_TOKENS)}
     held = prefill_and_hold(prefill, prompt, GREEDY)
     assert held.kv_handoff is not None
-    decode.add_remote_request("again", prompt, GREEDY, held.kv_handoff)
-    (slot,) = decode.drain_kv_slots()
+    decode.kv_connector.add_remote_request("again", prompt, GREEDY, held.kv_handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
     assert slot == KVSlot("again", 2)  # both blocks found in the decode engine's prefix cache: nothing to copy
-    landed = decode.land_present_kv(slot)
+    landed = decode.kv_connector.join_if_present(slot)
     assert landed is not None and landed.token_ids == held.token_ids and not landed.finished
     # Running already: the next step decodes its second token.
     (stepped,) = decode.step()
@@ -173,13 +173,13 @@ def test_a_remote_request_with_blocks_to_fill_does_not_land_without_its_kv(llama
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     held = prefill_and_hold(prefill, PROMPT, GREEDY)
     assert held.kv_handoff is not None
-    decode.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
-    (slot,) = decode.drain_kv_slots()
+    decode.kv_connector.add_remote_request("r", PROMPT, GREEDY, held.kv_handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
     assert slot == KVSlot("r", 0)
-    assert decode.land_present_kv(slot) is None
+    assert decode.kv_connector.join_if_present(slot) is None
     assert list(decode.scheduler.receiving) == ["r"] and decode.step() == []
     decode.abort_request("r")
-    assert decode.land_present_kv(slot) is None  # no longer waiting: nothing to land
+    assert decode.kv_connector.join_if_present(slot) is None  # no longer waiting: nothing to land
     assert decode.block_manager.num_used_blocks == 0
 
 

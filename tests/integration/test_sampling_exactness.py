@@ -280,9 +280,9 @@ def test_continued_requests_do_not_compute_prompt_logprobs_again(llama_checkpoin
         first_token_id=expected[0], transport="grpc", address="127.0.0.1:1", lease_deadline_ms=0,
         worker_id="prefill-test", epoch=1,
     )
-    engine.add_remote_request("resumed", prompt, params, handoff)
-    assert [slot.first_block for slot in engine.drain_kv_slots()] == [0]
-    first = engine.recompute_remote("resumed")
+    engine.kv_connector.add_remote_request("resumed", prompt, params, handoff)
+    assert [slot.first_block for slot in engine.kv_connector.drain_kv_slots()] == [0]
+    first = engine.kv_connector.scheduler.recompute("resumed")
     assert first is not None and first.token_ids == expected[:1]
     outputs = [first]
     while engine.has_unfinished_requests():

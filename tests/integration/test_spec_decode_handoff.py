@@ -63,19 +63,19 @@ def _hand_over_with_draft(prefill: LLMEngine, decode: LLMEngine, prompt: list[in
     held = prefill_and_hold(prefill, prompt, GREEDY)
     handoff = held.kv_handoff
     assert handoff is not None
-    request_id = decode.add_remote_request(held.request_id, prompt, GREEDY, handoff)
-    (slot,) = decode.drain_kv_slots()
-    used_draft = decode.accepts_draft_kv(handoff)
+    request_id = decode.kv_connector.add_remote_request(held.request_id, prompt, GREEDY, handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
+    used_draft = decode.kv_connector.accepts_draft_kv(handoff)
     if used_draft:
         section = handoff.draft_section()
         assert section is not None and section.request_id == request_id + DRAFT_SECTION_SUFFIX
         assert prefill.leases.num_layers_of(section.request_id) == section.layout.num_layers
         draft_blocks = prefill.leases.export(section.request_id, 0)
         assert tuple(draft_blocks.shape) == section.layout.tensor_shape(handoff.num_blocks)
-        assert decode.receive_draft_kv(request_id, draft_blocks)
+        assert decode.kv_connector.fill_draft(request_id, draft_blocks)
     blocks = prefill.leases.export(request_id, slot.first_block)
     assert prefill.leases.release(request_id)
-    assert decode.receive_kv(request_id, slot.first_block, blocks) is not None
+    assert decode.kv_connector.fill(request_id, slot.first_block, blocks) is not None
     return request_id, used_draft
 
 
@@ -97,7 +97,7 @@ def test_draft_kv_built_on_the_prefill_engine_is_used_not_recomputed(
         assert used_draft
         assert decode._requests[request_id].num_draft_computed_tokens == len(prompt)
         ids.append(request_id)
-    assert decode.drain_kv_slots() == []
+    assert decode.kv_connector.drain_kv_slots() == []
     tokens = finished_outputs(decode)
     assert [tokens[i] for i in ids] == [oracle.generate(p, MAX_TOKENS) for p in prompts]
     # The decode engine's draft never ran over a prompt: no forward of it starts before the first token.

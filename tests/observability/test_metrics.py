@@ -203,3 +203,31 @@ def test_worker_metrics_show_the_openmp_spin_governor() -> None:
     # Without a governor (--openmp-spin libgomp, PASSIVE, one thread) there is nothing to show.
     text = generate_latest(WorkerMetrics(lambda: stats).registry).decode()
     assert "pdserve_openmp" not in text
+
+
+def test_what_handoffs_held_past_the_one_deadline_is_one_counter_by_holder() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.service_common.metrics import WorkerMetrics
+
+    stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,
+                        num_held=0, num_preemptions=0, num_expired_leases=2, num_expired_pushes=3)
+
+    def scrape(metrics: WorkerMetrics) -> dict:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    metrics = WorkerMetrics(lambda: stats, handoff_timeout_s=7.5)
+    samples = scrape(metrics)
+    expired = {holder: samples[("pdserve_kv_handoff_expired_total", frozenset({("held", holder)}))]
+               for holder in ("prefill_lease", "pushed_kv", "early_start")}
+    assert expired == {"prefill_lease": 2.0, "pushed_kv": 3.0, "early_start": 0.0}
+    assert _value(samples, "pdserve_kv_handoff_timeout_seconds") == 7.5
+    # A decode worker's early starts that no Decode claimed count in the same counter.
+    metrics.watch_early_starts(SimpleNamespace(num_started=4, num_claimed=2, num_ended=2, num_expired=1))
+    samples = scrape(metrics)
+    assert samples[("pdserve_kv_handoff_expired_total", frozenset({("held", "early_start")}))] == 1.0

@@ -57,13 +57,13 @@ async def test_decode_worker_follower_ranks_fetch_over_the_workers_mutual_tls(
     cluster = await start_inprocess_cluster(checkpoint, options)
     engine = cluster.decode.runtime.engine
     recomputed: list[str] = []
-    recompute = engine.recompute_remote
+    recompute = engine.kv_connector.scheduler.recompute
 
     def record_recompute(request_id: str):  # noqa: ANN202
         recomputed.append(request_id)  # a follower rank's fetch failed (the load report does not count it)
         return recompute(request_id)
 
-    engine.recompute_remote = record_recompute  # type: ignore[method-assign]
+    engine.kv_connector.scheduler.recompute = record_recompute  # type: ignore[method-assign]
     reference = Reference(checkpoint)
     params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     (prompt,) = random_prompts([15], seed=31)

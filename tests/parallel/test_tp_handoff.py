@@ -27,7 +27,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.sender import KVSenderServicer
-from pdserve.kv_transfer.sharded import FETCHER, RankFetchOptions
+from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from pdserve.protos.pdserve.v1.internal import worker_pb2_grpc
 from pdserve.service_common.security import TlsConfig, open_channel, server_credentials
 from tests.conftest import random_prompts
@@ -127,7 +127,7 @@ def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[
 def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prompt: list[int],
                params: SamplingParams, transport: str, options: RankFetchOptions | None = None) -> str:
     """Hand ``prompt`` from ``prefill`` to ``decode``; the follower ranks fetch with ``options``."""
-    hold = KVHoldParams(transport=transport, address=sender.address, worker_id="prefill-tp", epoch=1, lease_s=60.0)
+    hold = KVHoldParams(transport=transport, address=sender.address, worker_id="prefill-tp", epoch=1)
     request_id = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), hold_kv=hold)
     held = None
     while held is None:
@@ -135,15 +135,15 @@ def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prom
     handoff = held.kv_handoff
     assert handoff is not None and handoff.tensor_parallel_size == prefill.tensor_parallel_size
     assert handoff.layout.num_kv_heads == 6
-    decode_id = decode.add_remote_request(request_id, prompt, params, handoff)
-    (slot,) = decode.drain_kv_slots()
+    decode_id = decode.kv_connector.add_remote_request(request_id, prompt, params, handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
     heads = decode.local_kv_heads if decode.tensor_parallel_size > 1 else None
     # Rank 0's heads only (all of them at D=1); the other ranks fetch theirs as the KV lands.
     blocks = sender.run(sender.receivers[transport].fetch(handoff, slot.first_block, sender.stub, heads))
     assert blocks.shape[4] == (6 if heads is None else len(heads))
-    landed = decode.receive_kv(
+    landed = decode.kv_connector.fill(
         decode_id, slot.first_block,
-        blocks if heads is None else KVFetch(handoff, blocks, FETCHER, options or RankFetchOptions()),
+        blocks if heads is None else KVFetch(handoff, blocks, rank_fetcher(options or RankFetchOptions())),
     )
     assert landed is not None and landed.token_ids == [handoff.first_token_id]
     assert prefill.leases.release(request_id)
@@ -159,7 +159,7 @@ def test_handoff_reshards_kv_between_tensor_parallel_sizes_over_every_cpu_transp
     def recompute(request_id: str) -> None:
         pytest.fail(f"a rank could not fetch its KV heads of {request_id}: recomputed instead")
 
-    decode.recompute_remote = recompute  # type: ignore[method-assign]
+    decode.kv_connector.scheduler.recompute = recompute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     prompts = random_prompts([7, 13, 18], seed=prefill.tensor_parallel_size * 10 + decode.tensor_parallel_size)
     jobs = {}
@@ -184,13 +184,13 @@ def test_follower_ranks_fetch_their_kv_heads_over_mutual_tls_and_never_in_plaint
 ) -> None:
     prefill, decode, plaintext_sender = engines
     recomputed: list[str] = []
-    recompute = decode.recompute_remote
+    recompute = decode.kv_connector.scheduler.recompute
 
     def record_recompute(request_id: str):  # noqa: ANN202
         recomputed.append(request_id)
         return recompute(request_id)
 
-    decode.recompute_remote = record_recompute  # type: ignore[method-assign]
+    decode.kv_connector.scheduler.recompute = record_recompute  # type: ignore[method-assign]
     client_tls = pki.client(with_cert=True)
     # The prefill worker accepts only mutual-TLS callers: a follower rank's plaintext channel is refused.
     tls_sender = SenderServer(prefill, tls=pki.server(require_client_cert=True), client_tls=client_tls)

@@ -55,13 +55,15 @@ def tiny_engine(
     speculative_config: SpeculativeConfig | None = None,
     handoff_draft_kv: bool = False,
     tensor_parallel_size: int = 1,
+    kv_handoff_timeout_s: float = 30.0,
 ) -> LLMEngine:
     """A float32 engine over ``checkpoint`` with a pool of ``num_kv_blocks`` KV blocks."""
     model = ModelConfig(model=str(checkpoint), dtype="float32")
     return LLMEngine(
         EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config,
                      handoff_draft_kv=handoff_draft_kv,
-                     parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+                     parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+                     kv_handoff_timeout_s=kv_handoff_timeout_s)
     )
 
 
@@ -80,7 +82,8 @@ class ClusterOptions:
     # channel to the gateway; None: plaintext.
     client_tls: TlsConfig | None = None
     redis: bool = False  # True: the real Redis under a fresh key prefix, whose keys are deleted on stop
-    lease_s: float = 30.0  # prefill workers' KV leases
+    # Every worker's handoff deadline: prefill leases, unclaimed pushes and early starts.
+    kv_handoff_timeout_s: float = 30.0
     kv_failure_policy: str = "recompute"  # decode workers
     kv_transport: str = "grpc"  # what the gateway asks the workers to use
     max_queued_requests: int | None = None  # workers' admission limits; None: WorkerConfig's defaults
@@ -152,7 +155,7 @@ class InProcessCluster:
         options = self.options
         for index in range(options.prefill_workers):
             server = PrefillServer(self._engine(), options.worker_server, self._worker_config("prefill", f"p{index}"),
-                                   lease_s=options.lease_s, metrics_port=self._metrics_port())
+                                   metrics_port=self._metrics_port())
             self.prefill_addresses.append(await self._start(server))
             self.prefills.append(server)
         for index in range(options.decode_workers):
@@ -164,7 +167,7 @@ class InProcessCluster:
         for index in range(options.colocated_workers):
             server = ColocatedServer(
                 self._engine(decodes=True), options.worker_server, self._worker_config("colocated", f"c{index}"),
-                lease_s=options.lease_s, kv_failure_policy=options.kv_failure_policy, client_tls=options.client_tls,
+                kv_failure_policy=options.kv_failure_policy, client_tls=options.client_tls,
                 metrics_port=self._metrics_port(),
             )
             self.colocated_addresses.append(await self._start(server))
@@ -207,12 +210,13 @@ class InProcessCluster:
         return await wait_until(self.loads, "every worker to be idle with every block free", timeout_s, until=_all_idle)
 
     def _engine(self, decodes: bool = False) -> LLMEngine:
+        timeout_s = self.options.kv_handoff_timeout_s
         if decodes:
             return tiny_engine(self.checkpoint, self.options.num_kv_blocks, self.options.speculative_config,
-                               tensor_parallel_size=self.options.decode_tp)
+                               tensor_parallel_size=self.options.decode_tp, kv_handoff_timeout_s=timeout_s)
         spec = self.options.prefill_speculative_config
         return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec, handoff_draft_kv=spec is not None,
-                           tensor_parallel_size=self.options.prefill_tp)
+                           tensor_parallel_size=self.options.prefill_tp, kv_handoff_timeout_s=timeout_s)
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         limits = {

@@ -8,7 +8,7 @@ from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pdserve.engine.kv_handoff import KVHoldParams
 
 # Where the held KV would be fetched from; nothing dials it in-process.
-HOLD = KVHoldParams(transport="grpc", address="127.0.0.1:1", worker_id="prefill-test", epoch=1, lease_s=60.0)
+HOLD = KVHoldParams(transport="grpc", address="127.0.0.1:1", worker_id="prefill-test", epoch=1)
 
 
 def prefill_and_hold(prefill: LLMEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
@@ -36,12 +36,12 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: 
     """Prefill ``prompt``, move its KV to ``decode`` (only the blocks it lacks) and end the lease; the state at landing."""
     held = prefill_and_hold(prefill, prompt, params)
     assert held.kv_handoff is not None
-    request_id = decode.add_remote_request(held.request_id, prompt, params, held.kv_handoff)
-    (slot,) = decode.drain_kv_slots()
+    request_id = decode.kv_connector.add_remote_request(held.request_id, prompt, params, held.kv_handoff)
+    (slot,) = decode.kv_connector.drain_kv_slots()
     assert slot.request_id == request_id
     blocks = prefill.leases.export(request_id, slot.first_block)
     assert prefill.leases.release(request_id)
-    landed = decode.receive_kv(request_id, slot.first_block, blocks)
+    landed = decode.kv_connector.fill(request_id, slot.first_block, blocks)
     assert landed is not None
     return landed
 

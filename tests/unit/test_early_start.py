@@ -76,7 +76,7 @@ def _decode(**changes: object) -> worker_pb2.DecodeRequest:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("landed", [False, True])
 async def test_a_matching_decode_claims_the_running_request_once(landed: bool) -> None:
-    starts = EarlyStarts(ttl_s=60.0)
+    starts = EarlyStarts(timeout_s=60.0)
     request, early = await _started(landed)
     starts.add("r", early)
     assert "r" in starts
@@ -97,7 +97,7 @@ async def test_a_matching_decode_claims_the_running_request_once(landed: bool) -
     {"handoff": worker_pb2.KVHandoff(request_id="r", num_tokens=3, epoch=2)},
 ])
 async def test_a_decode_that_differs_ends_the_request_before_it_is_served(change: dict, landed: bool) -> None:
-    starts = EarlyStarts(ttl_s=60.0)
+    starts = EarlyStarts(timeout_s=60.0)
     request, early = await _started(landed)
     starts.add("r", early)
     assert await starts.claim(_decode(**change)) is None
@@ -111,7 +111,7 @@ async def test_a_decode_that_differs_ends_the_request_before_it_is_served(change
 @pytest.mark.parametrize("landed", [False, True])
 @pytest.mark.parametrize("ending", ["drop", "expiry", "close"])
 async def test_drop_expiry_and_close_end_the_request_and_close_its_stream(ending: str, landed: bool) -> None:
-    starts = EarlyStarts(ttl_s=0.05 if ending == "expiry" else 60.0)
+    starts = EarlyStarts(timeout_s=0.05 if ending == "expiry" else 60.0)
     request, early = await _started(landed)
     starts.add("r", early)
     if ending == "drop":
@@ -131,7 +131,7 @@ async def test_drop_expiry_and_close_end_the_request_and_close_its_stream(ending
 async def test_an_engine_that_died_meanwhile_does_not_fail_the_ending() -> None:
     # The engine's abort finds it dead: its requests went with it, and the ending completes quietly
     # (a claim that ends a differing request raises nothing of it into the Decode).
-    starts = EarlyStarts(ttl_s=60.0)
+    starts = EarlyStarts(timeout_s=60.0)
     request, early = await _started(landed=True)
 
     async def engine_dead() -> None:
@@ -144,5 +144,5 @@ async def test_an_engine_that_died_meanwhile_does_not_fail_the_ending() -> None:
 
 
 def test_the_time_to_live_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="ttl_s must be positive"):
-        EarlyStarts(ttl_s=0)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        EarlyStarts(timeout_s=0)

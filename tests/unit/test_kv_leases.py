@@ -46,7 +46,7 @@ def table() -> tuple[LeaseTable, BlockManager, KVCache, _Clock, list[str]]:
     manager = BlockManager(NUM_BLOCKS, BS)
     cache = KVCache(1, NUM_BLOCKS, BS, 1, 2, torch.float32, torch.device("cpu"))
     clock, ended = _Clock(), []
-    leases = LeaseTable(manager, cache, clock)
+    leases = LeaseTable(manager, cache, 1.0, clock)  # every lease: 1 s
     leases.on_end = ended.append
     return leases, manager, cache, clock, ended
 
@@ -54,7 +54,7 @@ def table() -> tuple[LeaseTable, BlockManager, KVCache, _Clock, list[str]]:
 def test_held_blocks_export_from_any_first_block_until_released(table) -> None:  # noqa: ANN001
     leases, manager, cache, _, ended = table
     seq, handoff = _held(manager, cache, "a", 10)  # blocks 0, 1, 2
-    leases.grant(seq, handoff, lease_s=30.0)
+    leases.grant(seq, handoff)
     assert "a" in leases and len(leases) == 1 and manager.num_free_blocks == NUM_BLOCKS - 3
     assert leases.export("a", 1)[0, 0, :, 0, 0, 0].tolist() == [1.0, 2.0]
     assert leases.export("a", 3).shape == (1, 2, 0, BS, 1, 2)
@@ -71,10 +71,10 @@ def test_held_blocks_export_from_any_first_block_until_released(table) -> None: 
 def test_leases_expire_at_their_deadline_and_free_the_blocks(table) -> None:  # noqa: ANN001
     leases, manager, cache, clock, ended = table
     seq_a, handoff_a = _held(manager, cache, "a", 5)
-    leases.grant(seq_a, handoff_a, lease_s=1.0)
+    leases.grant(seq_a, handoff_a)
     clock.now += 0.5
     seq_b, handoff_b = _held(manager, cache, "b", 5)
-    leases.grant(seq_b, handoff_b, lease_s=1.0)
+    leases.grant(seq_b, handoff_b)
     assert leases.expire() == [] and manager.num_free_blocks == NUM_BLOCKS - 4
     clock.now += 0.5
     assert leases.expire() == ["a"]
@@ -87,7 +87,7 @@ def test_leases_expire_at_their_deadline_and_free_the_blocks(table) -> None:  # 
 def test_release_all_frees_every_held_request(table) -> None:  # noqa: ANN001
     leases, manager, cache, _, ended = table
     for request_id in ("a", "b"):
-        leases.grant(*_held(manager, cache, request_id, 6), lease_s=30.0)
+        leases.grant(*_held(manager, cache, request_id, 6))
     leases.release_all()
     assert len(leases) == 0 and ended == ["a", "b"] and manager.num_free_blocks == NUM_BLOCKS
     assert leases.num_expired == 0

@@ -13,11 +13,10 @@ one did not, the request is recomputed instead.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import pickle
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -111,17 +110,13 @@ def follower_export(follower: _Follower, header: torch.Tensor) -> None:
 # ---- import: every rank fetches its own heads ---------------------------------------------------
 
 
-def load_fetcher(path: str) -> Callable[..., torch.Tensor]:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def import_on_ranks(
     workers: TensorParallelWorkers, local: KVCache, fetch: KVFetch, first_block: int, block_ids: Sequence[int]
 ) -> bool:
     """Land ``fetch`` on every rank (rank 0 from ``fetch.local_blocks``); True when every rank has its heads."""
-    # The descriptor and fetcher name are small and cross once per request: pickled, not worth a codec.
-    message = pickle.dumps((fetch.handoff, fetch.fetcher, fetch.options, first_block, list(block_ids)))
+    # The descriptor and the fetcher (a module-level function, pickled by reference) are small and cross once
+    # per request: pickled, not worth a codec.
+    message = pickle.dumps((fetch.handoff, fetch.fetcher, first_block, list(block_ids)))
     payload = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     with workers.lock:
         workers.command([Command.IMPORT, payload.numel()])
@@ -147,11 +142,11 @@ def follower_import(follower: _Follower, header: torch.Tensor) -> None:
     payload = torch.empty(int(header[1]), dtype=torch.uint8)
     group.broadcast(payload)
     handoff: KVHandoff
-    handoff, fetcher, options, first_block, block_ids = pickle.loads(payload.numpy().tobytes())
+    handoff, fetcher, first_block, block_ids = pickle.loads(payload.numpy().tobytes())
     failed = 0
     try:
         if block_ids:
-            blocks = load_fetcher(fetcher)(handoff, first_block, follower.kv_heads, options)
+            blocks = fetcher(handoff, first_block, follower.kv_heads)
             follower.runner.kv_cache.import_blocks(block_ids, blocks)
     except Exception:  # noqa: BLE001 - reported through the all-reduce; rank 0 recomputes the request
         logger.warning("rank %d could not fetch its KV heads of %s", follower.rank, handoff.request_id, exc_info=True)

@@ -159,29 +159,49 @@ class DropPushResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id", "handoff")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    handoff: KVHandoff
+    def __init__(self, request_id: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed", "pushed_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_TO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     handoff: KVHandoff
     kv_pushed: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ...) -> None: ...
+    pushed_to: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ..., pushed_to: _Optional[str] = ...) -> None: ...
 
 class KVPushMessage(_message.Message):
-    __slots__ = ("header", "piece", "start")
+    __slots__ = ("header", "piece", "start", "abandon")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
     header: KVPushHeader
     piece: KVPushPiece
     start: KVPushStart
-    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., piece: _Optional[_Union[KVPushPiece, _Mapping]] = ..., start: _Optional[_Union[KVPushStart, _Mapping]] = ...) -> None: ...
+    abandon: KVPushAbandon
+    def __init__(self, header: _Optional[_Union[KVPushHeader, _Mapping]] = ..., piece: _Optional[_Union[KVPushPiece, _Mapping]] = ..., start: _Optional[_Union[KVPushStart, _Mapping]] = ..., abandon: _Optional[_Union[KVPushAbandon, _Mapping]] = ...) -> None: ...
+
+class KVPushAbandon(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class KVPushStart(_message.Message):
     __slots__ = ("prompt_token_ids", "sampling_params", "handoff")

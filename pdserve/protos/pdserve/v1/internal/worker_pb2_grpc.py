@@ -308,6 +308,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.v1.internal.DecodeWorker/Abort',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/pdserve.v1.internal.DecodeWorker/Load',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.SerializeToString,
@@ -340,9 +345,22 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DropPush(self, request, context):
-        """Drops the KV pushed here for a request whose Decode will not come (the
-        client cancelled, the first token ended it, or another decode worker took
-        it), freeing its blocks now rather than when the unclaimed push expires.
+        """Drops the KV pushed here for a request whose Decode will not come here
+        (the gateway sent it to another decode worker, which asks), and ends the
+        request the push started, freeing its blocks now rather than at the
+        handoff deadline. A push of it that opens later is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Ends a handed-off request whose Decode may not have reached this worker:
+        the gateway relays its client's cancel (or passed deadline) when the
+        Decode it sent here ended before any token came back. This worker ends
+        the request if it runs here (an early start), drops what was pushed for
+        it, and releases the prefill worker's lease the handoff names. Harmless
+        when the Decode did arrive: that one's own end does the same.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -372,6 +390,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.DropPush,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -461,6 +484,33 @@ class DecodeWorker:
             '/pdserve.v1.internal.DecodeWorker/DropPush',
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.DropPushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.internal.DecodeWorker/Abort',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.AbortRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
