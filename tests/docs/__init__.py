@@ -1,0 +1,1 @@
+"""The user's guide: the MkDocs site builds cleanly, the README and BENCHMARKS.md stay short, no dated provenance."""
