@@ -24,7 +24,7 @@ from benchmarks.accuracy_text import load_token_ids
 from benchmarks.precision import REFERENCE, PrecisionSetting, Unsupported, failure_line, parse_settings, with_llm
 
 # Perplexity may rise at most this much over its reference (float32, or for an int8 KV
-# cache the same weights with the KV in the model's dtype): the targets.
+# cache the same weights with the KV in the model's dtype): the targets.
 PERPLEXITY_TARGETS = {"bfloat16": 0.01, "float16": 0.01, "int8": 0.01, "int4": 0.05}
 KV_INT8_TARGET = 0.005
 BLOCK_SIZE = 16  # the engine's default

@@ -8,7 +8,7 @@ Both kernels attend the same decode step, alternating in one process: batch 32 a
 context of the offline workload mid-run (190 tokens), SmolLM2-135M's shape (30 layers, 9 query
 heads over 3 KV heads of 64), per KV dtype; minimum and median milliseconds of a whole step
 (every layer). Queries are float32 over a float32 cache and bfloat16 over the compact ones, as
-in a float32 and a bf16 model. Written for issue 11, to measure the rewrite against the kernel it replaced.
+in a float32 and a bf16 model. It measures the rewrite against the kernel it replaced.
 """
 
 from __future__ import annotations

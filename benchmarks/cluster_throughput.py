@@ -16,7 +16,7 @@ ran; ``--no-kv-push``: fetching it after the first token). Greedy, float32, EOS 
 with the in-process ones. Per round it also gives the CPU seconds each side used: the
 in-process engine's, and each cluster process's over the burst.
 
-The handoff under this load (issue 13): a workload like it (other prompts, so
+The handoff under this load: a workload like it (other prompts, so
 nothing is cached) is then sent, and ``--probes`` requests of ``--probe-len`` random tokens go in while it runs,
 one every ``--probe-interval-s``. For them: the first-to-second token gap, the
 ITL (mean gap between later tokens), their ratio, and the handoff's cost as the

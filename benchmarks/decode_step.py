@@ -15,7 +15,7 @@
    (the C kernel reading the block pool in place, its work split by OpenMP on
    torch's own threads) and ``cpu_paged_pool`` (the same kernel built without
    OpenMP, split over a Python thread pool: the fallback, and the engine's path
-   before issue 11's third session). Where the engine runs the step through the
+   before the kernel ran on torch's OpenMP pool). Where the engine runs the step through the
    fused decode step (a bf16 INT8/INT4 model, a batch up to its cut-off:
    pdserve/engine/models/fused_decode.py), ``cpu_paged`` is that step and
    ``cpu_paged_eager`` the same step layer by layer (``enforce_eager``).

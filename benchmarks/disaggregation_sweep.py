@@ -13,7 +13,7 @@ turn at each rate, so that every rate's three runs sit side by side in time):
 Each run is a `pdserve bench` of the mixed workload (short chat turns, long
 documents, questions on shared prefixes) with Poisson arrivals and a new seed per
 rate. The auto gateway's route counts per run come from its /metrics. The verdict
-per rate is the issue's: auto's goodput >= the better of the other two, its TTFT
+per rate: auto's goodput >= the better of the other two, its TTFT
 p50 within 10% of colocated's and its TPOT p99 within 10% of disaggregated's.
 Clusters are stopped by PID (``LocalCluster.stop``) even when a run fails.
 """
@@ -110,7 +110,7 @@ def _row(rate: float, name: str, metrics: dict[str, Any], routes: dict[str, floa
 
 
 def verdict(rows: dict[str, dict[str, Any]]) -> dict[str, bool]:
-    """The issue's three targets at one rate, from the three layouts' rows."""
+    """The three targets at one rate, from the three layouts' rows."""
     auto, colocated, disaggregated = rows["auto"], rows["colocated"], rows["disaggregated"]
     return {
         "goodput": auto["goodput"] >= max(colocated["goodput"], disaggregated["goodput"]),

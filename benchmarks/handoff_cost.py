@@ -14,7 +14,7 @@ whatever separates the first token (streamed as soon as the prefill worker
 returns it) from the second is the handoff — the decode worker taking the
 request, fetching the KV, landing it — plus one decode step and the relay.
 Per prompt length: TTFT, the gap, the ITL (mean gap between later tokens, per
-request), their ratio (issue 13 asks for <= 1.5x), and the decode worker's own
+request), their ratio (the target is <= 1.5x), and the decode worker's own
 time to have the KV per transfer (``LoadReport.kv_receive_seconds``: the fetch
 when pulled, taking the pushed copy when pushed). Medians over the requests;
 prompts are random and distinct, so no prefix is cached anywhere.

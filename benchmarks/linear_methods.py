@@ -1,4 +1,4 @@
-"""Side-by-side timings of the linear methods' kernels at the engine's projection shapes (issue 11).
+"""Side-by-side timings of the linear methods' kernels at the engine's projection shapes.
 
     python -m benchmarks.linear_methods [--threads 2] [--rows 1,8,32,256,2048] [--repeats 7] [--fallback-builds] [--json out.json]
 
@@ -29,11 +29,11 @@ per-kernel, not per-step. Candidates:
   on a CPU without bf16 units, where the label says ``deq+fp32``);
 - with ``--fallback-builds``: ``int8 kernel avx2`` / ``int8 kernel portable`` (and INT4),
   the same kernels built for a CPU without AVX512-VNNI, or without AVX2 either, where
-  this CPU runs such a build (same bits, BENCHMARKS.md issue 11, session 7).
+  this CPU runs such a build (same bits; BENCHMARKS.md has AVX2 against portable on a Zen 3).
 
 The LM head is only ever computed for sampled rows (at most max_num_seqs), so it
 is not timed at 2,048 rows; the int kernels are not timed at 2,048 rows
-either unless ``--slow`` is given (they take tens of ms there; issue 11's table).
+either unless ``--slow`` is given (they take tens of ms there).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""llama.cpp against pdserve's INT4 on the embedded default model, side by side in one process (issue 11).
+"""llama.cpp against pdserve's INT4 on the embedded default model, side by side in one process.
 
     python -m benchmarks.llama_cpp_baseline [--threads 2] [--repeats 2] [--cpu-time] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""Precision settings the issue-11 benchmarks compare: weight dtype, weight quantization, KV cache dtype.
+"""Precision settings that accuracy and precision_speed compare: weight dtype, weight quantization, KV cache dtype.
 
 A setting is written ``DTYPE[:QUANTIZATION[:KV_CACHE_DTYPE[:LM_HEAD[:EXECUTION]]]]`` on the command line,
 an empty part or ``-`` meaning "not set" (no quantization, the KV cache in the
@@ -8,7 +8,7 @@ model's dtype, the engine's LM head default): ``float32``, ``bfloat16``, ``bfloa
 under quantization), ``bfloat16:int4:::eager`` (every step layer by layer: ``enforce_eager=True``;
 ``fused`` asks for the fused decode step, the default; ``library`` keeps unquantized layers off pdserve's
 dense kernels, on the libraries torch calls (MKL for float32, oneDNN for bf16) and, in bf16, layer by
-layer: the engine before issue 11's session 8, on a CPU where the kernels serve). Parts that are not set are not passed
+layer: the engine without its own dense kernels, on a CPU where they serve). Parts that are not set are not passed
 to ``LLM`` at all, so a setting the engine of this checkout does not know yet
 fails at construction, and the benchmarks report it as unsupported instead of crashing.
 """

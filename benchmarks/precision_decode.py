@@ -1,4 +1,4 @@
-"""Decode speed and weight memory of the default model per weight setting, side by side in one process (issue 11).
+"""Decode speed and weight memory of the default model per weight setting, side by side in one process.
 
     python -m benchmarks.precision_decode [--threads 2] [--batches 1,32] [--rounds 3] [--max-tokens 32]
 

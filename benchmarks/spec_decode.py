@@ -1,4 +1,4 @@
-"""Speculative decoding against plain decoding, side by side in one process (issue 12).
+"""Speculative decoding against plain decoding, side by side in one process.
 
 Batch 1 on the default model (SmolLM2-135M-Instruct), greedy: output tokens/s
 with and without speculation on (a) input-grounded prompts (repeat, rewrite,
@@ -68,7 +68,7 @@ MORE_CHAT = (
     "What should I pack for a three-day hiking trip?",
     "Summarise the plot of Romeo and Juliet in four sentences.",
 )
-# The recommended settings per method (BENCHMARKS.md, issue 12, "Adaptive speculation" and "Kept proposals"):
+# The recommended settings per method (BENCHMARKS.md, `spec_decode`):
 # ngram k=8, fixed and adaptive; the draft at k=8 (it beat k=5 and k=7 on grounded prompts, and k=5 on chat).
 DEFAULT_SETTINGS = (
     "ngram-k8={\"method\": \"ngram\", \"num_speculative_tokens\": 8, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}",

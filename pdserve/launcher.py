@@ -308,9 +308,9 @@ class LocalCluster:
     def _spawn(self, name: str, command: list[str]) -> None:
         # Where several engine processes share the machine's cores, OpenMP threads
         # that spin while they wait steal those cores from the other engine's busy
-        # threads: any spin at all loses while both compute (BENCHMARKS.md, issue 3
-        # and session 10), while one engine computing alone steps faster spinning
-        # (51-58 ms against 63-79 ms asleep, session 10). Each worker's governor
+        # threads: any spin at all loses while both compute, while one engine
+        # computing alone steps faster spinning (51-58 ms against 63-79 ms asleep;
+        # both with benchmarks/cluster_throughput.py's burst, 2-vCPU Zen 5). Each worker's governor
         # (--openmp-spin adaptive, the default) switches its spin off while others
         # compute on its CPUs; processes without one sleep at once. A value the user set wins.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.config.extra_env}

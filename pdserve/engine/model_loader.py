@@ -125,7 +125,7 @@ def load_model(
     ``quantization``'s linear method, in eval mode.
 
     Under quantization the LM head is INT8 too unless ``quantize_lm_head`` is False
-    (pdserve/engine/layers/linear.py's ``lm_head_method``; BENCHMARKS.md issue 11 has its effect).
+    (pdserve/engine/layers/linear.py's ``lm_head_method``; BENCHMARKS.md's ``accuracy`` has its effect).
     ``enforce_eager``: no fused decode step (pdserve/engine/models/fused_decode.py)."""
     from pdserve.engine.layers.linear import linear_method, lm_head_method
     from pdserve.engine.models import model_class

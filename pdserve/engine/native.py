@@ -152,5 +152,5 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86).
 
     Elsewhere oneDNN emulates bf16 products: 3-10x slower than float32 at 32-2,048 rows on an AVX2-only
-    AMD EPYC (BENCHMARKS.md, issue 11, session 7)."""
+    AMD EPYC (Zen 3; benchmarks/linear_methods.py, BENCHMARKS.md)."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

@@ -12,7 +12,8 @@ engine on the engine thread had two pools: four OpenMP threads on a two-CPU
 machine. With libgomp's default wait policy its float32 decode steps took
 61-77 ms against 50-52 ms with the model loaded on a thread that ends (the same
 run, alternated), and a 32-row ``F.linear`` plus a SiLU took 27-39% longer on a
-second thread once the main thread had a pool (BENCHMARKS.md, session 10).
+second thread once the main thread had a pool (a 2-vCPU Zen 5; the steps as
+``python -m benchmarks.cluster_throughput --step-trace DIR`` times them).
 Loading on a thread that ends leaves the engine thread the only pool. Under
 ``OMP_WAIT_POLICY=PASSIVE`` (which ``pdserve up`` sets where engines without a
 governor share the cores) every region sleeps anyway, and this changes nothing.
@@ -20,8 +21,8 @@ governor share the cores) every region sleeps anyway, and this changes nothing.
 The same throttle, switched on and off at run time, is ``SpinGovernor``:
 spinning is what makes a worker's many short parallel regions cheap when it
 has the cores to itself, and what wrecks everybody's throughput when two
-engines compute on the same cores (BENCHMARKS.md, session 10: a burst took
-21-26 s spinning against 9.5 s asleep). The governor reads how much CPU other
+engines compute on the same cores (``benchmarks.cluster_throughput``'s burst took
+21-26 s spinning against 9.5 s asleep, 1P+1D on a 2-vCPU Zen 5). The governor reads how much CPU other
 processes used on this process's CPUs (``/proc/stat`` less its own time) and
 lets libgomp spin only while they leave this process's threads their cores.
 """

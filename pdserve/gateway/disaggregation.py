@@ -20,7 +20,7 @@ moves with the hardware, the model and the load instead of being a constant:
   no exception: a stream handed to it while it computes a prompt waits for
   that prompt as a running one would (counting it there is what brought
   auto's TPOT p99 near the always-disaggregated layout's in the rate sweep:
-  BENCHMARKS.md, issue 13);
+  benchmarks/disaggregation_sweep.py, BENCHMARKS.md);
 - otherwise remote. ``always`` and ``never`` skip the comparison.
 
 vLLM and Dynamo prefill short or mostly-cached prompts on the decode worker

@@ -1,4 +1,4 @@
-"""``benchmarks.disaggregation_sweep``: the issue's verdict per rate and the table, on hand-made bench metrics."""
+"""``benchmarks.disaggregation_sweep``: the verdict per rate and the table, on hand-made bench metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue-11 benchmarks: the accuracy math on hand-made numbers, the text, the CLIs, memory and roofline figures."""
+"""The precision benchmarks: the accuracy math on hand-made numbers, the text, the CLIs, memory and roofline figures."""
 
 from __future__ import annotations
 

@@ -692,3 +692,73 @@ async def test_the_gateway_routes_and_relays_and_never_manages_kv(
     assert await call.code() == grpc.StatusCode.CANCELLED
     await _assert_nothing_held(cluster)
     assert {"Prefill", "Decode"} <= set(called) <= {"Prefill", "Decode", "Load", "Abort"}
+
+
+class _DecodeThatNeverArrives:
+    """The gateway's stub of a decode worker whose Decode calls never reach it (as a call cancelled before it
+    is sent), while every other RPC does."""
+
+    def __init__(self, stub: object) -> None:
+        self._stub = stub
+        self.calls = 0
+
+    def Decode(self, request: worker_pb2.DecodeRequest, timeout: float | None = None) -> object:  # noqa: N802
+        self.calls += 1
+        return _SilentCall()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stub, name)
+
+
+class _SilentCall:
+    """A streaming call that sends nothing until it is cancelled."""
+
+    def __init__(self) -> None:
+        self._cancelled = asyncio.Event()
+
+    def cancel(self) -> bool:
+        self._cancelled.set()
+        return True
+
+    def __aiter__(self) -> _SilentCall:
+        return self
+
+    async def __anext__(self) -> worker_pb2.DecodeResponse:
+        await self._cancelled.wait()
+        raise StopAsyncIteration
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_ends_before_its_decode_reaches_the_worker_has_the_gateway_relay_it(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    # The push completed and started the request on the decode worker; the client cancels after its first token,
+    # and the Decode never got there: the gateway's Abort tells the decode worker, which ends the early start,
+    # and releases the prefill worker's lease, at once rather than at the handoff deadline (30 s here).
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=256))
+    assert cluster.gateway is not None and cluster.stub is not None
+    (handle,) = [w for w in cluster.gateway.pool.workers.values() if w.role == "decode"]
+    silent = _DecodeThatNeverArrives(handle.stub)
+    handle.stub = silent  # type: ignore[assignment]
+    call = cluster.stub.Generate(_request(random_prompts([70], seed=146)[0]), timeout=30)
+    first = await call.read()
+    assert len(first.token_ids) == 1
+    early = cluster.decode.servicer.early
+    await wait_until(lambda: early.num_started == 1, "the push to start the request")
+    call.cancel()
+    assert await call.code() == grpc.StatusCode.CANCELLED
+    await wait_until(lambda: early.num_ended == 1, "the early start ended by the relayed Abort")
+    assert (silent.calls, early.num_claimed, early.num_expired) == (1, 0, 0)
+    assert cluster.prefill.runtime.engine.leases.num_expired == 0
+    await _assert_nothing_held(cluster)
+
+
+@pytest.mark.asyncio
+async def test_abort_needs_the_handoff_it_ends(
+    llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster
+) -> None:
+    cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(gateway=False))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _decode_stub(cluster).Abort(worker_pb2.AbortRequest(request_id="r"), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "handoff must be set: it names the prefill worker whose lease ends"

@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs: NCCL all-reduces, and the re-sharding handoff over cuda_ipc and torch_dist (NCCL).
 
 Marked ``gpu``; skipped without at least 2 CUDA devices (the prefill and the decode
-engine at TP 2 share GPUs 0 and 1). Written, not yet run: no GPU was lent to issue 14.
+engine at TP 2 share GPUs 0 and 1). Runs only where two CUDA devices are present (scripts/gpu_checks.sh).
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_beyond_the_longest_measured_length_a_token_costs_the_measured_slope_at_
 def test_a_draft_whose_proposals_are_kept_grows_from_its_probe_to_its_full_limit() -> None:
     # A draft model: each proposed token costs a draft forward, 0.2 plain steps (the prior says 0.4).
     # One-token probes never sampled the rate of the tokens after the first: it stayed at its prior
-    # 0.5 and the request at one token (BENCHMARKS.md, issue 12, session 5: mean accepted length 1.99).
+    # 0.5 and the request at one token (benchmarks/spec_decode.py on a Cooper Lake Xeon: mean accepted length 1.99).
     policy = AdaptivePolicy("draft_model")
     policy.observe_step(1, 0, 1.0)
     seq = _seq()

@@ -12,7 +12,7 @@ that the kernel's threads are the ones torch's GEMMs use. Where that build
 fails (no OpenMP, a torch on another runtime), the kernel is built without it
 and this module splits the work over a Python thread pool instead (ctypes
 releases the GIL); on two cores that pool thread competes with torch's still
-spinning OpenMP workers, which costs (BENCHMARKS.md, issue 11, third session).
+spinning OpenMP workers, which costs (``cpu_paged_pool`` in benchmarks/decode_step.py; BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@
  * count: a sequence's tokens are the same at batch 1 and batch 32.
  *
  * bfloat16 (`pdserve_bf16_gemm`), for CPUs with AVX512-BF16 and no AMX: oneDNN's bf16 GEMM is built
- * for large tiles and runs decode batches well under its 2,048-row rate (BENCHMARKS.md, issue 11,
- * session 8). Layout [panel][k / 2][32][2] bf16, 128 bytes a pair of columns; `vdpbf16ps` adds the two
+ * for large tiles and runs decode batches well under its 2,048-row rate (benchmarks/linear_methods.py,
+ * Zen 4; BENCHMARKS.md). Layout [panel][k / 2][32][2] bf16, 128 bytes a pair of columns; `vdpbf16ps` adds the two
  * products of a pair (each exact in float32) to the accumulator; each output is rounded once to bf16
  * after the bias is added in float32. The portable path (CPUs without AVX512-BF16) adds them the way
  * Intel's pseudo-code orders them, the odd column's product first: a reference for the tests, not a
@@ -20,8 +20,8 @@
  * float32 (`pdserve_f32_gemm`): layout [panel][k][32] float32, 128 bytes a column; GCC vector code,
  * so AVX-512, AVX2 and portable builds come from one source (8 rows a group with AVX-512's 32
  * registers, 2 with AVX2's 16). MKL's packed sgemm runs far under the machine's float32 rate on AMD
- * CPUs (70-77 GFLOP/s at 32 rows against this kernel's 148-185, 2 threads, Zen 4: BENCHMARKS.md,
- * issue 11, session 8).
+ * CPUs (70-77 GFLOP/s at 32 rows against this kernel's 148-185, 2 threads, Zen 4:
+ * benchmarks/linear_methods.py; BENCHMARKS.md).
  *
  * Work is split over (block of 64 rows, panel) units with OpenMP (when built with it) on `threads` threads.
  */

@@ -249,9 +249,9 @@ ALWAYS_INLINE void int8_tile(const uint8_t *tile, const float *row_scales, const
 }
 
 #define PAIR_ROW_GROUP 4
-/* Activation rows from which int8 GEMMs take tiles in pairs: measured on a Zen 4 (BENCHMARKS.md, issue 11,
- * session 9), pairs ran 1.1-1.2x faster from 32 rows, and slower at 1-8 rows of a weight streamed from
- * memory (the LM head: 0.64x at 1 row, 0.78x at 8). */
+/* Activation rows from which int8 GEMMs take tiles in pairs: measured on a Zen 4 against a build with
+ * -DPDSERVE_NO_TILE_PAIRS, pairs ran 1.1-1.2x faster from 32 rows, and slower at 1-8 rows of a weight
+ * streamed from memory (the LM head: 0.64x at 1 row, 0.78x at 8). */
 #define PAIR_MIN_ROWS 16
 
 /* INT8: `count` (<= PAIR_ROW_GROUP) activation rows from `row0` against two tiles at once, so that each

@@ -85,7 +85,7 @@ class DecodeKVConnector:
         return self.worker.fill_draft(request_id, blocks)
 
     def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
-        return self.worker.accepts_draft_kv(handoff)
+        return self.scheduler.accepts_draft_kv(handoff)
 
     def open_push(self, request_id: str, layout: KVLayout, first_block: int, num_blocks: int,
                   max_bytes: int = 1 << 62) -> PushedKV:

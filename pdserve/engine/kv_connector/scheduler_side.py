@@ -36,7 +36,6 @@ class ConnectorScheduler:
         # Requests that join the batch as soon as their blocks hold all their KV (pushed or cached here),
         # without the trip through whoever fetches KV.
         self._land_when_present: set[str] = set()
-        self.num_pushes_claimed = 0
 
     def add_remote_request(
         self,
@@ -64,13 +63,21 @@ class ConnectorScheduler:
             raise
         seq.kv_reservation = reservation
         self._engine.register(seq)
-        if not self._engine.kv_connector.worker.accepts_draft_kv(handoff):
+        if not self.accepts_draft_kv(handoff):
             self._land_when_present.add(seq.request_id)
         self._engine.scheduler.add_remote(seq)
-        if reservation is None:
-            return 0
-        self.num_pushes_claimed += 1
-        return len(reservation.block_ids)
+        return 0 if reservation is None else len(reservation.block_ids)
+
+    def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
+        """Whether ``handoff`` carries draft KV that this engine's draft model can use: then the request waits
+        for it to be fetched too (else it is ignored, and the draft recomputes the prompt when the request
+        first proposes)."""
+        draft = self._engine.draft
+        return (
+            handoff.draft_layout is not None
+            and draft is not None
+            and draft.accepts(handoff.draft_layout, handoff.draft_model_id)
+        )
 
     def take_slots(self) -> tuple[list[KVSlot], list[RequestOutput]]:
         """Since the last call: the requests whose blocks must still be filled (fetch their KV from

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.kv_connector.pushes import PushedKV, PushState, PushTable
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff
+from pdserve.engine.kv_handoff import KVFetch
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.parallel.kv_shards import import_on_ranks
 
@@ -81,16 +81,6 @@ class ConnectorWorker:
         elif to_fill:
             engine.kv_cache.import_blocks(to_fill, local)
         return self._scheduler_side.join_running(seq)
-
-    def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
-        """Whether ``handoff`` carries draft KV that this engine's draft model can use (else: ignored,
-        the draft recomputes the prompt when the request first proposes)."""
-        draft = self._engine.draft
-        return (
-            handoff.draft_layout is not None
-            and draft is not None
-            and draft.accepts(handoff.draft_layout, handoff.draft_model_id)
-        )
 
     def fill_draft(self, request_id: str, blocks: torch.Tensor) -> bool:
         """Write a remote request's draft-model KV (its handoff's draft section, from block 0) into the

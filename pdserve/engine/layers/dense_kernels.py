@@ -3,8 +3,8 @@
 Both keep a projection's weight in panels of 32 output rows, a column's (float32)
 or a pair of columns' (bf16) values for the panel's rows together: the order a
 vector multiply-add reads with the outputs in its lanes, 8 activation rows
-sharing each load. Against the libraries torch calls, on the 2-vCPU AMD EPYC
-(Zen 4) of BENCHMARKS.md, issue 11, session 8:
+sharing each load. Against the libraries torch calls, on a 2-vCPU AMD EPYC
+(Zen 4; benchmarks/linear_methods.py, BENCHMARKS.md):
 
 - bf16 on a CPU with AVX512-BF16 and no AMX: 1.2-2.6x oneDNN's prepacked GEMM
   below 64 rows, even with it from 256 to 2,048 (oneDNN's tiles are built for

@@ -12,7 +12,7 @@ then ``apply``):
   in bf16 as oneDNN's prepacked GEMM (on the AMX tile units where the CPU has
   them), except where pdserve's own dense kernel serves better (bf16 on
   AVX512-BF16 without AMX, float32 on AMD CPUs with AVX-512): it keeps the
-  only copy (pdserve/engine/layers/dense_kernels.py; BENCHMARKS.md, issue 11).
+  only copy (pdserve/engine/layers/dense_kernels.py; benchmarks/linear_methods.py).
 - ``Int8LinearMethod``: weight-only INT8, one symmetric scale per output channel.
 - ``Int4LinearMethod``: weight-only INT4, asymmetric, a float16 scale and
   minimum per ``group_size`` input columns of each output channel (Q4_1's form).
@@ -65,11 +65,11 @@ from pdserve.engine.native import cpu_flags, cpu_has_native_bf16
 _MKL_PACK_BATCH_SIZE = 32
 # Above these many rows the quantized methods dequantize to bf16 and use the
 # bf16 GEMM; at or below them pdserve's int8 kernels win. Where the CPU has
-# AVX512-VNNI and no AMX the kernels win at every row count since issue 11's
-# ninth session (at 2,048 rows INT8 1.7x and INT4 1.5x faster than dequantizing,
-# and faster than the bf16 kernel; BENCHMARKS.md, session 9), so there they take
+# AVX512-VNNI and no AMX the kernels win at every row count (on a Zen 4,
+# at 2,048 rows INT8 1.7x and INT4 1.5x faster than dequantizing, and faster
+# than the bf16 kernel: benchmarks/linear_methods.py --slow), so there they take
 # every row count (see quant_kernel_max_rows); elsewhere (AMX tiles, AVX2 only)
-# the cut-off stays where it was measured, 256 rows (third session).
+# the cut-off stays where it was measured, 256 rows.
 INT8_KERNEL_MAX_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 256
 LM_HEAD_KERNEL_MAX_ROWS = 256
@@ -77,7 +77,7 @@ LM_HEAD_KERNEL_MAX_ROWS = 256
 NO_ROW_LIMIT = 2**62
 # The quantized methods' dequantized GEMMs, and the kernels' input for an activation
 # dtype they do not read (float16): bf16 runs on the AMX/AVX512-BF16 units (6.5x
-# float32 at 2,048 rows, BENCHMARKS.md, issue 11); see _dequantized_dtype.
+# float32 at 2,048 rows with AMX, 2.3x on a Zen 4: benchmarks/linear_methods.py); see _dequantized_dtype.
 _GEMM_DTYPE = torch.bfloat16
 
 
@@ -106,7 +106,7 @@ class UnquantizedLinearMethod(LinearMethod):
     and every row count runs on it (float32 sums, in an order of its own).
     Otherwise float32 is an MKL packed GEMM, and bf16 a oneDNN prepacked GEMM
     (bit for bit ``F.linear``'s result, about 20% faster at 1-256 rows,
-    BENCHMARKS.md issue 11). ``F.linear`` elsewhere.
+    benchmarks/linear_methods.py). ``F.linear`` elsewhere.
     """
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
@@ -268,8 +268,8 @@ def _bound(layer: PackedLinear, bind: Callable[[], BoundGemm]) -> BoundGemm:
 
 def _dequantized_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a quantized layer dequantizes to for ``F.linear``: bf16, except on a CPU without bf16 units,
-    where oneDNN emulates bf16 products (3-10x slower than float32 at 32-2,048 rows on an AVX2 EPYC,
-    BENCHMARKS.md issue 11, session 7): float32 there, bf16 activations widened exactly and the
+    where oneDNN emulates bf16 products (3-10x slower than float32 at 32-2,048 rows on an AVX2 EPYC
+    (Zen 3; benchmarks/linear_methods.py, BENCHMARKS.md): float32 there, bf16 activations widened exactly and the
     product rounded back to bf16 once, as a bf16 GEMM's float32 accumulator is."""
     if x.device.type == "cpu" and not cpu_has_native_bf16():
         return torch.float32

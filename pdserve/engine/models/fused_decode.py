@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parents[1] / "kernels" / "fused_decode.c"
 # Steps of up to this many tokens take the fused path. One thread, the default model, INT4: the fused step
 # took 0.56x the layer-by-layer step's time at 1 row, 0.73x at 8, 0.94x at 32 and 1.04x at 128 (min; 0.86x
-# by the medians): BENCHMARKS.md, issue 11, fourth session. It can go no further than the projections' own
+# by the medians), on a Zen 4: benchmarks/decode_step.py, BENCHMARKS.md. It can go no further than the projections' own
 # kernels (their kernel_max_rows: 256 on CPUs with AMX or without VNNI): above those the layer-by-layer path
 # dequantizes to bf16.
 FUSED_DECODE_MAX_ROWS = 32

@@ -5,7 +5,7 @@ At a step that samples at most ``SPLIT_LM_HEAD_MAX_ROWS`` rows, every rank
 multiplies those rows of the final hidden state (the same bits on every rank,
 after the last all-reduce) by its part, and rank 0 receives the other parts in
 vocabulary order and joins them: each rank does 1/N of the largest matmul of a
-decode step, for one small receive per rank (BENCHMARKS.md, issue 14).
+decode step, for one small receive per rank (benchmarks/tensor_parallel.py; BENCHMARKS.md).
 
 With many rows (prompt logprobs compute every prompt row; a batch sampling
 hundreds of sequences) moving (rows, vocab / N) logits costs more than the
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from pdserve.engine.parallel.group import TensorParallelGroup
 
 # Sampled rows up to which a step splits the LM head over the ranks; above it rank 0 computes the
-# logits alone (the crossover measured by benchmarks/tensor_parallel.py, BENCHMARKS.md issue 14).
+# logits alone (the crossover measured by benchmarks/tensor_parallel.py; BENCHMARKS.md).
 SPLIT_LM_HEAD_MAX_ROWS = 64
 _LOGITS_TAG = 8
 

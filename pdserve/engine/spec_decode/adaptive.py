@@ -125,7 +125,7 @@ class StepCosts:
 
     Per ``n``, not per token: the extra is far from proportional. At one thread the
     float32 default model's projections cost 1.5x at 2 rows what they cost at 1,
-    2.2x at 3 and about 2.5x from 5 to 9 rows (BENCHMARKS.md, issue 12), so one
+    2.2x at 3 and about 2.5x from 5 to 9 rows (benchmarks/spec_verify_cost.py, Zen 4), so one
     proposed token costs much of what eight do. An ``n`` not measured yet costs
     what the nearest measured larger one does (costs grow with ``n``), else the
     largest measured smaller one's plus the prior's per-token cost for each token

@@ -13,8 +13,8 @@ DRAFT_QUANTIZATIONS = (None, "int8", "int4")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Above this many requests in the engine (running + waiting) nobody speculates:
 # the step is no longer memory-bound and verifying rejected tokens costs more
-# than it saves. Measured per method in BENCHMARKS.md ("Speculative decoding
-# (issue 12)", the batch-size sweep): n-gram still paid at 4 and lost at 8; the
+# than it saves. Measured per method by the batch sweep of benchmarks/spec_decode.py
+# (BENCHMARKS.md, `spec_decode`): n-gram still paid at 4 and lost at 8; the
 # draft model, whose own forwards grow with the batch, paid at 2 and lost at 4.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 4, "draft_model": 2}
 
