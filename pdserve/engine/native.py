@@ -1,125 +1,102 @@
-"""Compiles the engine's C kernels once per machine into the cache dir; ctypes loads them.
+"""The engine's CPU kernels, built into the package: which ISA variant runs here, and the operators.
 
-Each kernel is one C file (in ``pdserve/engine/kernels/``, with the headers and kernels it includes beside it) compiled with the system compiler into
-``<pdserve cache dir>/kernels/``. The file name carries a hash of the source,
-the compiler and flags, and the CPU's model and feature flags, so a changed
-source or another CPU never loads a stale build. Callers treat ``OSError`` as
-"no kernel here" and keep their pure-torch path.
+``setup.py`` compiles the C kernels in ``pdserve/engine/kernels/`` once per ISA
+variant (``VARIANTS``) and links them, with their torch operators
+(``kernels/ops.cpp``), into one library, ``pdserve.engine.kernels._C``. Nothing
+is compiled at run time. ``load_kernel_ops`` loads that library once and picks
+the variant: the best one this CPU has every feature of (``VARIANT_FEATURES``),
+or the one ``PDSERVE_CPU_ISA`` names (``portable``, ``avx2``, ``avx512``,
+``avx512_vnni``, ``avx512_bf16``), as PyTorch's ``ATEN_CPU_CAPABILITY`` does, to
+measure a lower variant on a bigger CPU. Callers pass ``KernelOps.variant``
+with every call (``torch.ops.pdserve.<op>(variant, ...)``): nothing is global, so
+tests run several variants side by side. A package built without the kernels
+(``PDSERVE_BUILD_KERNELS=0``) gets None, and the engine its pure-torch paths.
 
-A kernel that splits its work over threads does it with OpenMP on torch's own
-runtime (``torch_openmp_flags``): linked against the very libgomp torch has
-loaded, so the kernel's parallel regions run on the worker threads torch's
-GEMMs just used, instead of a second pool of threads fighting them for the cores.
+The kernels split their work with OpenMP, linked against the runtime torch
+has loaded (the library needs ``libgomp.so.1``, which torch's own copy
+satisfies), so their parallel regions run on the threads torch's GEMMs use.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
+import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
+from typing import Any
 
-from pdserve.engine.default_model import default_cache_dir
+logger = logging.getLogger(__name__)
 
-# -march=native is safe because the cached file is keyed by this CPU's feature flags.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
-_BUILD_TIMEOUT_S = 120
-_build_lock = threading.Lock()
-
-
-def compile_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The shared library built from ``source`` for this machine, building it if needed; OSError where it cannot be.
-
-    ``extra_flags`` go after the source (link flags such as ``torch_openmp_flags()``; ``-fopenmp``;
-    ``-mno-avx512vnni`` for a test of a fallback path) and into the build's key.
-    """
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found (set CC, or install gcc)")
-    # Every file beside the source is part of the build's key: the shared header (vector.h), and the
-    # kernels a source includes whole (fused_decode.c includes the others).
-    text = source.read_bytes() + b"".join(
-        other.read_bytes() for other in sorted(source.parent.glob("*.[ch]")) if other != source
-    )
-    flags = " ".join((compiler, *CFLAGS, *extra_flags)).encode()
-    key = hashlib.sha256(text + flags + _cpu_identity()).hexdigest()[:16]
-    directory = default_cache_dir() / "kernels"
-    target = directory / f"{source.stem}-{key}.so"
-    with _build_lock:
-        if target.is_file():
-            return target
-        directory.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: concurrent builders never see half a file.
-        fd, temp_name = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
-        os.close(fd)
-        try:
-            try:
-                result = subprocess.run(
-                    [compiler, *CFLAGS, "-I", str(source.parent), "-o", temp_name, str(source), *extra_flags],
-                    capture_output=True,
-                    text=True,
-                    timeout=_BUILD_TIMEOUT_S,
-                )
-            except subprocess.SubprocessError as error:
-                raise OSError(f"{compiler} did not finish: {error}") from error
-            if result.returncode != 0:
-                raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-            os.replace(temp_name, target)
-        finally:
-            if os.path.exists(temp_name):
-                os.unlink(temp_name)
-    return target
+# The variants ops.cpp numbers, worst first, and the CPU features (as /proc/cpuinfo names them) each needs:
+# the flags setup.py compiles it with (x86-64-v3 and -v4, plus VNNI and BF16).
+_X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+_X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+VARIANT_FEATURES: dict[str, frozenset[str]] = {
+    "portable": frozenset(),
+    "avx2": _X86_64_V3,
+    "avx512": _X86_64_V4,
+    "avx512_vnni": _X86_64_V4 | {"avx512_vnni"},
+    "avx512_bf16": _X86_64_V4 | {"avx512_vnni", "avx512_bf16"},
+}
+VARIANTS = tuple(VARIANT_FEATURES)
+# Names a variant to run instead of the best one (a lower one, to measure it on a bigger CPU).
+ISA_ENV = "PDSERVE_CPU_ISA"
 
 
-def torch_openmp_flags() -> tuple[str, ...] | None:
-    """Flags that build a kernel's ``#pragma omp`` regions on the OpenMP runtime torch itself uses; None without one.
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels' operators and the variant to pass them: ``ops.<name>(variant, ...)``."""
 
-    ``-fopenmp`` compiles the pragmas; linking the libgomp file that torch has
-    loaded (found in this process's memory map), rather than the compiler's own,
-    makes the library's ``libgomp.so.1`` dependency resolve to the copy already in
-    the process, so one thread pool serves torch and the kernel. A torch on another
-    OpenMP runtime (Intel's, LLVM's) or on none gets None: callers build without
-    OpenMP and split their work themselves.
-    """
-    import torch  # noqa: F401  (loads torch's OpenMP runtime, if it has one, before the map is read)
+    ops: Any  # torch.ops.pdserve
+    variant: int  # its index in ``built_variants()``
+    name: str
 
-    libgomp = _loaded_library("libgomp")
-    if libgomp is None:
+
+def built_variants() -> tuple[str, ...]:
+    """The variants this package's library holds (every x86 one on x86, portable elsewhere); () without it."""
+    ops = _load_library()
+    return tuple(ops.variants().split(",")) if ops is not None else ()
+
+
+def supported_variants() -> tuple[str, ...]:
+    """The built variants this CPU can run, worst first."""
+    flags = cpu_flags()
+    return tuple(name for name in built_variants() if VARIANT_FEATURES.get(name, frozenset()) <= flags)
+
+
+def load_kernel_ops(variant: str | None = None) -> KernelOps | None:
+    """The kernels' operators at ``variant`` (None: ``PDSERVE_CPU_ISA``'s, else the best this CPU runs); None
+    when this package was built without them. ``ValueError`` for a variant that is not built or that this CPU
+    cannot run (naming ``PDSERVE_CPU_ISA`` when it came from there)."""
+    ops = _load_library()
+    if ops is None:
         return None
-    return ("-fopenmp", str(libgomp), f"-Wl,-rpath,{libgomp.parent}")
+    source = "variant"
+    if variant is None and os.environ.get(ISA_ENV):
+        variant, source = os.environ[ISA_ENV], ISA_ENV
+    supported = supported_variants()
+    if variant is None:
+        variant = supported[-1]
+    if variant not in supported:
+        built = built_variants()
+        reason = "is not one of the built variants" if variant not in built else "needs CPU features this CPU lacks"
+        raise ValueError(f"{source} {variant!r} {reason}; this CPU runs {', '.join(supported)}")
+    return KernelOps(ops, built_variants().index(variant), variant)
 
 
-def _loaded_library(stem: str) -> Path | None:
-    """The file of a shared library this process has mapped whose name starts with ``stem`` (``libgomp``)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                # auditwheel renames bundled libraries (libgomp-a34b3233.so.1).
-                name = Path(path).name
-                if path.startswith("/") and (name.startswith(f"{stem}.so") or name.startswith(f"{stem}-")):
-                    return Path(path)
-    except OSError:
-        pass
-    return None
+@lru_cache(maxsize=1)
+def _load_library() -> Any | None:
+    """torch.ops.pdserve with the kernels' library loaded; None (logged once) where the package has none."""
+    import torch
 
-
-def _cpu_identity() -> bytes:
-    """The CPU's model and feature flags, so that a build for another CPU is never loaded."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features", "model name")):
-                    flags += line
-    except OSError:
-        pass
-    return flags.encode()
+    spec = importlib.util.find_spec("pdserve.engine.kernels._C")
+    if spec is None or spec.origin is None:
+        logger.warning("pdserve was built without its CPU kernels (PDSERVE_BUILD_KERNELS=0, or no build); "
+                       "the engine runs torch's ops instead, slower on CPU")
+        return None
+    torch.ops.load_library(spec.origin)
+    return torch.ops.pdserve
 
 
 @lru_cache(maxsize=1)

@@ -29,7 +29,6 @@ lets libgomp spin only while they leave this process's threads their cores.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -41,7 +40,6 @@ from typing import TypeVar
 log = logging.getLogger(__name__)
 
 SPIN_MODES = ("adaptive", "libgomp")
-_TEAM_SOURCE = Path(__file__).parent / "kernels" / "openmp_team.c"
 
 T = TypeVar("T")
 
@@ -204,8 +202,8 @@ def spin_governor(mode: str) -> SpinGovernor | None:
 
     None for ``libgomp`` (its own policy: ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``), under
     ``OMP_WAIT_POLICY=PASSIVE`` (nothing spins), with one torch thread (no parallel regions) or more
-    threads than CPUs (libgomp throttles for good), and where it cannot work: a torch on another OpenMP
-    runtime, no C compiler, no ``/proc/stat``.
+    threads than CPUs (libgomp throttles for good), and where it cannot work: a package built without its
+    kernels (``openmp_team`` is one of their operators), no ``/proc/stat``.
     """
     if mode not in SPIN_MODES:
         raise ValueError(f"openmp spin must be one of {', '.join(SPIN_MODES)}, got {mode!r}")
@@ -213,21 +211,22 @@ def spin_governor(mode: str) -> SpinGovernor | None:
         return None
     import torch
 
-    from pdserve.engine.native import compile_kernel, torch_openmp_flags
+    from pdserve.engine.native import load_kernel_ops
 
     threads = torch.get_num_threads()
     cpus = frozenset(os.sched_getaffinity(0))
-    flags = torch_openmp_flags()
-    if not 1 < threads <= len(cpus) or flags is None:
+    if not 1 < threads <= len(cpus):
+        return None
+    kernels = load_kernel_ops()
+    if kernels is None:
+        log.warning("adaptive OpenMP spin is off (no kernels in this package): libgomp spins as OMP_WAIT_POLICY says")
         return None
     try:
-        library = ctypes.CDLL(str(compile_kernel(_TEAM_SOURCE, flags)))
         read_busy_s = cpu_busy_reader(cpus)
     except OSError as error:
         log.warning("adaptive OpenMP spin is off (%s): libgomp spins as OMP_WAIT_POLICY says", error)
         return None
-    team = library.pdserve_openmp_team
-    team.argtypes, team.restype = [ctypes.c_int], ctypes.c_int
+    team = kernels.ops.openmp_team
 
     def open_team(size: int) -> None:
         started = team(size)

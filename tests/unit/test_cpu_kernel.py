@@ -1,5 +1,5 @@
-"""The C paged-attention kernel against a plain torch reference, its work split (OpenMP on torch's runtime, or a
-Python pool), and the fallbacks without OpenMP or without a compiler."""
+"""The C paged-attention kernel against a plain torch reference, in every variant this CPU runs, its work split
+over OpenMP threads on torch's runtime, and the fallback of a package built without its kernels."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import native
 from pdserve.engine.attention import cpu_kernel, select_backend
 from pdserve.engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
 from pdserve.engine.attention.backend import write_to_cache
 from pdserve.engine.kv_cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
+from pdserve.engine.native import load_kernel_ops, supported_variants
+
+VARIANTS = supported_variants()
 
 
 def _reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: list[list[int]],
@@ -62,12 +64,11 @@ SHAPES = [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 24, 5), (2, 2, 16, 4)]
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES)
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
-@pytest.mark.parametrize("openmp", [True, False])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_dim: int, block_size: int,
-                                            num_threads: int, openmp: bool) -> None:
-    kernel = load_paged_attention_kernel(num_threads, openmp=openmp)
-    assert kernel is not None, "this machine has a C compiler: the kernel must build"
-    assert kernel.openmp == openmp, "torch here runs on libgomp: the OpenMP build must succeed"
+                                            num_threads: int, variant: str) -> None:
+    kernel = load_paged_attention_kernel(num_threads, variant)
+    assert kernel is not None, "pdserve was installed without its kernels (PDSERVE_BUILD_KERNELS=0?)"
     torch.manual_seed(0)
     key_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
     value_cache = torch.randn(200, block_size, num_kv_heads, head_dim)
@@ -80,9 +81,8 @@ def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.parametrize("openmp", [True, False])
-def test_kernel_leaves_rows_outside_its_plan_untouched(openmp: bool) -> None:
-    kernel = load_paged_attention_kernel(2, openmp=openmp)
+def test_kernel_leaves_rows_outside_its_plan_untouched() -> None:
+    kernel = load_paged_attention_kernel(2)
     assert kernel is not None
     torch.manual_seed(0)
     cache = torch.randn(8, 4, 1, 16)
@@ -121,14 +121,15 @@ def test_plan_rejects_a_query_longer_than_its_context() -> None:
 
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES[:3])
-@pytest.mark.parametrize(("num_threads", "openmp"), [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("num_threads", [1, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", [VARIANTS[0], VARIANTS[-1]])
 def test_compact_kv_kernels_match_reference_attention_over_the_dequantized_cache(
-    num_kv_heads: int, group: int, head_dim: int, block_size: int, num_threads: int, openmp: bool,
-    kv_dtype: torch.dtype, query_dtype: torch.dtype,
+    num_kv_heads: int, group: int, head_dim: int, block_size: int, num_threads: int,
+    kv_dtype: torch.dtype, query_dtype: torch.dtype, variant: str,
 ) -> None:
-    kernel = load_paged_attention_kernel(num_threads, openmp=openmp)
+    kernel = load_paged_attention_kernel(num_threads, variant)
     assert kernel is not None
     torch.manual_seed(0)
     lens, tables, query_lens = _scattered_batch(block_size, seed=0)
@@ -168,7 +169,7 @@ def test_kernel_rejects_int8_kv_without_scales() -> None:
 
 
 def test_split_balances_work_across_threads_and_keeps_small_work_on_one() -> None:
-    library = cpu_kernel._load_library(True)
+    library = load_kernel_ops()
     assert library is not None
     work = [1000, 2000, 500, 3000, 100]
     assert PagedAttentionKernel(library, 1).split(work) == ((0, 5),)
@@ -182,7 +183,7 @@ def test_split_balances_work_across_threads_and_keeps_small_work_on_one() -> Non
 
 
 def test_plan_items_are_sequences_times_kv_heads_weighted_by_passes() -> None:
-    library = cpu_kernel._load_library(True)
+    library = load_kernel_ops()
     assert library is not None
     kernel = PagedAttentionKernel(library, 2)
     # Costs per item: 3000 x ceil(1 * 3 / 4) = 3000 (three items), then 1000 x ceil(5 * 3 / 4) = 4000 (three items).
@@ -191,38 +192,14 @@ def test_plan_items_are_sequences_times_kv_heads_weighted_by_passes() -> None:
     assert plan.query_rows.tolist() == [0, 1] and plan.query_lens.tolist() == [1, 5]
 
 
-def test_openmp_build_shares_the_libgomp_torch_loaded() -> None:
+def test_the_kernels_share_the_libgomp_torch_loaded() -> None:
     kernel = load_paged_attention_kernel(2)
-    assert kernel is not None and kernel.openmp
+    assert kernel is not None
     with open("/proc/self/maps", encoding="utf-8") as maps:
         libgomps = {line.split()[-1] for line in maps if Path(line.split()[-1]).name.startswith("libgomp")}
     # One runtime in the process: the kernel's parallel regions run on torch's OpenMP threads.
-    assert libgomps == {str(native._loaded_library("libgomp"))}
+    assert len(libgomps) == 1
     assert Path(next(iter(libgomps))).parent == Path(torch.__file__).parent / "lib"
-
-
-def test_without_openmp_the_kernel_splits_its_work_over_a_python_pool(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setattr(cpu_kernel, "torch_openmp_flags", lambda: None)  # a torch on no libgomp
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_kernel._load_library.cache_clear()
-    try:
-        kernel = load_paged_attention_kernel(2)
-        assert kernel is not None and not kernel.openmp and kernel._pool is not None
-        torch.manual_seed(0)
-        cache = torch.randn(140, 16, 3, 64)
-        # 3 x (800 + 700 + 600) units of work: two ranges, one of them on the pool's thread.
-        lens, query_lens = [800, 700, 600], [1, 1, 1]
-        tables = [list(range(1, 51)), list(range(51, 95)), list(range(95, 133))]
-        assert len(kernel.plan([0, 1, 2], query_lens, lens, tables, 3, 3).item_ranges) == 2
-        query = torch.randn(3, 9, 64)
-        out = _run(kernel, query, cache, cache, tables, lens, query_lens)
-        expected = _reference(query, cache, cache, tables, lens, query_lens)
-        torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
-    finally:
-        monkeypatch.undo()
-        cpu_kernel._load_library.cache_clear()
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
@@ -270,18 +247,13 @@ def test_kv_write_rejects_a_slot_outside_the_pool_and_writes_nothing() -> None:
         kernel.store(new, new, cache.half(), cache.half(), torch.tensor([0, 1]))
 
 
-def test_without_a_compiler_auto_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_kernel._load_library.cache_clear()
-    try:
+def test_without_kernels_in_the_package_auto_falls_back_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as patched:
+        patched.setattr(cpu_kernel, "load_kernel_ops", lambda variant=None: None)  # PDSERVE_BUILD_KERNELS=0
         assert load_paged_attention_kernel() is None
         assert select_backend("auto", torch.device("cpu"), torch.float32).name == "sdpa"
         with pytest.raises(ValueError, match="cpu_paged"):
             select_backend("cpu_paged", torch.device("cpu"), torch.float32)
-    finally:
-        monkeypatch.undo()
-        cpu_kernel._load_library.cache_clear()
     assert select_backend("auto", torch.device("cpu"), torch.float32).name == "cpu_paged"
     # The kernel reads float32, bfloat16 and int8 KV for float32 or bfloat16 models; float16 keeps SDPA.
     assert select_backend("auto", torch.device("cpu"), torch.bfloat16).name == "cpu_paged"

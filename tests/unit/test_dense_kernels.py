@@ -1,4 +1,4 @@
-"""pdserve's dense GEMMs (pdserve/engine/kernels/dense_gemm.c) against a float64 reference, in every build this CPU runs.
+"""pdserve's dense GEMMs (pdserve/engine/kernels/dense_gemm.c) against a float64 reference, in every variant this CPU runs.
 
 Each output is one float32 sum over the input columns: float32 results lie
 within the float32 accumulation bound of the exact product (k * 2^-24 of the
@@ -16,15 +16,17 @@ from torch import nn
 from pdserve.engine.layers import linear as linear_module
 from pdserve.engine.layers.dense_kernels import PANEL, dense_kernel_serves_this_cpu, load_dense_kernels, pack_dense, unpack_dense
 from pdserve.engine.layers.linear import PackedLinear
-from pdserve.engine.native import cpu_flags, cpu_vendor
+from pdserve.engine.native import cpu_flags, cpu_vendor, supported_variants
 
-# Every build this CPU runs: the portable code everywhere, AVX2 and AVX-512 (bf16: AVX512-BF16) where it has them.
-BUILDS = [pytest.param(("-mno-avx2", "-mno-avx512f"), {torch.float32: "portable", torch.bfloat16: "portable"}, id="portable")]
-if "avx2" in cpu_flags():
-    BUILDS.append(pytest.param(("-mno-avx512f",), {torch.float32: "avx2", torch.bfloat16: "portable"}, id="avx2"))
-if "avx512f" in cpu_flags():
-    bf16 = "avx512_bf16" if "avx512_bf16" in cpu_flags() else "portable"
-    BUILDS.append(pytest.param((), {torch.float32: "avx512", torch.bfloat16: bf16}, id="avx512"))
+# Every variant's code paths (float32, bf16), for the variants this CPU runs.
+_PATHS = {
+    "portable": {torch.float32: "portable", torch.bfloat16: "portable"},
+    "avx2": {torch.float32: "avx2", torch.bfloat16: "portable"},
+    "avx512": {torch.float32: "avx512", torch.bfloat16: "portable"},
+    "avx512_vnni": {torch.float32: "avx512", torch.bfloat16: "portable"},
+    "avx512_bf16": {torch.float32: "avx512", torch.bfloat16: "avx512_bf16"},
+}
+BUILDS = [pytest.param(variant, _PATHS[variant], id=variant) for variant in supported_variants()]
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
 # Output counts that fill panels, leave the last one partial, or are smaller than one; inputs down to one pair.
 SHAPES = [(576, 960), (64, 40), (1536, 576), (6, 3), (2, 33)]
@@ -44,14 +46,14 @@ def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Ten
     assert bool((error <= bound).all()), f"worst excess {float((error - bound).max()):.3g}"
 
 
-@pytest.mark.parametrize(("flags", "isa"), BUILDS)
+@pytest.mark.parametrize(("variant", "isa"), BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_every_build_computes_each_output_within_rounding(
-    flags: tuple[str, ...], isa: dict, dtype: torch.dtype, in_features: int, out_features: int, with_bias: bool
+    variant: str, isa: dict, dtype: torch.dtype, in_features: int, out_features: int, with_bias: bool
 ) -> None:
-    kernels = load_dense_kernels(flags)
+    kernels = load_dense_kernels(variant)
     assert kernels is not None and kernels.isa == isa
     torch.manual_seed(in_features + out_features)
     weight = (torch.randn(out_features, in_features) * 0.1).to(dtype)
@@ -64,10 +66,10 @@ def test_every_build_computes_each_output_within_rounding(
         assert_within_rounding(out, x, weight, bias)
 
 
-@pytest.mark.parametrize(("flags", "isa"), BUILDS)
+@pytest.mark.parametrize(("variant", "isa"), BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_are_independent_of_the_batch_and_of_the_thread_count(flags: tuple[str, ...], isa: dict, dtype: torch.dtype) -> None:
-    kernels = load_dense_kernels(flags)
+def test_rows_are_independent_of_the_batch_and_of_the_thread_count(variant: str, isa: dict, dtype: torch.dtype) -> None:
+    kernels = load_dense_kernels(variant)
     torch.manual_seed(1)
     weight = torch.randn(3072, 576).to(dtype)  # above the one-thread cut-off: split over panels
     gemm = kernels.bind(pack_dense(weight), None, 3072)
@@ -104,7 +106,7 @@ def test_pack_lays_out_panels_of_32_outputs() -> None:
 
 
 def test_bad_arguments_raise_value_errors() -> None:
-    kernels = load_dense_kernels(("-mno-avx2", "-mno-avx512f"))
+    kernels = load_dense_kernels("portable")
     panels = pack_dense(torch.zeros(40, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="panels must be contiguous CPU float32"):
         kernels.bind(panels, None, 70)
@@ -127,7 +129,7 @@ def test_the_kernels_serve_where_they_were_measured_faster() -> None:
 
 @pytest.fixture
 def dense_kernels_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unquantized layers on the kernels this CPU's native build runs (portable bf16 where it lacks AVX512-BF16)."""
+    """Unquantized layers on the kernels of this CPU's best variant (portable bf16 where it lacks AVX512-BF16)."""
     kernels = load_dense_kernels()
     assert kernels is not None
     monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: kernels)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.layers import fused_ops
 from pdserve.engine.layers.fused_ops import FusedOps, load_fused_ops
+from pdserve.engine.native import load_kernel_ops, supported_variants
 
 
-def _ops() -> FusedOps:
-    library = fused_ops._load_library()
-    assert library is not None, "this machine has a C compiler: the fused ops must build"
-    return FusedOps(library)
+def _ops(variant: str | None = None) -> FusedOps:
+    kernels = load_kernel_ops(variant)
+    assert kernels is not None, "pdserve was installed without its kernels (PDSERVE_BUILD_KERNELS=0?)"
+    return FusedOps(kernels)
 
 
 def _torch_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -90,18 +89,28 @@ def test_bad_tensors_are_refused_with_the_argument_named() -> None:
         ops.silu_mul(torch.randn(4, 8).half())
 
 
-def test_the_model_uses_them_on_cpu_in_bf16_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_model_uses_them_on_cpu_in_bf16_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is not None
     # float32 stays on torch's ops (the exactness oracle), as do float16 and GPUs.
     assert load_fused_ops(torch.device("cpu"), torch.float32) is None
     assert load_fused_ops(torch.device("cpu"), torch.float16) is None
     assert load_fused_ops(torch.device("cuda"), torch.bfloat16) is None
-    # Without a compiler there are none, and the model keeps torch's ops.
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    fused_ops._load_library.cache_clear()
-    try:
-        assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is None
-    finally:
-        monkeypatch.undo()
-        fused_ops._load_library.cache_clear()
+    # A package built without its kernels has none, and the model keeps torch's ops.
+    monkeypatch.setattr(fused_ops, "load_kernel_ops", lambda variant=None: None)
+    assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("variant", supported_variants())
+def test_every_variant_gives_the_portable_ones_bits(variant: str) -> None:
+    torch.manual_seed(11)
+    portable, ops = _ops("portable"), _ops(variant)
+    for dtype in (torch.float32, torch.bfloat16):
+        residual, delta = torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype)
+        weight = torch.randn(576).to(dtype)
+        results = []
+        for kernels in (portable, ops):
+            summed = residual.clone()
+            results.append((kernels.rms_norm(summed, weight, 1e-5, delta), summed))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+        gate_up = torch.randn(5, 2 * 1536).to(dtype)
+        assert torch.equal(portable.silu_mul(gate_up), ops.silu_mul(gate_up))

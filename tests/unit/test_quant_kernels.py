@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from pdserve.engine.layers import quant_kernels as qk
-from pdserve.engine.native import cpu_flags
+from pdserve.engine.native import supported_variants
 
+# The best variant this CPU runs; every test of the built kernels needs them (setup.py builds them).
 KERNELS = qk.load_quant_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler on this machine")
+assert KERNELS is not None, "pdserve was installed without its kernels (PDSERVE_BUILD_KERNELS=0?)"
 
 # (out, in): the default model's q/k/v, tiny ones, outputs not a multiple of 16, several blocks.
 SHAPES = [(960, 576), (1, 32), (50, 64), (17, 96), (576, 1536)]
@@ -140,17 +141,15 @@ def test_a_zero_activation_block_gives_exact_zeros_and_no_nan() -> None:
     _check(out, *_int8_reference(x, q, scales))
 
 
-@pytest.mark.parametrize(
-    ("flags", "isa"), [(("-mno-avx512vnni",), "avx2"), (("-mno-avx512vnni", "-mno-avx2"), "portable")]
-)
-def test_the_builds_for_cpus_without_vnni_or_avx2_compute_the_same_bits(flags: tuple[str, ...], isa: str) -> None:
-    # A CPU without AVX512-VNNI gets the AVX2 path, one without AVX2 the portable C path: the same integer
-    # sums and float steps. Row counts cover full and partial row groups.
-    fallback = qk.load_quant_kernels(flags)
-    assert fallback is not None
-    if isa == "avx2" and "avx2" not in cpu_flags():
-        pytest.skip("this CPU has no AVX2: the AVX2 build cannot run here")
-    assert fallback.isa == isa
+@pytest.mark.parametrize("variant", ["avx512_vnni", "avx512", "avx2"])
+def test_every_variant_computes_the_bits_of_the_portable_one(variant: str) -> None:
+    # A CPU with AVX512-VNNI gets the VNNI path, one without it the AVX2 path, one without AVX2 the portable
+    # C path: the same integer sums and float steps. Row counts cover full and partial row groups.
+    if variant not in supported_variants():
+        pytest.skip(f"this CPU cannot run the {variant} variant")
+    kernels, portable = qk.load_quant_kernels(variant), qk.load_quant_kernels("portable")
+    assert kernels is not None and portable is not None
+    assert (kernels.isa, portable.isa) == ("avx512_vnni" if variant == "avx512_vnni" else "avx2", "portable")
     torch.manual_seed(4)
     q8, scales8 = _int8_case(50, 96)
     row_scales = torch.zeros(64)
@@ -158,11 +157,11 @@ def test_the_builds_for_cpus_without_vnni_or_avx2_compute_the_same_bits(flags: t
     q4, scale4, minimum4 = _int4_case(50, 128, 64)
     for rows in (1, 6, 9):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        int8 = [k.int8_gemm(x, qk.pack_int8(q8), row_scales, 50) for k in (KERNELS, fallback)]
+        int8 = [k.int8_gemm(x, qk.pack_int8(q8), row_scales, 50) for k in (kernels, portable)]
         x4 = torch.randn(rows, 128)
         int4 = [
             k.int4_gemm(x4, qk.pack_int4(q4), qk.pack_rows(scale4), qk.pack_rows(minimum4), 64, 50)
-            for k in (KERNELS, fallback)
+            for k in (kernels, portable)
         ]
         assert torch.equal(int8[0], int8[1]) and torch.equal(int4[0], int4[1])
         _check(int8[1], *_int8_reference(x, q8, scales8))
@@ -177,7 +176,8 @@ def test_extreme_int8_values_do_not_saturate_the_16_bit_pair_sums() -> None:
     scales = torch.ones(16)
     x = torch.ones(1, 64)
     x[0, ::3] = -1.0  # xq = +-127 in every block
-    for kernels in (KERNELS, qk.load_quant_kernels(("-mno-avx512vnni",))):
+    for variant in supported_variants():
+        kernels = qk.load_quant_kernels(variant)
         assert kernels is not None
         out = kernels.int8_gemm(x, qk.pack_int8(q), scales, 16)
         expected = (q.to(torch.float64) * x.to(torch.float64)).sum(dim=1) / 127.0 * 127.0
@@ -222,20 +222,17 @@ def test_activation_ties_round_half_to_even_in_every_build(dtype: torch.dtype) -
     weights[:, 32:] = -1
     expected = float(torch.round(x[0, :32]).sum() - torch.round(x[0, 32:]).sum())
     assert expected == 127 + 0 + 2 + 2 - 0 - 2 - 2 + 4 - 4 + 127
-    for kernels in (KERNELS, qk.load_quant_kernels(("-mno-avx512vnni",)),
-                    qk.load_quant_kernels(("-mno-avx512vnni", "-mno-avx2"))):
+    for variant in supported_variants():
+        kernels = qk.load_quant_kernels(variant)
         assert kernels is not None
-        if kernels.isa == "avx2" and "avx2" not in cpu_flags():
-            continue
         out = kernels.int8_gemm(x.to(dtype), qk.pack_int8(weights), torch.ones(16), 16)
         assert torch.equal(out[0], torch.full((16,), expected, dtype=dtype)), kernels.isa
 
 
 def test_int8_tiles_taken_in_pairs_give_the_bits_of_one_tile_at_a_time() -> None:
-    # From PAIR_MIN_ROWS (16) rows the VNNI build reads two tiles of output rows per pass; a build with
-    # -DPDSERVE_NO_TILE_PAIRS reads one. Odd and even tile counts, full and partial row groups.
-    single = qk.load_quant_kernels(("-DPDSERVE_NO_TILE_PAIRS",))
-    assert single is not None and single.isa == KERNELS.isa
+    # From PAIR_MIN_ROWS (16) rows the VNNI variant reads two tiles of output rows per pass; fewer rows read
+    # one. Rows are independent of the batch, so each row alone gives what the paired pass must. Odd and even
+    # tile counts, full and partial row groups.
     torch.manual_seed(6)
     for out_features in (40, 50, 64):  # 3, 4 and 4 tiles of 16
         q, scales = _int8_case(out_features, 96)
@@ -244,5 +241,7 @@ def test_int8_tiles_taken_in_pairs_give_the_bits_of_one_tile_at_a_time() -> None
         for rows in (1, 15, 16, 17, 33):
             x = torch.randn(rows, 96, dtype=torch.bfloat16)
             paired = KERNELS.int8_gemm(x, qk.pack_int8(q), row_scales, out_features)
-            assert torch.equal(paired, single.int8_gemm(x, qk.pack_int8(q), row_scales, out_features)), (out_features, rows)
+            one_by_one = torch.cat([KERNELS.int8_gemm(x[r : r + 1], qk.pack_int8(q), row_scales, out_features)
+                                    for r in range(rows)])
+            assert torch.equal(paired, one_by_one), (out_features, rows)
             _check(paired, *_int8_reference(x, q, scales))

@@ -147,5 +147,7 @@ def select_backend(
         )
     kernel = load_paged_attention_kernel()
     if kernel is None and name == "cpu_paged":
-        raise ValueError("attention_backend='cpu_paged' needs a C compiler to build its kernel (see the log)")
+        raise ValueError(
+            "attention_backend='cpu_paged' needs pdserve's CPU kernels, and this package was built without them"
+        )
     return SdpaBackend(kernel)

@@ -1,42 +1,27 @@
-"""Builds and calls the paged-attention C kernel (``pdserve/engine/kernels/paged_attention.c``) on CPUs.
+"""Calls the paged-attention C kernel (``pdserve/engine/kernels/paged_attention.c``) on CPUs.
 
 The kernel attends short queries (decode tokens, and the few tokens a
-speculative step verifies) over the paged cache where it lies. It is compiled
-once per machine (``engine.native``) and loaded with ctypes. Without a
-compiler, or when the build fails, ``load_paged_attention_kernel`` returns
-None and the engine keeps the pure-torch SDPA path.
+speculative step verifies) over the paged cache where it lies. It is built into
+the package as a torch operator (``pdserve.engine.native``); a package built
+without its kernels makes ``load_paged_attention_kernel`` return None, and the
+engine keeps the pure-torch SDPA path.
 
 A step's work is split over threads by OpenMP inside the kernel, on the
-OpenMP runtime torch itself runs on (``engine.native.torch_openmp_flags``), so
-that the kernel's threads are the ones torch's GEMMs use. Where that build
-fails (no OpenMP, a torch on another runtime), the kernel is built without it
-and this module splits the work over a Python thread pool instead (ctypes
-releases the GIL); on two cores that pool thread competes with torch's still
-spinning OpenMP workers, which costs (``cpu_paged_pool`` in benchmarks/decode_step.py; BENCHMARKS.md).
+OpenMP runtime torch itself runs on, so that the kernel's threads are the ones
+torch's GEMMs use: the plan cuts the work items into ranges of about equal
+cost, one per thread.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
 from pdserve.engine.kv_cache import QuantizedKV
-from pdserve.engine.native import compile_kernel, torch_openmp_flags
+from pdserve.engine.native import KernelOps, load_kernel_ops
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parents[1] / "kernels" / "paged_attention.c"
-_SYMBOL = "pdserve_paged_attention"
-_RANGES_SYMBOL = "pdserve_paged_attention_ranges"
-_OPENMP_SYMBOL = "pdserve_paged_attention_openmp"
-_STORE_SYMBOL = "pdserve_store_kv"
 # The C side's kv_kind codes.
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 # The KV dtypes the kernel reads; queries may be float32 or bfloat16 (computed in float32).
@@ -45,7 +30,7 @@ KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16)
 # Query vectors the C side scores per pass over a KV head's rows (VECTORS_PER_PASS there).
 _VECTORS_PER_PASS = 4
 # Work under this many (context position x pass) units runs on the calling thread:
-# handing it to a pool thread costs more than it saves (batch-1 decode).
+# handing it to another thread costs more than it saves (batch-1 decode).
 _MIN_PARALLEL_WORK = 4096
 
 
@@ -72,20 +57,14 @@ class PagedAttentionKernel:
 
     The cache may be float32, bfloat16 or int8 (a ``QuantizedKV`` with its
     scales); queries and output are float32 or bfloat16. The work items of a
-    step run on up to ``num_threads`` threads side by side, split into
-    contiguous ranges of about equal cost: OpenMP threads inside the kernel
-    when it was built on torch's runtime (``openmp``), else a Python pool.
+    step run on up to ``num_threads`` OpenMP threads side by side, split into
+    contiguous ranges of about equal cost.
     """
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._function = getattr(library, _SYMBOL)
-        self._ranges_function = getattr(library, _RANGES_SYMBOL)
-        self._store_function = getattr(library, _STORE_SYMBOL)
-        self.openmp = bool(getattr(library, _OPENMP_SYMBOL)())
+    def __init__(self, kernels: KernelOps, num_threads: int) -> None:
+        self._ops, self._variant = kernels.ops, kernels.variant
+        self.variant = kernels.name
         self.num_threads = max(1, num_threads)
-        self._pool = None
-        if self.num_threads > 1 and not self.openmp:
-            self._pool = ThreadPoolExecutor(self.num_threads - 1, "pdserve-attn")
 
     def plan(
         self,
@@ -150,34 +129,25 @@ class PagedAttentionKernel:
         if query.stride(2) != 1 or query.stride(1) != head_dim or query.device.type != "cpu":
             raise ValueError(f"query must be a CPU tensor with each row's heads contiguous, strides {query.stride()}")
         checks = [("out", out, query.dtype), ("key_cache", key_data, kv_dtype), ("value_cache", value_data, kv_dtype)]
-        scales = (0, 0)
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
             checks += [("key_scales", key_cache.scales, torch.float32), ("value_scales", value_cache.scales, torch.float32)]
-            scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
+            scales = (key_cache.scales, value_cache.scales)
         # The C side trusts these layouts; anything else would read the wrong memory.
         for name, tensor, dtype in checks:
             if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
-        args = (
-            out.data_ptr(), query.data_ptr(), query.stride(0), int(query.dtype == torch.bfloat16),
-            key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales,
-            plan.block_tables.data_ptr(), plan.context_lens.data_ptr(),
-            plan.query_rows.data_ptr(), plan.query_lens.data_ptr(),
+        # One call: the ranges run on OpenMP threads (or in turn, on one thread).
+        status = self._ops.paged_attention(
+            self._variant, out, query, query.stride(0), int(query.dtype == torch.bfloat16), key_data, value_data,
+            _KV_KINDS[kv_dtype], *scales, plan.block_tables, plan.context_lens, plan.query_rows, plan.query_lens,
+            plan.range_points, len(plan.item_ranges), plan.block_tables.shape[1], num_kv_heads,
+            query.shape[1] // num_kv_heads, head_dim, block_size, scale,
         )
-        shape = (plan.block_tables.shape[1], num_kv_heads, query.shape[1] // num_kv_heads, head_dim, block_size, scale)
-        ranges = plan.item_ranges
-        if self._pool is None:
-            # One call: the ranges run on OpenMP threads (or in turn, on one thread).
-            statuses = [self._ranges_function(*args, plan.range_points.data_ptr(), len(ranges), *shape)]
-        else:
-            pending = [self._pool.submit(self._function, *args, begin, end, *shape) for begin, end in ranges[1:]]
-            begin, end = ranges[0]
-            statuses = [self._function(*args, begin, end, *shape)] + [future.result() for future in pending]
-        if -1 in statuses:
+        if status == -1:
             raise MemoryError("the paged attention kernel could not allocate its score buffer")
-        if any(status != 0 for status in statuses):
+        if status != 0:
             raise ValueError("the paged attention kernel was given a query longer than its context")
-
 
     def store(
         self,
@@ -208,11 +178,11 @@ class PagedAttentionKernel:
                 raise ValueError(f"{name}'s heads must be contiguous within a token's row, strides {tensor.stride()}")
         checks = [("key_cache", key_data, kv_dtype), ("value_cache", value_data, kv_dtype),
                   ("slot_mapping", slot_mapping, torch.long)]
-        scales = (0, 0)
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV):
             checks += [("key_scales", key_cache.scales, torch.float32),
                        ("value_scales", value_cache.scales, torch.float32)]
-            scales = (key_cache.scales.data_ptr(), value_cache.scales.data_ptr())
+            scales = (key_cache.scales, value_cache.scales)
         for name, tensor, dtype in checks:
             if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor")
@@ -223,10 +193,10 @@ class PagedAttentionKernel:
         if num_tokens == 0:
             return
         num_slots = key_data.shape[0] * key_data.shape[1]
-        status = self._store_function(
-            key.data_ptr(), value.data_ptr(), int(key.dtype == torch.bfloat16), key.stride(0), value.stride(0),
-            key_data.data_ptr(), value_data.data_ptr(), _KV_KINDS[kv_dtype], *scales, slot_mapping.data_ptr(),
-            num_tokens, num_slots, num_kv_heads, head_dim,
+        status = self._ops.store_kv(
+            self._variant, key, value, int(key.dtype == torch.bfloat16), key.stride(0), value.stride(0),
+            key_data, value_data, _KV_KINDS[kv_dtype], *scales, slot_mapping, num_tokens, num_slots, num_kv_heads,
+            head_dim,
         )
         if status == -3:
             raise ValueError(f"slot_mapping must lie in [0, {num_slots}) (the pool's slots); nothing was written")
@@ -234,46 +204,10 @@ class PagedAttentionKernel:
             raise ValueError(f"the KV write cannot serve head_dim {head_dim} or KV dtype {kv_dtype}")
 
 
-def load_paged_attention_kernel(num_threads: int | None = None, openmp: bool = True) -> PagedAttentionKernel | None:
-    """The compiled kernel, building it on first use; None where it cannot be built on this machine.
-
-    ``openmp`` False: the build without OpenMP, split over a Python pool (the
-    fallback; benchmarks compare the two).
-    """
-    library = _load_library(openmp)
-    if library is None and openmp:
-        library = _load_library(False)
-    if library is None:
+def load_paged_attention_kernel(num_threads: int | None = None, variant: str | None = None) -> PagedAttentionKernel | None:
+    """The kernel at ``variant`` (None: the best this CPU runs; ``pdserve.engine.native.load_kernel_ops``), over
+    ``num_threads`` threads (None: torch's); None where this package was built without its kernels."""
+    kernels = load_kernel_ops(variant)
+    if kernels is None:
         return None
-    return PagedAttentionKernel(library, num_threads if num_threads is not None else torch.get_num_threads())
-
-
-@lru_cache(maxsize=2)
-def _load_library(openmp: bool) -> ctypes.CDLL | None:
-    flags = torch_openmp_flags() if openmp else ()
-    if flags is None:
-        logger.info("torch runs on no libgomp: the paged-attention kernel splits its work over a Python pool")
-        return None
-    try:
-        path = compile_kernel(_SOURCE, flags)
-    except OSError as error:
-        if openmp:
-            logger.info("paged-attention kernel: no OpenMP build (%s); trying without", error)
-        else:
-            logger.warning("CPU paged-attention kernel unavailable (%s); decode attention uses SDPA", error)
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    for symbol in (_SYMBOL, _RANGES_SYMBOL):
-        function = getattr(library, symbol)
-        function.restype = ctypes.c_int
-        # The ranges entry takes (points, num_ranges) where the other takes (item_begin, item_end).
-        middle = [integer, integer] if symbol == _SYMBOL else [pointer, integer]
-        function.argtypes = [pointer, pointer, integer, integer, pointer, pointer, integer, pointer, pointer,
-                             pointer, pointer, pointer, pointer] + middle + [integer] * 5 + [ctypes.c_float]
-    getattr(library, _OPENMP_SYMBOL).restype = ctypes.c_int
-    store = getattr(library, _STORE_SYMBOL)
-    store.restype = ctypes.c_int
-    store.argtypes = [pointer, pointer, integer, integer, integer, pointer, pointer, integer, pointer, pointer,
-                      pointer, integer, integer, integer, integer]
-    return library
+    return PagedAttentionKernel(kernels, num_threads if num_threads is not None else torch.get_num_threads())

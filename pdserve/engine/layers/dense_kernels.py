@@ -18,20 +18,13 @@ decode step runs bf16 ones.
 
 from __future__ import annotations
 
-import ctypes
-import logging
-from functools import lru_cache
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from pdserve.engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
-from pdserve.engine.native import compile_kernel, cpu_flags, cpu_vendor, torch_openmp_flags
+from pdserve.engine.native import KernelOps, cpu_flags, cpu_vendor, load_kernel_ops
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parents[1] / "kernels" / "dense_gemm.c"
 # Output rows of one panel.
 PANEL = 32
 _BF16_PATHS = {0: "portable", 1: "avx512_bf16"}
@@ -62,14 +55,19 @@ def unpack_dense(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 class DenseKernels:
-    """The compiled kernels; ``bind`` checks a weight once and returns the product by it as a callable."""
+    """The kernels of one variant; ``bind`` checks a weight once and returns the product by it as a callable."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {torch.bfloat16: library.pdserve_bf16_gemm, torch.float32: library.pdserve_f32_gemm}
-        # Which code this build runs per dtype; the bf16 "portable" path is a reference, never the engine's.
+    def __init__(self, kernels: KernelOps) -> None:
+        ops, variant = kernels.ops, kernels.variant
+        self._functions: dict[torch.dtype, Callable[..., int]] = {
+            torch.bfloat16: lambda *args: ops.bf16_gemm(variant, *args),
+            torch.float32: lambda *args: ops.f32_gemm(variant, *args),
+        }
+        self.variant = kernels.name
+        # Which code the variant runs per dtype; the bf16 "portable" path is a reference, never the engine's.
         self.isa = {
-            torch.bfloat16: _BF16_PATHS[library.pdserve_bf16_path()],
-            torch.float32: _F32_PATHS[library.pdserve_f32_path()],
+            torch.bfloat16: _BF16_PATHS[ops.bf16_path(variant)],
+            torch.float32: _F32_PATHS[ops.f32_path(variant)],
         }
 
     def bind(self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> BoundDenseGemm:
@@ -91,9 +89,11 @@ class DenseKernels:
 
 
 class BoundDenseGemm:
-    """The product by one checked weight; keeps its tensors alive (the C side holds their pointers)."""
+    """The product by one checked weight."""
 
-    def __init__(self, function: Any, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
+    def __init__(
+        self, function: Callable[..., int], panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> None:
         self.panels, self.bias = panels, bias
         self.dtype = panels.dtype
         self.out_features = out_features
@@ -113,10 +113,7 @@ class BoundDenseGemm:
         if rows == 0:
             return out
         threads = torch.get_num_threads() if self.parallel else 1
-        self._function(
-            out.data_ptr(), x.data_ptr(), self.panels.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
-            rows, self.out_features, self.in_features, threads,
-        )
+        self._function(out, x, self.panels, self.bias, rows, self.out_features, self.in_features, threads)
         return out
 
 
@@ -129,30 +126,8 @@ def dense_kernel_serves_this_cpu(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD" and "avx512f" in flags
 
 
-def load_dense_kernels(extra_flags: tuple[str, ...] = ()) -> DenseKernels | None:
-    """The compiled kernels, built on first use; None where they cannot be built on this machine.
-
-    ``extra_flags`` are added to the compiler's (tests build the other paths with ``-mno-avx512bf16``,
-    ``-mno-avx512f`` and ``-mno-avx2``)."""
-    library = _load_library(tuple(extra_flags))
-    return None if library is None else DenseKernels(library)
-
-
-@lru_cache(maxsize=8)
-def _load_library(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    try:
-        # On torch's OpenMP runtime, as pdserve/engine/layers/quant_kernels.py explains.
-        path = compile_kernel(_SOURCE, (torch_openmp_flags() or ()) + extra_flags)
-    except OSError as error:
-        logger.warning("CPU dense kernels unavailable (%s); float32 and bf16 layers use MKL and oneDNN", error)
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    for name in ("pdserve_bf16_gemm", "pdserve_f32_gemm"):
-        function = getattr(library, name)
-        function.restype = integer
-        function.argtypes = [pointer] * 4 + [integer] * 4
-    for name in ("pdserve_bf16_path", "pdserve_f32_path"):
-        function = getattr(library, name)
-        function.restype, function.argtypes = integer, []
-    return library
+def load_dense_kernels(variant: str | None = None) -> DenseKernels | None:
+    """The kernels at ``variant`` (None: the best this CPU runs; ``pdserve.engine.native.load_kernel_ops``);
+    None where this package was built without them."""
+    kernels = load_kernel_ops(variant)
+    return None if kernels is None else DenseKernels(kernels)

@@ -1,4 +1,4 @@
-"""The decoder's fused elementwise steps on CPU (``pdserve/engine/kernels/fused_ops.c``), called through ctypes.
+"""The decoder's fused elementwise steps on CPU (``pdserve/engine/kernels/fused_ops.c``), as torch operators.
 
 ``FusedOps.rms_norm`` adds a sublayer's output into the residual stream and
 normalises it in one pass; ``FusedOps.silu_mul`` is the MLP's activation times
@@ -11,34 +11,26 @@ squares) and a few ulp of exp, so a result is now and then one bfloat16 step
 from torch's (tests/unit/test_fused_ops.py, and
 tests/integration/test_quantized_generation.py for whole generations).
 Float32 is the exactness oracle: it keeps torch's ops, as does every model
-the kernels cannot serve (GPU, float16, no C compiler).
+the kernels cannot serve (GPU, float16, a package built without its kernels).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-from functools import lru_cache
-from pathlib import Path
-
 import torch
 
-from pdserve.engine.native import compile_kernel
+from pdserve.engine.native import KernelOps, load_kernel_ops
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parents[1] / "kernels" / "fused_ops.c"
 # What the kernels compute; the model dtype they are used for (see the module docstring).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 MODEL_DTYPES = (torch.bfloat16,)
 
 
 class FusedOps:
-    """The compiled fused ops; tensors must be contiguous CPU float32 or bfloat16 of one dtype."""
+    """The fused ops of one kernel variant; tensors must be contiguous CPU float32 or bfloat16 of one dtype."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._rms_norm = library.pdserve_rms_norm
-        self._silu_mul = library.pdserve_silu_mul
+    def __init__(self, kernels: KernelOps) -> None:
+        self._ops, self._variant = kernels.ops, kernels.variant
+        self.isa = kernels.name
 
     def rms_norm(
         self,
@@ -57,17 +49,15 @@ class FusedOps:
         if weight.shape != (width,):
             raise ValueError(f"weight {tuple(weight.shape)} must be ({width},)")
         out = torch.empty_like(residual)
-        self._rms_norm(
-            out.data_ptr(), residual.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
-            rows, width, eps, int(residual.dtype == torch.bfloat16),
-        )
+        self._ops.rms_norm(self._variant, out, residual, delta, weight, rows, width, eps,
+                           int(residual.dtype == torch.bfloat16))
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # (rows, 2 * width) -> (rows, width)
         _check("gate_up", gate_up)
         rows, double_width = gate_up.shape
         out = gate_up.new_empty(rows, double_width // 2)
-        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, double_width // 2, int(gate_up.dtype == torch.bfloat16))
+        self._ops.silu_mul(self._variant, out, gate_up, rows, double_width // 2, int(gate_up.dtype == torch.bfloat16))
         return out
 
 
@@ -79,25 +69,10 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) ->
         raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
 
 
-def load_fused_ops(device: torch.device, dtype: torch.dtype) -> FusedOps | None:
-    """The fused ops for a model on ``device`` in ``dtype``; None where they do not apply or cannot be built."""
+def load_fused_ops(device: torch.device, dtype: torch.dtype, variant: str | None = None) -> FusedOps | None:
+    """The fused ops for a model on ``device`` in ``dtype``; None where they do not apply or were not built.
+    ``variant``: the kernels' ISA variant (``pdserve.engine.native.load_kernel_ops``)."""
     if device.type != "cpu" or dtype not in MODEL_DTYPES:
         return None
-    library = _load_library()
-    return None if library is None else FusedOps(library)
-
-
-@lru_cache(maxsize=1)
-def _load_library() -> ctypes.CDLL | None:
-    try:
-        path = compile_kernel(_SOURCE)
-    except OSError as error:
-        logger.warning("CPU fused ops unavailable (%s); the model uses torch's elementwise ops", error)
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    library.pdserve_rms_norm.restype = None
-    library.pdserve_rms_norm.argtypes = [pointer, pointer, pointer, pointer, integer, integer, ctypes.c_float, integer]
-    library.pdserve_silu_mul.restype = None
-    library.pdserve_silu_mul.argtypes = [pointer, pointer, integer, integer, integer]
-    return library
+    kernels = load_kernel_ops(variant)
+    return None if kernels is None else FusedOps(kernels)

@@ -23,7 +23,7 @@ dispatch by row count: up to ``kernel_max_rows`` rows (every row count on a
 CPU with AVX512-VNNI and no AMX, else decode batches) the kernel reads the
 small weights directly, the activation quantized to int8 per
 block of 32 (llama.cpp's Q8 approach; AVX512-VNNI dot products); above it, and
-wherever the kernel cannot run (GPU, no C compiler), the weights are
+wherever the kernel cannot run (GPU, a package built without its kernels), the weights are
 dequantized for this call only and multiplied by ``F.linear`` (no dequantized
 copy is kept, so the memory saving holds): to bf16, or to float32 on a CPU
 without bf16 units, where oneDNN emulates bf16 at several times float32's cost.
@@ -355,7 +355,7 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _dense_kernel_gemm(weight: torch.Tensor, bias: torch.Tensor | None) -> BoundDenseGemm | None:
     """The product by ``weight`` through pdserve's dense kernel, or None where the library torch calls serves
-    better or the kernel cannot run (not CPU, another dtype, a bf16 weight of odd width, no C compiler)."""
+    better or the kernel cannot run (not CPU, another dtype, a bf16 weight of odd width, no kernels built)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if (weight.dtype == torch.bfloat16 and weight.shape[1] % 2) or (bias is not None and bias.dtype != weight.dtype):

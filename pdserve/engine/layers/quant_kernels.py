@@ -3,7 +3,8 @@
 The kernel quantizes the activation to int8 per block of 32 (llama.cpp's Q8
 approach) and multiplies with AVX512-VNNI int8 dot products, 16 output rows a
 vector; without VNNI it computes the same integer sums with AVX2, or in portable
-C on a CPU without that (``QuantKernels.isa`` says which). Its weight
+C on a CPU without that (``QuantKernels.isa`` says which; the kernels' variant,
+``pdserve.engine.native``, decides). Its weight
 layout (tiles of 16 output rows, per block of 32 input columns; the C file's
 header has the byte order) is what ``Int8LinearMethod`` / ``Int4LinearMethod``
 keep; ``unpack_int8`` / ``unpack_int4`` turn it back into (out, in) integers for
@@ -12,19 +13,12 @@ the dequantized paths (prefill-sized batches, no kernel, GPU).
 
 from __future__ import annotations
 
-import ctypes
-import logging
-from functools import lru_cache
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.native import compile_kernel, torch_openmp_flags
+from pdserve.engine.native import KernelOps, load_kernel_ops
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).parents[1] / "kernels" / "quant_gemv.c"
 # The kernel's activation quantization block (input columns) and the output rows of one weight tile.
 QBLOCK = 32
 TILE = 16
@@ -90,18 +84,20 @@ _QUANT_PATHS = {2: "avx512_vnni", 1: "avx2", 0: "portable"}
 
 
 class QuantKernels:
-    """The compiled INT8/INT4 kernels; the caller passes tensors in ``pack_*``'s layouts (checked by shape).
+    """The INT8/INT4 kernels of one variant; the caller passes tensors in ``pack_*``'s layouts (checked by shape).
 
     ``bind_int8`` / ``bind_int4`` check a weight once and return the product by it
     as a callable: at batch 1 a projection costs tens of microseconds, so the
-    per-call Python work is kept to the activation's checks and one ctypes call.
+    per-call Python work is kept to the activation's checks and one operator call.
     """
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._int8 = library.pdserve_int8_gemm
-        self._int4 = library.pdserve_int4_gemm
-        # Which integer-product code this build runs: the CPU's best that the compiler was allowed.
-        self.isa = _QUANT_PATHS[library.pdserve_quant_path()]
+    def __init__(self, kernels: KernelOps) -> None:
+        ops, variant = kernels.ops, kernels.variant
+        self._int8: Callable[..., int] = lambda *args: ops.int8_gemm(variant, *args)
+        self._int4: Callable[..., int] = lambda *args: ops.int4_gemm(variant, *args)
+        self.variant = kernels.name
+        # Which integer-product code the variant runs.
+        self.isa = _QUANT_PATHS[ops.quant_path(variant)]
 
     def bind_int8(self, tiles: torch.Tensor, row_scales: torch.Tensor, out_features: int) -> BoundGemm:
         """x (rows, in) float32/bf16 -> x @ W.T (rows, out) in x's dtype; W = (tiles - 128) * row_scales[:, None]."""
@@ -147,16 +143,16 @@ class QuantKernels:
 
 
 class BoundGemm:
-    """The product by one checked weight; keeps the weight's tensors alive (the C side holds their pointers)."""
+    """The product by one checked weight."""
 
     def __init__(
-        self, function: Any, tensors: tuple[torch.Tensor, ...], options: tuple[int, ...], out_features: int,
-        in_features: int,
+        self, function: Callable[..., int], tensors: tuple[torch.Tensor, ...], options: tuple[int, ...],
+        out_features: int, in_features: int,
     ) -> None:
         self.tensors = tensors
         self.out_features, self.in_features = out_features, in_features
         self._function = function
-        self._weight_args = (*(t.data_ptr() for t in tensors), *options)
+        self._weight_args = (*tensors, *options)
         self._parallel = tensors[0].numel() >= _PARALLEL_MIN_BYTES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
@@ -168,8 +164,8 @@ class BoundGemm:
         # Small weights stay on one thread; others follow torch's current thread count.
         threads = torch.get_num_threads() if self._parallel else 1
         status = self._function(
-            out.data_ptr(), x.data_ptr(), *self._weight_args,
-            rows, self.out_features, self.in_features, x.dtype == torch.bfloat16, threads,
+            out, x, *self._weight_args, rows, self.out_features, self.in_features, int(x.dtype == torch.bfloat16),
+            threads,
         )
         if status != 0:
             raise MemoryError("the quantized kernel could not allocate its int8 activation")
@@ -193,30 +189,8 @@ def _check_activation(x: torch.Tensor, in_features: int) -> tuple[int, int]:
     return x.shape[0], x.shape[1]
 
 
-def load_quant_kernels(extra_flags: tuple[str, ...] = ()) -> QuantKernels | None:
-    """The compiled kernels, building them on first use; None where they cannot be built on this machine.
-
-    ``extra_flags`` are added to the compiler's (tests build the fallback paths with ``-mno-avx512vnni``
-    and ``-mno-avx2``)."""
-    library = _load_library(tuple(extra_flags))
-    return None if library is None else QuantKernels(library)
-
-
-@lru_cache(maxsize=4)
-def _load_library(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
-    try:
-        # OpenMP on torch's own runtime, so the kernel's parallel regions run on torch's (already
-        # spinning) worker threads; without one the kernel builds single-threaded.
-        path = compile_kernel(_SOURCE, (torch_openmp_flags() or ()) + extra_flags)
-    except OSError as error:
-        logger.warning("CPU INT8/INT4 kernels unavailable (%s); quantized layers dequantize to bf16", error)
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    library.pdserve_int8_gemm.restype = integer
-    library.pdserve_int8_gemm.argtypes = [pointer, pointer, pointer, pointer] + [integer] * 5
-    library.pdserve_int4_gemm.restype = integer
-    library.pdserve_int4_gemm.argtypes = [pointer, pointer, pointer, pointer, pointer] + [integer] * 6
-    library.pdserve_quant_path.restype = integer
-    library.pdserve_quant_path.argtypes = []
-    return library
+def load_quant_kernels(variant: str | None = None) -> QuantKernels | None:
+    """The kernels at ``variant`` (None: the best this CPU runs; ``pdserve.engine.native.load_kernel_ops``);
+    None where this package was built without them."""
+    kernels = load_kernel_ops(variant)
+    return None if kernels is None else QuantKernels(kernels)

@@ -4,8 +4,9 @@ At batch 1 a layer's arithmetic is a few hundred microseconds, and the Python
 and torch dispatch around its ten kernel calls (plus eight small torch ops of
 rotary) cost about as much again: llama.cpp runs a token as one graph of C ops.
 ``FusedDecoder`` collects every layer's weight pointers (INT8/INT4 tiles,
-scales, biases, norm weights) once, when the model is packed, into a ctypes
-struct array, and the KV pool's pointers when it first sees the pool; a step
+scales, biases, norm weights) once, when the model is packed, into an array of
+the C structs (laid out by numpy structured dtypes, checked against the C side's
+sizes), and the KV pool's pointers when it first sees the pool; a step
 then passes only its own inputs (embeddings, positions, slots and the attention
 kernel's plan). The C side calls the very kernels the unfused path calls, in the
 same order and with the same rounding, so hidden states are bit for bit the
@@ -17,7 +18,7 @@ kernels: INT8/INT4, or unquantized bf16 on a CPU with AVX512-BF16 and no AMX
 attention kernel attends (decodes, and the short chunks a speculative step
 verifies) and of at most ``FUSED_DECODE_MAX_ROWS`` tokens. Everything else —
 float32 (the exactness oracle), GPU, bf16 weights oneDNN serves, tensor parallelism,
-no C compiler, prefill chunks, larger batches, forward hooks on the decoder
+a package built without its kernels, prefill chunks, larger batches, forward hooks on the decoder
 layers (the KV pusher's), ``enforce_eager=True`` — runs the
 model's layer-by-layer forward; ``LlamaForCausalLM.forward`` is the one place
 that chooses.
@@ -25,12 +26,10 @@ that chooses.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,14 +37,13 @@ from pdserve.engine.attention.sdpa import SdpaMetadata
 from pdserve.engine.kv_cache import QuantizedKV
 from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
 from pdserve.engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
-from pdserve.engine.native import compile_kernel, torch_openmp_flags
+from pdserve.engine.native import KernelOps, load_kernel_ops
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parents[1] / "kernels" / "fused_decode.c"
 # Steps of up to this many tokens take the fused path. One thread, the default model, INT4: the fused step
 # took 0.56x the layer-by-layer step's time at 1 row, 0.73x at 8, 0.94x at 32 and 1.04x at 128 (min; 0.86x
 # by the medians), on a Zen 4: benchmarks/decode_step.py, BENCHMARKS.md. It can go no further than the projections' own
@@ -65,56 +63,25 @@ _STATUS_ERRORS = {
 }
 
 
-class _Projection(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_int64),
-        ("qweight", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("minimums", ctypes.c_void_p),
-        ("group_size", ctypes.c_int64),
-        ("bias", ctypes.c_void_p),
-        ("out_features", ctypes.c_int64),
-        ("in_features", ctypes.c_int64),
-        ("parallel", ctypes.c_int64),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
-        ("input_eps", ctypes.c_float),
-        ("post_eps", ctypes.c_float),
-        ("qkv", _Projection),
-        ("o", _Projection),
-        ("gate_up", _Projection),
-        ("down", _Projection),
-        ("key_cache", ctypes.c_void_p),
-        ("value_cache", ctypes.c_void_p),
-        ("key_scales", ctypes.c_void_p),
-        ("value_scales", ctypes.c_void_p),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", ctypes.c_int64),
-        ("hidden", ctypes.c_int64),
-        ("heads", ctypes.c_int64),
-        ("kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("intermediate", ctypes.c_int64),
-        ("kv_kind", ctypes.c_int64),
-        ("block_size", ctypes.c_int64),
-        ("num_slots", ctypes.c_int64),
-        ("max_positions", ctypes.c_int64),
-        ("attn_scale", ctypes.c_float),
-        ("final_eps", ctypes.c_float),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
-        ("final_norm", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(_Layer)),
-    ]
+# The C structs of fused_decode.c, field for field (aligned as C aligns them; the sizes are checked against
+# the C side's when the step is built). Pointers are addresses, 0 for NULL.
+_POINTER = np.uintp
+_PROJECTION = np.dtype([
+    ("kind", np.int64), ("qweight", _POINTER), ("scales", _POINTER), ("minimums", _POINTER),
+    ("group_size", np.int64), ("bias", _POINTER), ("out_features", np.int64), ("in_features", np.int64),
+    ("parallel", np.int64),
+], align=True)
+_LAYER = np.dtype([
+    ("input_norm", _POINTER), ("post_norm", _POINTER), ("input_eps", np.float32), ("post_eps", np.float32),
+    ("qkv", _PROJECTION), ("o", _PROJECTION), ("gate_up", _PROJECTION), ("down", _PROJECTION),
+    ("key_cache", _POINTER), ("value_cache", _POINTER), ("key_scales", _POINTER), ("value_scales", _POINTER),
+], align=True)
+_MODEL = np.dtype([
+    ("num_layers", np.int64), ("hidden", np.int64), ("heads", np.int64), ("kv_heads", np.int64),
+    ("head_dim", np.int64), ("intermediate", np.int64), ("kv_kind", np.int64), ("block_size", np.int64),
+    ("num_slots", np.int64), ("max_positions", np.int64), ("attn_scale", np.float32), ("final_eps", np.float32),
+    ("cos", _POINTER), ("sin", _POINTER), ("final_norm", _POINTER), ("layers", _POINTER),
+], align=True)
 
 
 class FusedDecoder:
@@ -124,39 +91,42 @@ class FusedDecoder:
     packed weights must not be replaced) and of the KV pool it last ran on.
     """
 
-    def __init__(self, library: ctypes.CDLL, model: LlamaForCausalLM, max_rows: int) -> None:
-        self._function = library.pdserve_fused_decode
+    def __init__(self, kernels: KernelOps, model: LlamaForCausalLM, max_rows: int) -> None:
+        self._ops, self._variant = kernels.ops, kernels.variant
         self.max_rows = max_rows
         decoder = model.model
         attn = decoder.layers[0].self_attn
         self._decoder_layers = list(decoder.layers)
-        self._layers = (_Layer * len(decoder.layers))()
+        self._layers = np.zeros(len(decoder.layers), dtype=_LAYER)
         for struct, layer in zip(self._layers, decoder.layers):
-            struct.input_norm = layer.input_layernorm.weight.data_ptr()
-            struct.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            struct.input_eps = layer.input_layernorm.eps
-            struct.post_eps = layer.post_attention_layernorm.eps
-            struct.qkv = _projection(layer.self_attn.qkv_proj)
-            struct.o = _projection(layer.self_attn.o_proj)
-            struct.gate_up = _projection(layer.mlp.gate_up_proj)
-            struct.down = _projection(layer.mlp.down_proj)
+            struct["input_norm"] = layer.input_layernorm.weight.data_ptr()
+            struct["post_norm"] = layer.post_attention_layernorm.weight.data_ptr()
+            struct["input_eps"] = layer.input_layernorm.eps
+            struct["post_eps"] = layer.post_attention_layernorm.eps
+            struct["qkv"] = _projection(layer.self_attn.qkv_proj)
+            struct["o"] = _projection(layer.self_attn.o_proj)
+            struct["gate_up"] = _projection(layer.mlp.gate_up_proj)
+            struct["down"] = _projection(layer.mlp.down_proj)
         rotary = decoder.rotary
-        self._model = _Model(
-            num_layers=len(decoder.layers),
-            hidden=decoder.norm.weight.shape[0],
-            heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            intermediate=decoder.layers[0].mlp.intermediate_size,
-            max_positions=rotary.cos.shape[0],
-            # As the attention backend computes it (Python's double, then the kernel's float).
-            attn_scale=attn.head_dim**-0.5,
-            final_eps=decoder.norm.eps,
-            cos=rotary.cos.data_ptr(),
-            sin=rotary.sin.data_ptr(),
-            final_norm=decoder.norm.weight.data_ptr(),
-            layers=self._layers,
-        )
+        self._model = np.zeros((), dtype=_MODEL)
+        model_struct = self._model
+        model_struct["num_layers"] = len(decoder.layers)
+        model_struct["hidden"] = decoder.norm.weight.shape[0]
+        model_struct["heads"] = attn.num_heads
+        model_struct["kv_heads"] = attn.num_kv_heads
+        model_struct["head_dim"] = attn.head_dim
+        model_struct["intermediate"] = decoder.layers[0].mlp.intermediate_size
+        model_struct["max_positions"] = rotary.cos.shape[0]
+        # As the attention backend computes it (Python's double, then the kernel's float).
+        model_struct["attn_scale"] = attn.head_dim**-0.5
+        model_struct["final_eps"] = decoder.norm.eps
+        model_struct["cos"] = rotary.cos.data_ptr()
+        model_struct["sin"] = rotary.sin.data_ptr()
+        model_struct["final_norm"] = decoder.norm.weight.data_ptr()
+        model_struct["layers"] = self._layers.__array_interface__["data"][0]
+        # The model struct's bytes, as the operator takes them (shares the array's memory).
+        self._model_bytes = torch.from_numpy(self._model.reshape(1).view(np.uint8))
+        self._hidden_size = int(model_struct["hidden"])
         self._pool_key: tuple[Any, ...] | None = None
         self._kv_caches: list[Any] | None = None
 
@@ -188,18 +158,17 @@ class FusedDecoder:
         for name, tensor in (("positions", positions), ("slot_mapping", slots)):
             if tensor.dtype != torch.long or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise ValueError(f"{name} must be a contiguous CPU int64 tensor")
-        if residual.dtype != torch.bfloat16 or not residual.is_contiguous() or residual.shape[1] != self._model.hidden:
-            raise ValueError(f"the embeddings must be bfloat16 (num_tokens, {self._model.hidden}), got "
+        if residual.dtype != torch.bfloat16 or not residual.is_contiguous() or residual.shape[1] != self._hidden_size:
+            raise ValueError(f"the embeddings must be bfloat16 (num_tokens, {self._hidden_size}), got "
                              f"{residual.dtype} {tuple(residual.shape)}")
         rows = residual.shape[0]
         if positions.shape != (rows,) or slots.shape != (rows,):
             raise ValueError(f"positions and slot_mapping must hold one entry per token ({rows})")
         hidden = torch.empty_like(residual)
-        status = self._function(
-            ctypes.byref(self._model), residual.data_ptr(), hidden.data_ptr(), positions.data_ptr(),
-            slots.data_ptr(), plan.block_tables.data_ptr(), plan.context_lens.data_ptr(),
-            plan.query_rows.data_ptr(), plan.query_lens.data_ptr(), plan.range_points.data_ptr(),
-            len(plan.item_ranges), plan.block_tables.shape[1], rows, torch.get_num_threads(),
+        status = self._ops.fused_decode(
+            self._variant, self._model_bytes, residual, hidden, positions, slots, plan.block_tables,
+            plan.context_lens, plan.query_rows, plan.query_lens, plan.range_points, len(plan.item_ranges),
+            plan.block_tables.shape[1], rows, torch.get_num_threads(),
         )
         if status != 0:
             error = MemoryError if status == -1 else ValueError
@@ -216,7 +185,7 @@ class FusedDecoder:
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {len(self._layers)}")
         first = _cache_data(kv_caches[0][0])
         num_blocks, block_size, kv_heads, head_dim = first.shape
-        if (kv_heads, head_dim) != (self._model.kv_heads, self._model.head_dim) or first.dtype not in _KV_KINDS:
+        if (kv_heads, head_dim) != (self._model["kv_heads"], self._model["head_dim"]) or first.dtype not in _KV_KINDS:
             raise ValueError(f"the KV pool's layout {tuple(first.shape)} {first.dtype} does not fit the model")
         for struct, (key_cache, value_cache) in zip(self._layers, kv_caches):
             for cache in (key_cache, value_cache):
@@ -225,14 +194,14 @@ class FusedDecoder:
                     raise ValueError("every layer's key and value caches must be contiguous and of one shape and dtype")
                 if isinstance(cache, QuantizedKV) and not cache.scales.is_contiguous():
                     raise ValueError("int8 KV scales must be contiguous")
-            struct.key_cache = _cache_data(key_cache).data_ptr()
-            struct.value_cache = _cache_data(value_cache).data_ptr()
+            struct["key_cache"] = _cache_data(key_cache).data_ptr()
+            struct["value_cache"] = _cache_data(value_cache).data_ptr()
             quantized = isinstance(key_cache, QuantizedKV) and isinstance(value_cache, QuantizedKV)
-            struct.key_scales = key_cache.scales.data_ptr() if quantized else None
-            struct.value_scales = value_cache.scales.data_ptr() if quantized else None
-        self._model.kv_kind = _KV_KINDS[first.dtype]
-        self._model.block_size = block_size
-        self._model.num_slots = num_blocks * block_size
+            struct["key_scales"] = key_cache.scales.data_ptr() if quantized else 0
+            struct["value_scales"] = value_cache.scales.data_ptr() if quantized else 0
+        self._model["kv_kind"] = _KV_KINDS[first.dtype]
+        self._model["block_size"] = block_size
+        self._model["num_slots"] = num_blocks * block_size
         self._pool_key, self._kv_caches = key, kv_caches
 
 
@@ -258,8 +227,15 @@ def build_fused_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
             projection.method.kernel_max_rows for projection in projections
             if not isinstance(projection.method, UnquantizedLinearMethod)
         ])
-    library = _load_library()
-    return None if library is None else FusedDecoder(library, model, max_rows)
+    kernels = load_kernel_ops()
+    if kernels is None:
+        return None
+    sizes = tuple(kernels.ops.fused_decode_struct_sizes(kernels.variant, which) for which in range(3))
+    if sizes != (_PROJECTION.itemsize, _LAYER.itemsize, _MODEL.itemsize):
+        logger.warning("CPU fused decode step: the C structs (%s bytes) do not match their mirrors here; not used",
+                       sizes)
+        return None
+    return FusedDecoder(kernels, model, max_rows)
 
 
 def _fits(projection: nn.Module) -> bool:
@@ -276,52 +252,31 @@ def _fits(projection: nn.Module) -> bool:
     )
 
 
-def _projection(layer: PackedLinear) -> _Projection:
+def _projection(layer: PackedLinear) -> np.ndarray:
+    """The C struct of one packed projection (a 0-d array of ``_PROJECTION``)."""
+    struct = np.zeros((), dtype=_PROJECTION)
     gemm = layer._dense_gemm
     if gemm is not None:
-        return _Projection(
-            kind=_BF16,
-            qweight=gemm.panels.data_ptr(),
-            bias=None if gemm.bias is None else gemm.bias.data_ptr(),
-            out_features=gemm.out_features,
-            in_features=gemm.in_features,
-            parallel=int(gemm.parallel),
-        )
+        struct["kind"] = _BF16
+        struct["qweight"] = gemm.panels.data_ptr()
+        struct["bias"] = 0 if gemm.bias is None else gemm.bias.data_ptr()
+        struct["out_features"] = gemm.out_features
+        struct["in_features"] = gemm.in_features
+        struct["parallel"] = int(gemm.parallel)
+        return struct
     int4 = isinstance(layer.method, Int4LinearMethod)
-    return _Projection(
-        kind=_INT4 if int4 else _INT8,
-        qweight=layer.qweight.data_ptr(),
-        scales=layer.scales.data_ptr(),
-        minimums=layer.minimums.data_ptr() if int4 else None,
-        group_size=layer.method.group_size if int4 else 0,
-        bias=None if layer.bias is None else layer.bias.data_ptr(),
-        out_features=layer.out_features,
-        in_features=layer.in_features,
-        # As BoundGemm splits a projection over threads.
-        parallel=int(layer.qweight.numel() >= _PARALLEL_MIN_BYTES),
-    )
+    struct["kind"] = _INT4 if int4 else _INT8
+    struct["qweight"] = layer.qweight.data_ptr()
+    struct["scales"] = layer.scales.data_ptr()
+    struct["minimums"] = layer.minimums.data_ptr() if int4 else 0
+    struct["group_size"] = layer.method.group_size if int4 else 0
+    struct["bias"] = 0 if layer.bias is None else layer.bias.data_ptr()
+    struct["out_features"] = layer.out_features
+    struct["in_features"] = layer.in_features
+    # As BoundGemm splits a projection over threads.
+    struct["parallel"] = int(layer.qweight.numel() >= _PARALLEL_MIN_BYTES)
+    return struct
 
 
 def _cache_data(cache: torch.Tensor | QuantizedKV) -> torch.Tensor:
     return cache.data if isinstance(cache, QuantizedKV) else cache
-
-
-@lru_cache(maxsize=1)
-def _load_library() -> ctypes.CDLL | None:
-    try:
-        # On torch's OpenMP runtime, as the kernels it includes are built (pdserve/engine/native.py).
-        path = compile_kernel(_SOURCE, torch_openmp_flags() or ())
-    except OSError as error:
-        logger.warning("CPU fused decode step unavailable (%s); decode runs layer by layer", error)
-        return None
-    library = ctypes.CDLL(str(path))
-    sizes = library.pdserve_fused_decode_struct_sizes
-    sizes.restype, sizes.argtypes = ctypes.c_int64, [ctypes.c_int64]
-    expected = (ctypes.sizeof(_Projection), ctypes.sizeof(_Layer), ctypes.sizeof(_Model))
-    if tuple(sizes(which) for which in range(3)) != expected:
-        logger.warning("CPU fused decode step: the C structs do not match their ctypes mirrors; not used")
-        return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    library.pdserve_fused_decode.restype = integer
-    library.pdserve_fused_decode.argtypes = [pointer] * 10 + [integer] * 4
-    return library

@@ -1,0 +1,53 @@
+"""The kernels' ISA variants: built into the package, the best one this CPU runs chosen, an override honoured."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from pdserve.engine import native
+from pdserve.engine.native import ISA_ENV, VARIANT_FEATURES, built_variants, load_kernel_ops, supported_variants
+
+
+def test_every_variant_is_built_into_the_package() -> None:
+    expected = tuple(VARIANT_FEATURES) if platform.machine() == "x86_64" else ("portable",)
+    assert built_variants() == expected
+
+
+def test_the_best_variant_this_cpu_runs_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    flags = native.cpu_flags()
+    runnable = tuple(name for name, needs in VARIANT_FEATURES.items() if needs <= flags and name in built_variants())
+    assert supported_variants() == runnable and runnable[0] == "portable"
+    kernels = load_kernel_ops()
+    assert kernels is not None and (kernels.name, kernels.variant) == (runnable[-1], built_variants().index(runnable[-1]))
+
+
+def test_an_override_names_a_lower_variant_and_a_bad_one_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ISA_ENV, "portable")
+    kernels = load_kernel_ops()
+    assert kernels is not None and (kernels.name, kernels.variant) == ("portable", 0)
+    assert kernels.ops.quant_path(kernels.variant) == 0  # the portable C code, whatever the CPU
+    monkeypatch.setenv(ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match=f"{ISA_ENV} 'avx9000' is not one of the built variants; this CPU runs"):
+        load_kernel_ops()
+    # An explicit variant wins over the override.
+    assert load_kernel_ops("portable").name == "portable"
+
+
+def test_a_variant_this_cpu_lacks_features_for_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset())  # a CPU with nothing beyond x86-64
+    assert supported_variants() == ("portable",)
+    if "avx2" in built_variants():
+        with pytest.raises(ValueError, match="variant 'avx2' needs CPU features this CPU lacks; this CPU runs portable"):
+            load_kernel_ops("avx2")
+    assert load_kernel_ops().name == "portable"
+
+
+def test_an_operator_refuses_a_variant_outside_the_build() -> None:
+    kernels = load_kernel_ops()
+    assert kernels is not None
+    with pytest.raises(RuntimeError, match=r"variant must be in \[0, \d\), got 99"):
+        kernels.ops.quant_path(99)
