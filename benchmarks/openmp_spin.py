@@ -8,7 +8,7 @@ its engine threads waiting on their queues). Each round sends the same burst
 (``cluster_throughput``'s workload, prompts of the round's own, all at once) to
 one cluster, then to the other, the order alternated from round to round so
 that a machine that speeds up or slows down favours neither. ``adaptive``
-workers govern their spin themselves (pdserve/engine/openmp.py); ``libgomp`` workers
+workers govern their spin themselves (pdserve/shared_cores/openmp.py); ``libgomp`` workers
 leave it to libgomp, and ``pdserve up`` then starts them with
 ``OMP_WAIT_POLICY=PASSIVE`` (the engines share the cores). Reports output
 tokens/s per round and the per-round ratio adaptive / libgomp, with its median.

@@ -291,7 +291,7 @@ class LocalCluster:
 
     def engines_sleep_at_once(self) -> bool:
         """Whether its workers get ``OMP_WAIT_POLICY=PASSIVE``: engines share the cores and some of them do not
-        turn their spin off themselves while the others compute (``--openmp-spin``, pdserve/engine/openmp.py): a
+        turn their spin off themselves while the others compute (``--openmp-spin``, pdserve/shared_cores/openmp.py): a
         worker given ``--openmp-spin libgomp``, or tensor-parallel ranks (only a worker's own process has
         the governor)."""
         return self.engines_share_cores() and (self._has_tensor_parallel_ranks() or any(

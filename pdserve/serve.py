@@ -103,26 +103,16 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
     return asyncio.run(run())
 
 
-def _raise_niceness(increment: int) -> None:
-    """Lower this process's CPU priority by ``increment``, before the engine, the OpenMP pool and gRPC start threads.
-
-    Linux keeps a niceness per thread and a new thread takes its creator's: the threads that exist
-    already (importing torch starts one) are set one by one, the rest inherit it.
-    """
-    tasks = "/proc/self/task"
-    for thread_id in (int(name) for name in os.listdir(tasks)) if os.path.isdir(tasks) else (0,):
-        os.setpriority(os.PRIO_PROCESS, thread_id, os.getpriority(os.PRIO_PROCESS, thread_id) + increment)
-
-
 def _run_worker(args: argparse.Namespace, role: str) -> int:
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.openmp import on_a_passing_thread
+    from pdserve.shared_cores.niceness import raise_niceness
+    from pdserve.shared_cores.openmp import on_a_passing_thread
     from pdserve.service_common.server import ServerConfig
     from pdserve.service_common.worker import WorkerConfig
 
     _setup_logging(args)
     if args.niceness:
-        _raise_niceness(args.niceness)
+        raise_niceness(args.niceness)
     if args.torch_threads:
         import torch
 
@@ -131,7 +121,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     server_tls = server_tls_from_args(args)
     client_tls = client_tls_from_args(args)  # a prefill worker dials decode workers to push KV
     # Loaded on a thread that ends, so that the engine thread is the process's only OpenMP pool: a second
-    # one (the main thread's) makes every parallel region of every step sleep and wake (pdserve/engine/openmp.py).
+    # one (the main thread's) makes every parallel region of every step sleep and wake (pdserve/shared_cores/openmp.py).
     config = engine_config(args)
     engine = on_a_passing_thread(lambda: LLMEngine(config))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,

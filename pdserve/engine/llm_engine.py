@@ -262,7 +262,7 @@ class LLMEngine:
     @property
     def between_layers(self) -> Callable[[], None] | None:
         """Called on the engine thread between two decoder layers of a step that runs layer by layer (every
-        step but a fused decode step's): a worker's OpenMP spin governor (pdserve/engine/openmp.py) follows the other
+        step but a fused decode step's): a worker's OpenMP spin governor (pdserve/shared_cores/openmp.py) follows the other
         processes through a multi-second prefill step with it, not only from one step to the next."""
         return self.model.between_layers
 

@@ -24,7 +24,7 @@ from pdserve.service_common.errors import status_for
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import EngineStats
-    from pdserve.engine.openmp import SpinGovernor
+    from pdserve.shared_cores.openmp import SpinGovernor
     from pdserve.protos.pdserve.v1 import generation_pb2
 
 log = logging.getLogger(__name__)

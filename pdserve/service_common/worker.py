@@ -23,7 +23,7 @@ from pdserve.service_common.errors import Overloaded
 from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
 from pdserve.engine.block_manager import BlockEvent, BlockStored
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.openmp import spin_governor
+from pdserve.shared_cores.openmp import spin_governor
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.server import Server, ServerConfig
 
@@ -45,7 +45,7 @@ class WorkerConfig:
     # instead of waiting in an unbounded queue. An idle worker admits any request.
     max_queued_requests: int = 256
     max_queued_tokens: int = 65536
-    # pdserve/engine/openmp.py's SPIN_MODES: "adaptive" lets libgomp spin only while other processes leave this
+    # pdserve/shared_cores/openmp.py's SPIN_MODES: "adaptive" lets libgomp spin only while other processes leave this
     # one's CPUs idle (``pdserve prefill|decode|colocated``'s default); "libgomp" leaves it to libgomp.
     openmp_spin: str = "libgomp"
     # An idle engine that gets prompts waits up to this long for the rest of a burst before its first

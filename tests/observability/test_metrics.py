@@ -175,7 +175,7 @@ def test_worker_metrics_show_the_openmp_spin_governor() -> None:
     from prometheus_client import generate_latest
 
     from pdserve.engine.llm_engine import EngineStats
-    from pdserve.engine.openmp import SpinGovernor
+    from pdserve.shared_cores.openmp import SpinGovernor
     from pdserve.service_common.metrics import WorkerMetrics
 
     stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,

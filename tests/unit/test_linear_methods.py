@@ -5,6 +5,8 @@ build) are tested in tests/unit/test_quant_kernels.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -221,3 +223,30 @@ def test_settings_the_checkpoint_cannot_serve_raise_value_errors_naming_the_fiel
         PackedLinear(huge, Int4LinearMethod(32))
     with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'fp8'"):
         linear_method("fp8", 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_private_library_gemms_give_f_linears_tokens(
+    dtype: torch.dtype, llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MKL's packed sgemm (float32) and oneDNN's prepacked bf16 GEMM are private aten ops, kept where they are
+    # faster (benchmarks/linear_methods.py); without them (another torch) F.linear serves, with the same tokens.
+    from pdserve.engine import LLM, SamplingParams
+
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: None)  # the library's GEMMs, not pdserve's
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 60))]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def tokens() -> tuple[list[list[int]], bool]:
+        llm = LLM(model=str(llama_checkpoint), dtype=str(dtype).removeprefix("torch."), num_kv_blocks=32)
+        layer = llm.engine.model.model.layers[0].self_attn.qkv_proj
+        private = layer._mkl_weight is not None or layer._onednn_weight is not None
+        return [output.token_ids for output in llm.generate(prompts, greedy)], private
+
+    private_tokens, used = tokens()
+    if not used:
+        pytest.skip(f"no private library GEMM serves {dtype} on this CPU")
+    monkeypatch.setattr(linear_module, "_mkl_packed", lambda weight: None)
+    monkeypatch.setattr(linear_module, "_onednn_packed", lambda weight: None)
+    public_tokens, used = tokens()
+    assert not used and public_tokens == private_tokens

@@ -1,4 +1,4 @@
-"""``engine.openmp.on_a_passing_thread``: its result and errors, and the OpenMP pool it leaves behind (none)."""
+"""``pdserve.shared_cores.openmp.on_a_passing_thread``: its result and errors, and the OpenMP pool it leaves behind (none)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.openmp import on_a_passing_thread
+from pdserve.shared_cores.openmp import on_a_passing_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_an_error_is_raised_on_the_calling_thread_as_it_was() -> None:
 # Run in a fresh interpreter: this test process's main thread has an OpenMP pool already.
 _POOLS = """
 import os, time, torch
-from pdserve.engine.openmp import on_a_passing_thread
+from pdserve.shared_cores.openmp import on_a_passing_thread
 
 torch.set_num_threads(2)
 

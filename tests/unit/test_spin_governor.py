@@ -1,4 +1,4 @@
-"""``SpinGovernor``: libgomp spins only while other processes leave this process's CPUs idle (pdserve/engine/openmp.py)."""
+"""``SpinGovernor``: libgomp spins only while other processes leave this process's CPUs idle (pdserve/shared_cores/openmp.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.openmp import SpinGovernor, cpu_busy_reader, spin_governor
+from pdserve.shared_cores.openmp import SpinGovernor, cpu_busy_reader, spin_governor
 
 
 class FakeHost:
@@ -178,7 +178,7 @@ def test_no_governor_where_it_has_nothing_to_do(monkeypatch: pytest.MonkeyPatch)
 # time over 40 short regions, each followed by a 20 ms pause, with the spin on and then off.
 _MECHANISM = textwrap.dedent("""
     import os, time, threading, torch
-    from pdserve.engine.openmp import spin_governor
+    from pdserve.shared_cores.openmp import spin_governor
 
     torch.set_num_threads(2)
 
