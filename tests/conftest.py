@@ -67,6 +67,113 @@ def _tiny_qwen2_config() -> object:
     )
 
 
+def _tiny_qwen3_config() -> object:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # explicit, not hidden_size / heads (16): q/k/v widths differ from the hidden size
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_mistral_config() -> object:
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,  # multi-query
+        max_position_embeddings=1024,
+        # Shorter than most test prompts, and not a multiple of the block size: windows end mid-block.
+        sliding_window=48,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_olmo2_config() -> object:
+    from transformers import Olmo2Config
+
+    return Olmo2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_phi3_config() -> object:
+    from transformers import Phi3Config
+
+    return Phi3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=1024,
+        # Phi-4 mini's shape of RoPE: LongRoPE short factors on the first 3/4 of each head (12 of 16
+        # features), and cos/sin scaled by an attention factor.
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "attention_factor": 1.2,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+# The families every engine path is checked on (the ``checkpoint`` fixture), each by its own tiny config.
+FAMILY_CONFIGS = {
+    "llama": _tiny_llama_config,
+    "qwen2": _tiny_qwen2_config,
+    "qwen3": _tiny_qwen3_config,
+    "mistral": _tiny_mistral_config,
+    "olmo2": _tiny_olmo2_config,
+    "phi3": _tiny_phi3_config,
+}
+
+
 def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
     """Save a random model of ``config`` as a Hugging Face folder (config, safetensors, generation config)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -88,7 +195,30 @@ def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), _tiny_qwen2_config())
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 3: no prompt of the stop-condition and preemption tests ends at EOS before their cut points.
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), _tiny_qwen3_config(), seed=3)
+
+
+@pytest.fixture(scope="session")
+def mistral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 1: no prompt of the preemption tests ends at EOS early, so their pools do fill up.
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), _tiny_mistral_config(), seed=1)
+
+
+@pytest.fixture(scope="session")
+def olmo2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-olmo2"), _tiny_olmo2_config())
+
+
+@pytest.fixture(scope="session")
+def phi3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 2: no prompt of the preemption tests ends at EOS early, so their pools do fill up.
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), _tiny_phi3_config(), seed=2)
+
+
+@pytest.fixture(scope="session", params=list(FAMILY_CONFIGS))
 def checkpoint(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_checkpoint")
 

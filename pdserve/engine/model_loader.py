@@ -98,14 +98,18 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str], *, tie_wo
     # remove_duplicate=False: a tied head is listed under its own name too.
     params = dict(model.named_parameters(remove_duplicate=False))
     _check_tied_head(params, tie_word_embeddings)
-    _check_matches(params, keys_by_file, tie_word_embeddings)
+    split = getattr(model, "checkpoint_parts", None)
+    parts = {key: (split(key) if split is not None else None) or [(key, None)] for key in files_by_key}
+    _check_matches(params, keys_by_file, parts, tie_word_embeddings)
 
     with torch.no_grad():
         for file_path, keys in keys_by_file.items():
             with safe_open(str(file_path), framework="pt") as checkpoint:
                 for key in keys:
-                    param = params[key]
-                    param.data.copy_(checkpoint.get_tensor(key).to(param.dtype))
+                    tensor = checkpoint.get_tensor(key)
+                    for name, rows in parts[key]:
+                        param = params[name]
+                        param.data.copy_((tensor if rows is None else tensor[rows[0] : rows[1]]).to(param.dtype))
 
 
 def load_model(
@@ -186,25 +190,40 @@ def _check_tied_head(params: dict[str, torch.nn.Parameter], tie_word_embeddings:
         )
 
 
+# Which parameters a checkpoint tensor fills: (parameter name, None for all of it or (first, end) rows).
+TensorParts = list[tuple[str, tuple[int, int] | None]]
+
+
 def _check_matches(
-    params: dict[str, torch.nn.Parameter], keys_by_file: dict[Path, list[str]], tie_word_embeddings: bool
+    params: dict[str, torch.nn.Parameter],
+    keys_by_file: dict[Path, list[str]],
+    parts: dict[str, TensorParts],
+    tie_word_embeddings: bool,
 ) -> None:
-    checkpoint_keys = {key for keys in keys_by_file.values() for key in keys}
+    filled = {name for key_parts in parts.values() for name, _ in key_parts}
     expected = set(params)
     if tie_word_embeddings:
         expected.discard(_TIED_HEAD_NAME)
-    missing = sorted(expected - checkpoint_keys)
-    unexpected = sorted(checkpoint_keys - params.keys())
+    missing = sorted(expected - filled)
+    unexpected = sorted(key for key, key_parts in parts.items() if any(name not in params for name, _ in key_parts))
     mismatched: list[str] = []
     for file_path, keys in keys_by_file.items():
         with safe_open(str(file_path), framework="pt") as checkpoint:
             for key in keys:
-                if key not in params:
+                if key in unexpected:
                     continue
                 # get_slice reads the header only, not the tensor.
                 shape = list(checkpoint.get_slice(key).get_shape())
-                if shape != list(params[key].shape):
-                    mismatched.append(f"{key}: checkpoint {shape} vs model {list(params[key].shape)}")
+                if parts[key][0][1] is None:
+                    if shape != list(params[key].shape):
+                        mismatched.append(f"{key}: checkpoint {shape} vs model {list(params[key].shape)}")
+                    continue
+                # A fused checkpoint tensor: its rows are the parts' rows, side by side.
+                wanted = [sum(end - first for _, (first, end) in parts[key]), *params[parts[key][0][0]].shape[1:]]
+                if shape != wanted or any(list(params[name].shape) != [end - first, *wanted[1:]]
+                                          for name, (first, end) in parts[key]):
+                    mismatched.append(f"{key}: checkpoint {shape} vs model parts "
+                                      f"{[list(params[name].shape) for name, _ in parts[key]]}")
     problems: list[str] = []
     if missing:
         problems.append(f"{len(missing)} missing parameters: {_first_names(missing)}")

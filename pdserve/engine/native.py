@@ -125,9 +125,26 @@ def cpu_vendor() -> str:
     return ""
 
 
+# The vector and matrix features a forced variant hides from the engine's choices (dispatch_flags).
+_SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "vpclmul", "vaes", "gfni")
+
+
+def dispatch_flags() -> frozenset[str]:
+    """The CPU flags the engine's choices read: ``cpu_flags()``, less the vector and matrix features beyond the
+    variant ``PDSERVE_CPU_ISA`` forces. With ``PDSERVE_CPU_ISA=avx2`` on an AVX-512/AMX CPU the engine then
+    chooses as on an AVX2-only one (float32 dequantized GEMMs, no bf16 or AMX paths), not only its kernels'
+    variant. Libraries have their own switches for the same (docs/performance.md: emulating a smaller CPU)."""
+    flags = cpu_flags()
+    forced = os.environ.get(ISA_ENV)
+    if not forced or forced not in VARIANT_FEATURES:
+        return flags
+    allowed = VARIANT_FEATURES[forced]
+    return frozenset(f for f in flags if f in allowed or not f.startswith(_SIMD_PREFIXES))
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` in /proc/cpuinfo (Linux x86).
+    """Whether this CPU multiplies bf16 in hardware: ``amx_bf16`` or ``avx512_bf16`` among ``dispatch_flags()``.
 
     Elsewhere oneDNN emulates bf16 products: 3-10x slower than float32 at 32-2,048 rows on an AVX2-only
     AMD EPYC (Zen 3; benchmarks/linear_methods.py, BENCHMARKS.md)."""
-    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    return bool({"amx_bf16", "avx512_bf16"} & dispatch_flags())

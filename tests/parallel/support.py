@@ -54,6 +54,62 @@ def qwen2_config() -> object:
     )
 
 
+def qwen3_config() -> object:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def mistral_config() -> object:
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=10,  # shorter than every prompt but the first of the test
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def olmo2_config() -> object:
+    from transformers import Olmo2Config
+
+    return Olmo2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
 CONFIGS = {
     # MHA, every projection with a bias (the row-parallel ones added once)
     "mha_bias": lambda: llama_config(6, 6, bias=True),
@@ -65,6 +121,12 @@ CONFIGS = {
     "qwen2": qwen2_config,
     # a vocabulary that splits unevenly over 2 and 3 ranks (255 + 254, 170 + 170 + 169), untied head
     "odd_vocab": lambda: llama_config(6, 6, bias=False, vocab_size=ODD_VOCAB_SIZE),
+    # per-head q/k norms, which each rank applies to its own heads
+    "qwen3": qwen3_config,
+    # a sliding window, which each rank applies to its own heads
+    "mistral": mistral_config,
+    # q/k norms over all heads: refused
+    "olmo2": olmo2_config,
 }
 
 

@@ -61,7 +61,7 @@ def _check_equal(reference: Reference, prompts: list[list[int]], outputs: list[l
 
 @pytest.mark.parametrize(
     ("name", "tp"),
-    [("mha_bias", 2), ("mha_bias", 3), ("gqa_1kv", 3), ("gqa_2kv", 2), ("qwen2", 3)],
+    [("mha_bias", 2), ("mha_bias", 3), ("gqa_1kv", 3), ("gqa_2kv", 2), ("qwen2", 3), ("qwen3", 2), ("mistral", 2)],
 )
 def test_tensor_parallel_greedy_matches_transformers_through_batching_prefix_hits_and_preemption(
     checkpoints: dict[str, Path], name: str, tp: int
@@ -113,6 +113,12 @@ def test_tensor_parallel_refuses_what_does_not_split_naming_the_option(checkpoin
         _llm(checkpoints["mha_bias"], 2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         _llm(checkpoints["mha_bias"], 0)
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=2 cannot serve this model: OLMo 2 normalises q and k over all heads at once, "
+        "which tensor parallelism splits; use tensor_parallel_size=1",
+    ):
+        _llm(checkpoints["olmo2"], 2)
 
 
 def test_a_dead_rank_fails_the_engine_promptly_instead_of_hanging(checkpoints: dict[str, Path]) -> None:

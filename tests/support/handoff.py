@@ -49,12 +49,12 @@ def hand_over(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], params: 
 def handoff_tokens(
     prefill: LLMEngine, decode: LLMEngine, prompts: list[list[int]], params: SamplingParams
 ) -> dict[str, list[int]]:
-    """Hand every prompt from ``prefill`` to ``decode``, decode there to the end; tokens by request id.
+    """Hand every prompt from ``prefill`` to ``decode``, decode there to the end; tokens by request id, in
+    the prompts' order (whichever finishes first).
 
     Asserts that neither engine holds a block afterwards.
     """
-    for prompt in prompts:
-        hand_over(prefill, decode, prompt, params)
+    request_ids = [hand_over(prefill, decode, prompt, params).request_id for prompt in prompts]
     outputs: dict[str, list[int]] = {}
     while decode.has_unfinished_requests():
         for out in decode.step():
@@ -62,4 +62,4 @@ def handoff_tokens(
                 outputs[out.request_id] = out.token_ids
     assert decode.block_manager.num_used_blocks == 0
     assert prefill.block_manager.num_used_blocks == 0
-    return outputs
+    return {request_id: outputs[request_id] for request_id in request_ids}

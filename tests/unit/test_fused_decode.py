@@ -29,6 +29,22 @@ NUM_BLOCKS = 6 * (FUSED_DECODE_MAX_ROWS + 1)
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    """The families with Llama's layer layout, the one the fused step computes."""
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "mistral"])
+def test_families_outside_the_fused_layout_decode_layer_by_layer(family: str, request: pytest.FixtureRequest) -> None:
+    # q/k norms (Qwen3, OLMo 2), norms after each sublayer (OLMo 2) and sliding windows shorter than the
+    # model length (the tiny Mistral's 48) are not in the C step: every step runs the layers.
+    path = request.getfixturevalue(f"{family}_checkpoint")
+    model = load_model(path, load_hf_config(path), 256, torch.bfloat16, CPU, "int8", 32)
+    assert model.fused_decode_layout is False
+    assert model.fused_decoder is None
+
+
 class Pair:
     """One model and two KV pools that the fused and the layer-by-layer path advance side by side."""
 

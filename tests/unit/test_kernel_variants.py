@@ -51,3 +51,26 @@ def test_an_operator_refuses_a_variant_outside_the_build() -> None:
     assert kernels is not None
     with pytest.raises(RuntimeError, match=r"variant must be in \[0, \d\), got 99"):
         kernels.ops.quant_path(99)
+
+
+def test_a_forced_variant_hides_the_bigger_cpus_features_from_the_engines_choices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sapphire_rapids = frozenset(
+        {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+         "amx_bf16", "amx_int8", "amx_tile", "avx_vnni", "vaes", "gfni", "aes", "popcnt"}
+    )
+    monkeypatch.setattr(native, "cpu_flags", lambda: sapphire_rapids)
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert native.dispatch_flags() == sapphire_rapids
+    assert native.cpu_has_native_bf16()
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    # What an AVX2-only CPU has: no AVX-512, AMX, AVX-VNNI or vector crypto; the scalar features stay.
+    assert native.dispatch_flags() == frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "aes", "popcnt"})
+    assert not native.cpu_has_native_bf16()
+    monkeypatch.setenv(ISA_ENV, "avx512_vnni")
+    assert native.dispatch_flags() == frozenset(
+        {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512_vnni", "aes", "popcnt"}
+    )
+    monkeypatch.setenv(ISA_ENV, "portable")
+    assert native.dispatch_flags() == frozenset({"sse4_2", "bmi2", "aes", "popcnt"})

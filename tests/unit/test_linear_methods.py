@@ -15,6 +15,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers import linear as linear_module
 from pdserve.engine.layers.linear import (
     INT4_KERNEL_MAX_ROWS,
+    INT8_AVX2_KERNEL_MAX_ROWS,
     INT8_KERNEL_MAX_ROWS,
     LM_HEAD_KERNEL_MAX_ROWS,
     NO_ROW_LIMIT,
@@ -164,19 +165,21 @@ def test_prefill_sized_batches_dequantize_to_bf16_only_where_the_cpu_has_bf16_un
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"),
+    ("flags", "int8_rows", "int4_rows"),
     [
-        ({"avx512f", "avx512_vnni"}, NO_ROW_LIMIT),  # Zen 4, Cooper Lake: the kernels win at every size
-        ({"avx512f", "avx512_vnni", "amx_bf16", "amx_int8"}, INT8_KERNEL_MAX_ROWS),  # AMX tiles run bf16
-        ({"avx2", "fma"}, INT8_KERNEL_MAX_ROWS),  # no VNNI: the AVX2 kernels up to 256 rows
+        ({"avx512f", "avx512_vnni"}, NO_ROW_LIMIT, NO_ROW_LIMIT),  # Zen 4, Cooper Lake: the kernels win at every size
+        # AMX tiles run the dequantized bf16 GEMM
+        ({"avx512f", "avx512_vnni", "amx_bf16", "amx_int8"}, INT8_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS),
+        # no VNNI, no bf16 units: dequantizing means float32, which INT4's kernel beats at every size
+        ({"avx2", "fma"}, INT8_AVX2_KERNEL_MAX_ROWS, NO_ROW_LIMIT),
     ],
 )
-def test_the_kernels_take_every_row_count_only_on_vnni_cpus_without_amx(
-    monkeypatch: pytest.MonkeyPatch, flags: set[str], expected: int
+def test_the_kernels_row_cut_off_follows_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], int8_rows: int, int4_rows: int
 ) -> None:
-    monkeypatch.setattr(linear_module, "cpu_flags", lambda: frozenset(flags))
-    assert Int8LinearMethod().kernel_max_rows == expected
-    assert Int4LinearMethod(32).kernel_max_rows == expected
+    monkeypatch.setattr(linear_module, "dispatch_flags", lambda: frozenset(flags))
+    assert Int8LinearMethod().kernel_max_rows == int8_rows
+    assert Int4LinearMethod(32).kernel_max_rows == int4_rows
     assert Int8LinearMethod(64).kernel_max_rows == 64  # an explicit cut-off is kept
     assert lm_head_method("int4").kernel_max_rows == LM_HEAD_KERNEL_MAX_ROWS
 

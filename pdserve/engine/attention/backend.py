@@ -55,8 +55,14 @@ class AttentionBackend(abc.ABC):
         key_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
         value_cache: CacheTensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
         metadata: Any,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        """Store ``key``/``value`` at the batch's slots, then return causal attention output."""
+        """Store ``key``/``value`` at the batch's slots, then return causal attention output.
+
+        ``window``: a sliding-window layer's window (a token attends to itself and the ``window - 1``
+        before it, as transformers masks it); None: the whole context. ``scale``: the scores' factor
+        (None: ``head_dim ** -0.5``)."""
 
 
 def write_to_cache(

@@ -89,8 +89,12 @@ class FlashAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: FlashMetadata,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        # flash-attn's window counts the positions before the query it may see: ours less the query itself.
+        options = {"softmax_scale": scale, "window_size": (-1, -1) if window is None else (window - 1, 0)}
 
         out = torch.empty_like(query)
         if metadata.paged_decode:
@@ -102,6 +106,7 @@ class FlashAttentionBackend(AttentionBackend):
                 cache_seqlens=metadata.decode_context_lens,
                 block_table=metadata.decode_block_tables,
                 causal=True,
+                **options,
             )
             out[:nd] = o.squeeze(1)
         first = metadata.first_varlen_row
@@ -115,5 +120,6 @@ class FlashAttentionBackend(AttentionBackend):
                 max_seqlen_q=metadata.max_seqlen_q,
                 max_seqlen_k=metadata.max_seqlen_k,
                 causal=True,
+                **options,
             )
         return out

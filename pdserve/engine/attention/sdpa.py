@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -71,6 +71,21 @@ class _PrefillSpan:
     # else the cache slots of every context position and the chunk's mask.
     context_slots: torch.Tensor | None
     mask: torch.Tensor | None  # (query_len, context_len) bool, True = attend
+    context_len: int = 0
+    # The chunk's masks with a sliding window, made once per window by the first layer that needs one.
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int, device: torch.device) -> torch.Tensor | None:
+        """The chunk's mask under ``window`` (None where the window changes nothing: causal suffices)."""
+        q_len = self.end - self.start
+        if self.context_len <= window:
+            return self.mask
+        if window not in self.windowed:
+            pos = torch.arange(self.context_len)
+            q_pos = torch.arange(self.context_len - q_len, self.context_len)
+            visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+            self.windowed[window] = visible.to(device)
+        return self.windowed[window]
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class SdpaMetadata:
     decode_block_tables: torch.Tensor | None
     # SDPA decodes only: (num_decodes, 1, 1, max_blocks * block_size), True = attend
     decode_mask: torch.Tensor | None
+    # SDPA decodes only: (num_decodes,) their context lengths, for windowed masks
+    decode_lens: torch.Tensor | None
     # The decodes and short chunks the C kernel attends (None without the kernel or without such sequences)
     kernel_plan: KernelPlan | None
     prefills: tuple[_PrefillSpan, ...]
@@ -96,7 +113,7 @@ class SdpaBackend(AttentionBackend):
     def build_metadata(self, batch: AttentionBatch) -> SdpaMetadata:
         device, bs = batch.device, batch.block_size
         nd = batch.num_decodes
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = lens = None
         # The kernel's sequences: every decode, and each short chunk over a cached context.
         kernel_seqs = []
         if self.kernel is not None:
@@ -139,10 +156,12 @@ class SdpaBackend(AttentionBackend):
                 # Query row r sits at position ctx_len - q_len + r and sees positions <= it.
                 q_pos = torch.arange(ctx_len - q_len, ctx_len)
                 mask = (pos[None, :] <= q_pos[:, None]).to(device)
-            prefills.append(_PrefillSpan(start, start + q_len, slots, mask))
+            prefills.append(_PrefillSpan(start, start + q_len, slots, mask, ctx_len))
             start += q_len
         num_sdpa_decodes = 0 if self.kernel is not None else nd
-        return SdpaMetadata(batch.slot_mapping, num_sdpa_decodes, decode_tables, decode_mask, plan, tuple(prefills))
+        return SdpaMetadata(
+            batch.slot_mapping, num_sdpa_decodes, decode_tables, decode_mask, lens, plan, tuple(prefills)
+        )
 
     @_without_cudnn_on_cuda
     def forward(
@@ -153,8 +172,11 @@ class SdpaBackend(AttentionBackend):
         key_cache: CacheTensor,
         value_cache: CacheTensor,
         metadata: SdpaMetadata,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1:]
+        scale = head_dim**-0.5 if scale is None else scale
         if self.kernel is not None:
             # One C call for the whole write (cast or int8-quantized as write_to_cache does it, bit for bit).
             self.kernel.store(_heads_packed(key), _heads_packed(value), key_cache, value_cache, metadata.slot_mapping)
@@ -167,7 +189,7 @@ class SdpaBackend(AttentionBackend):
         if metadata.kernel_plan is not None:
             assert self.kernel is not None
             # Writes the plan's rows of ``out`` in place; the rest are SDPA's below.
-            self.kernel(_heads_packed(query), key_cache, value_cache, metadata.kernel_plan, head_dim**-0.5, out)
+            self.kernel(_heads_packed(query), key_cache, value_cache, metadata.kernel_plan, scale, out, window)
         if nd:
             assert metadata.decode_block_tables is not None
             block_ids = metadata.decode_block_tables.flatten()  # (nd * max_blocks,)
@@ -180,7 +202,12 @@ class SdpaBackend(AttentionBackend):
             # as repeat_kv does): (nd, kv_heads, group, head_dim), the group acting as
             # the query length, so no KV is repeated.
             q = query[:nd].view(nd, num_kv_heads, -1, head_dim)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask)
+            mask = metadata.decode_mask
+            if window is not None:
+                assert metadata.decode_lens is not None
+                positions = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (positions[None, :] >= metadata.decode_lens[:, None] - window)[:, None, None, :]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             out[:nd] = o.reshape(nd, -1, head_dim)
         for span in metadata.prefills:
             q = query[span.start : span.end].transpose(0, 1)  # (heads, q_len, head_dim)
@@ -194,10 +221,15 @@ class SdpaBackend(AttentionBackend):
                 k = read_cache(flat_k, span.context_slots, query.dtype).transpose(0, 1)
                 v = read_cache(flat_v, span.context_slots, query.dtype).transpose(0, 1)
             # SDPA takes its fused CPU kernel only for 4-D inputs: add a batch of one.
-            if span.context_slots is None:
-                o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+            mask = span.mask if window is None else span.window_mask(window, query.device)
+            if mask is None:
+                o = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], is_causal=True, enable_gqa=True, scale=scale
+                )
             else:
-                o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=span.mask, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    q[None], k[None], v[None], attn_mask=mask, enable_gqa=True, scale=scale
+                )
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
 

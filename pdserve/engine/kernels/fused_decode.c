@@ -226,7 +226,7 @@ int64_t pdserve_fused_decode(const pdserve_model *m, void *residual, void *hidde
                                                 m->kv_kind, layer->key_scales, layer->value_scales, block_tables,
                                                 context_lens, query_rows, query_lens, range_points, num_ranges,
                                                 max_blocks, kv_heads, heads / kv_heads, d, m->block_size,
-                                                m->attn_scale);
+                                                m->attn_scale, 0, 0.0f);
         if (status != 0 || (status = project(&layer->o, s.attn_out, s.attn, rows, threads)) != 0) {
             break;
         }

@@ -34,7 +34,8 @@ extern "C" int pdserve_openmp_team(int threads);
     int pdserve_##v##_paged_attention_ranges(void *, const void *, int64_t, int64_t, const void *, const void *, \
                                              int64_t, const float *, const float *, const int64_t *,             \
                                              const int64_t *, const int64_t *, const int64_t *, const int64_t *, \
-                                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);       \
+                                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,        \
+                                             int64_t, float);                                                    \
     int pdserve_##v##_store_kv(const void *, const void *, int64_t, int64_t, int64_t, void *, void *, int64_t,   \
                                float *, float *, const int64_t *, int64_t, int64_t, int64_t, int64_t);           \
     void pdserve_##v##_rms_norm(void *, void *, const void *, const void *, int64_t, int64_t, float, int64_t);   \
@@ -80,7 +81,7 @@ struct Kernels {
     int (*paged_attention_ranges)(void *, const void *, int64_t, int64_t, const void *, const void *, int64_t,
                                   const float *, const float *, const int64_t *, const int64_t *, const int64_t *,
                                   const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, float);
+                                  int64_t, float, int64_t, float);
     int (*store_kv)(const void *, const void *, int64_t, int64_t, int64_t, void *, void *, int64_t, float *,
                     float *, const int64_t *, int64_t, int64_t, int64_t, int64_t);
     void (*rms_norm)(void *, void *, const void *, const void *, int64_t, int64_t, float, int64_t);
@@ -170,13 +171,14 @@ int64_t paged_attention(int64_t v, const at::Tensor &out, const at::Tensor &quer
                         const std::optional<at::Tensor> &key_scales, const std::optional<at::Tensor> &value_scales,
                         const at::Tensor &block_tables, const at::Tensor &context_lens, const at::Tensor &query_rows,
                         const at::Tensor &query_lens, const at::Tensor &points, int64_t num_ranges, int64_t max_blocks,
-                        int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, double scale) {
+                        int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, double scale,
+                        int64_t window, double softcap) {
     return kernels(v).paged_attention_ranges(
         ptr(out), ptr<const void>(query), query_stride, io_bf16, ptr<const void>(key_cache),
         ptr<const void>(value_cache), kv_kind, ptr<const float>(key_scales), ptr<const float>(value_scales),
         ptr<const int64_t>(block_tables), ptr<const int64_t>(context_lens), ptr<const int64_t>(query_rows),
         ptr<const int64_t>(query_lens), ptr<const int64_t>(points), num_ranges, max_blocks, num_kv_heads, group,
-        head_dim, block_size, static_cast<float>(scale));
+        head_dim, block_size, static_cast<float>(scale), window, static_cast<float>(softcap));
 }
 
 int64_t store_kv(int64_t v, const at::Tensor &key, const at::Tensor &value, int64_t in_bf16, int64_t key_stride,
@@ -241,7 +243,7 @@ TORCH_LIBRARY(pdserve, m) {
           "Tensor key_cache, Tensor value_cache, int kv_kind, Tensor? key_scales, Tensor? value_scales, "
           "Tensor block_tables, Tensor context_lens, Tensor query_rows, Tensor query_lens, Tensor points, "
           "int num_ranges, int max_blocks, int num_kv_heads, int group, int head_dim, int block_size, "
-          "float scale) -> int",
+          "float scale, int window, float softcap) -> int",
           &paged_attention);
     m.def("store_kv(int variant, Tensor key, Tensor value, int in_bf16, int key_stride, int value_stride, "
           "Tensor(a!) key_cache, Tensor(b!) value_cache, int kv_kind, Tensor(c!)? key_scales, "

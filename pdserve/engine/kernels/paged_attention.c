@@ -30,7 +30,11 @@
  *   block_tables  (num_seqs, max_blocks) int64, padded past each table's end
  *   context_lens  (num_seqs,) int64: the context after this step; query row r
  *                 sits at position context_len - q_len + r and attends to
- *                 positions 0 .. itself (causal).
+ *                 positions 0 .. itself (causal), or with window > 0 to the
+ *                 last `window` of them, itself included (sliding-window
+ *                 attention, as transformers masks it).
+ *   softcap       > 0: every score s becomes softcap * tanh(s / softcap)
+ *                 before the softmax (Gemma 2's attention soft-capping).
  *
  * Arithmetic is float32 throughout: each cached row is widened once per block of
  * up to VECTORS_PER_PASS query vectors, scores are max-subtracted, exponentiated
@@ -82,23 +86,25 @@ ALWAYS_INLINE float load_row_element(enum kv_kind kind, const void *cache, const
 /*
  * One pass: `count` (<= VECTORS_PER_PASS, a constant after inlining, so the accumulators below live in
  * registers) query vectors `q` (float32, head_dim each) of one sequence and KV head, vector j attending to
- * positions [0, limits[j]) (limits non-decreasing), into `o`. `scores` holds count * limits[count - 1] floats.
+ * positions [starts[j], limits[j]) (both non-decreasing), into `o`. `scores` holds count * limits[count - 1]
+ * floats, indexed by position (those before starts[0] are never touched).
  */
 ALWAYS_INLINE void attend_pass(enum kv_kind kind, const void *key_cache, const void *value_cache,
                                const float *key_scales, const float *value_scales, const int64_t *table,
                                int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                               float scale, const float *q, int64_t count, const int64_t *limits, float *scores,
-                               float *o)
+                               float scale, float softcap, const float *q, int64_t count, const int64_t *starts,
+                               const int64_t *limits, float *scores, float *o)
 {
     const int64_t chunks = head_dim / LANES;
     const int64_t tail = chunks * LANES;
-    const int64_t span = limits[count - 1];
+    const int64_t span = limits[count - 1], lo = starts[0];
 
-    /* Scores: every key row up to the longest limit, widened once for all `count` vectors. */
-    for (int64_t block_start = 0; block_start < span; block_start += block_size) {
-        int64_t index = (table[block_start / block_size] * block_size) * num_kv_heads + kv_head;
+    /* Scores: every key row from the first start up to the longest limit, widened once for all `count` vectors. */
+    for (int64_t block_start = lo / block_size * block_size; block_start < span; block_start += block_size) {
+        const int64_t from = block_start > lo ? block_start : lo;
+        int64_t index = (table[block_start / block_size] * block_size + from - block_start) * num_kv_heads + kv_head;
         const int64_t block_end = block_start + block_size < span ? block_start + block_size : span;
-        for (int64_t position = block_start; position < block_end; ++position, index += num_kv_heads) {
+        for (int64_t position = from; position < block_end; ++position, index += num_kv_heads) {
             v16f acc[VECTORS_PER_PASS] = {{0}};
             for (int64_t c = 0; c < chunks; ++c) {
                 const v16f k = load_row_chunk(kind, key_cache, key_scales, index, head_dim, c);
@@ -111,21 +117,25 @@ ALWAYS_INLINE void attend_pass(enum kv_kind kind, const void *key_cache, const v
                 for (int64_t i = tail; i < head_dim; ++i) {
                     dot += q[j * head_dim + i] * load_row_element(kind, key_cache, key_scales, index, head_dim, i);
                 }
-                scores[j * span + position] = dot * scale;
+                dot *= scale;
+                if (softcap > 0.0f) {
+                    dot = softcap * tanhf(dot / softcap);
+                }
+                scores[j * span + position] = dot;
             }
         }
     }
 
-    /* Softmax of each vector over its own limit; positions past it weigh 0. */
+    /* Softmax of each vector over its own [start, limit); positions outside it (from lo) weigh 0. */
     for (int64_t j = 0; j < count; ++j) {
         float *row = scores + j * span;
-        const int64_t limit = limits[j];
+        const int64_t limit = limits[j], start = starts[j];
         float max_score = -INFINITY;
-        for (int64_t position = 0; position < limit; ++position) {
+        for (int64_t position = start; position < limit; ++position) {
             max_score = row[position] > max_score ? row[position] : max_score;
         }
         v16f sums = {0};
-        int64_t position = 0;
+        int64_t position = start;
         for (; position + LANES <= limit; position += LANES) {
             const v16f e = exp16(load_f32(row + position) - max_score);
             store_f32(row + position, e);
@@ -145,8 +155,11 @@ ALWAYS_INLINE void attend_pass(enum kv_kind kind, const void *key_cache, const v
             }
         }
         const float inv_sum = 1.0f / sum;
-        for (position = 0; position < limit; ++position) {
+        for (position = start; position < limit; ++position) {
             row[position] *= inv_sum;
+        }
+        for (position = lo; position < start; ++position) {
+            row[position] = 0.0f;
         }
         for (position = limit; position < span; ++position) {
             row[position] = 0.0f;
@@ -161,10 +174,11 @@ ALWAYS_INLINE void attend_pass(enum kv_kind kind, const void *key_cache, const v
         }
     }
     float tails[VECTORS_PER_PASS][LANES] = {{0}};
-    for (int64_t block_start = 0; block_start < span; block_start += block_size) {
-        int64_t index = (table[block_start / block_size] * block_size) * num_kv_heads + kv_head;
+    for (int64_t block_start = lo / block_size * block_size; block_start < span; block_start += block_size) {
+        const int64_t from = block_start > lo ? block_start : lo;
+        int64_t index = (table[block_start / block_size] * block_size + from - block_start) * num_kv_heads + kv_head;
         const int64_t block_end = block_start + block_size < span ? block_start + block_size : span;
-        for (int64_t position = block_start; position < block_end; ++position, index += num_kv_heads) {
+        for (int64_t position = from; position < block_end; ++position, index += num_kv_heads) {
             for (int64_t c = 0; c < chunks; ++c) {
                 const v16f v = load_row_chunk(kind, value_cache, value_scales, index, head_dim, c);
                 for (int64_t j = 0; j < count; ++j) {
@@ -193,12 +207,12 @@ ALWAYS_INLINE void attend_pass(enum kv_kind kind, const void *key_cache, const v
 ALWAYS_INLINE void attend_pass_sized(enum kv_kind kind, const void *key_cache, const void *value_cache,
                                      const float *key_scales, const float *value_scales, const int64_t *table,
                                      int64_t kv_head, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                                     float scale, const float *q, int64_t count, const int64_t *limits,
-                                     float *scores, float *o)
+                                     float scale, float softcap, const float *q, int64_t count,
+                                     const int64_t *starts, const int64_t *limits, float *scores, float *o)
 {
 #define PDSERVE_PASS(n, d)                                                                                       \
     attend_pass(kind, key_cache, value_cache, key_scales, value_scales, table, kv_head, num_kv_heads, block_size, \
-                d, scale, q, n, limits, scores, o)
+                d, scale, softcap, q, n, starts, limits, scores, o)
 #define PDSERVE_PASS_COUNTS(d)     \
     switch (count) {               \
     case 1: PDSERVE_PASS(1, d); break; \
@@ -221,12 +235,13 @@ ALWAYS_INLINE void attend_pass_sized(enum kv_kind kind, const void *key_cache, c
 static __attribute__((noinline)) void attend_pass_kind(enum kv_kind kind, const void *key_cache, const void *value_cache,
                                                        const float *key_scales, const float *value_scales,
                                                        const int64_t *table, int64_t kv_head, int64_t num_kv_heads,
-                                                       int64_t block_size, int64_t head_dim, float scale, const float *q,
-                                                       int64_t count, const int64_t *limits, float *scores, float *o)
+                                                       int64_t block_size, int64_t head_dim, float scale, float softcap,
+                                                       const float *q, int64_t count, const int64_t *starts,
+                                                       const int64_t *limits, float *scores, float *o)
 {
 #define PDSERVE_KIND(k)                                                                                           \
     attend_pass_sized(k, key_cache, value_cache, key_scales, value_scales, table, kv_head, num_kv_heads,         \
-                      block_size, head_dim, scale, q, count, limits, scores, o)
+                      block_size, head_dim, scale, softcap, q, count, starts, limits, scores, o)
     if (kind == KV_FLOAT32) {
         PDSERVE_KIND(KV_FLOAT32);
     } else if (kind == KV_BF16) {
@@ -242,7 +257,8 @@ static int paged_attention(
     const void *value_cache,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, int64_t item_begin, int64_t item_end, int64_t max_blocks,
-    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float softcap)
 {
     const int64_t num_heads = num_kv_heads * group;
     int64_t longest = 0;
@@ -268,12 +284,13 @@ static int paged_attention(
         const int64_t num_vectors = q_len * group;
         for (int64_t first = 0; first < num_vectors; first += VECTORS_PER_PASS) {
             const int64_t count = num_vectors - first < VECTORS_PER_PASS ? num_vectors - first : VECTORS_PER_PASS;
-            int64_t limits[VECTORS_PER_PASS];
+            int64_t limits[VECTORS_PER_PASS], starts[VECTORS_PER_PASS];
             int64_t offsets[VECTORS_PER_PASS]; /* element offset of vector j in out */
             int64_t query_offsets[VECTORS_PER_PASS]; /* and in query */
             for (int64_t j = 0; j < count; ++j) {
                 const int64_t vector = first + j, row = vector / group, g = vector % group;
                 limits[j] = first_position + row + 1;
+                starts[j] = window > 0 && limits[j] > window ? limits[j] - window : 0;
                 offsets[j] = ((query_rows[s] + row) * num_heads + kv_head * group + g) * head_dim;
                 query_offsets[j] = (query_rows[s] + row) * query_stride + (kv_head * group + g) * head_dim;
                 for (int64_t i = 0; i < head_dim; ++i) {
@@ -282,7 +299,8 @@ static int paged_attention(
                 }
             }
             attend_pass_kind(kind, key_cache, value_cache, key_scales, value_scales, block_tables + s * max_blocks,
-                             kv_head, num_kv_heads, block_size, head_dim, scale, q, count, limits, scores, o);
+                             kv_head, num_kv_heads, block_size, head_dim, scale, softcap, q, count, starts, limits,
+                             scores, o);
             for (int64_t j = 0; j < count; ++j) {
                 for (int64_t i = 0; i < head_dim; ++i) {
                     if (io_bf16) {
@@ -303,7 +321,8 @@ int pdserve_paged_attention(
     const void *value_cache, int64_t kv_kind,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, int64_t item_begin, int64_t item_end, int64_t max_blocks,
-    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+    int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+    float softcap)
 {
     const int known_kind = kv_kind == KV_FLOAT32 || kv_kind == KV_BF16 || (kv_kind == KV_INT8 && key_scales && value_scales);
     if (!known_kind || head_dim < 1 || head_dim > MAX_HEAD_DIM) {
@@ -312,7 +331,7 @@ int pdserve_paged_attention(
     return paged_attention((enum kv_kind)kv_kind, io_bf16 != 0, out, query, query_stride, key_cache, value_cache,
                            key_scales,
                            value_scales, block_tables, context_lens, query_rows, query_lens, item_begin, item_end,
-                           max_blocks, num_kv_heads, group, head_dim, block_size, scale);
+                           max_blocks, num_kv_heads, group, head_dim, block_size, scale, window, softcap);
 }
 
 int pdserve_paged_attention_ranges(
@@ -320,7 +339,8 @@ int pdserve_paged_attention_ranges(
     const void *value_cache, int64_t kv_kind,
     const float *key_scales, const float *value_scales, const int64_t *block_tables, const int64_t *context_lens,
     const int64_t *query_rows, const int64_t *query_lens, const int64_t *points, int64_t num_ranges,
-    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale)
+    int64_t max_blocks, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size, float scale,
+    int64_t window, float softcap)
 {
     /* Any failure wins over success; out of memory (-1) over a bad argument (-2) is as good as any order. */
     int status = 0;
@@ -331,7 +351,7 @@ int pdserve_paged_attention_ranges(
         const int result = pdserve_paged_attention(
             out, query, query_stride, io_bf16, key_cache, value_cache, kv_kind, key_scales, value_scales, block_tables,
             context_lens, query_rows, query_lens, points[r], points[r + 1], max_blocks, num_kv_heads, group,
-            head_dim, block_size, scale);
+            head_dim, block_size, scale, window, softcap);
         status = result < status ? result : status;
     }
     return status;

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
-from pdserve.engine.native import KernelOps, cpu_flags, cpu_vendor, load_kernel_ops
+from pdserve.engine.native import KernelOps, cpu_vendor, dispatch_flags, load_kernel_ops
 
 # Output rows of one panel.
 PANEL = 32
@@ -120,7 +120,7 @@ class BoundDenseGemm:
 def dense_kernel_serves_this_cpu(dtype: torch.dtype) -> bool:
     """Whether the engine should use the kernel for ``dtype`` here (where it was measured faster than the library):
     bf16 with AVX512-BF16 and no AMX (with AMX oneDNN's tiles win); float32 on AMD CPUs with AVX-512."""
-    flags = cpu_flags()
+    flags = dispatch_flags()
     if dtype == torch.bfloat16:
         return "avx512_bf16" in flags and "amx_bf16" not in flags
     return dtype == torch.float32 and cpu_vendor() == "AuthenticAMD" and "avx512f" in flags

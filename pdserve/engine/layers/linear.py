@@ -60,7 +60,7 @@ from pdserve.engine.layers.quant_kernels import (
     unpack_int8,
     unpack_rows,
 )
-from pdserve.engine.native import cpu_flags, cpu_has_native_bf16
+from pdserve.engine.native import cpu_has_native_bf16, dispatch_flags
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,15 @@ _MKL_PACK_BATCH_SIZE = 32
 # AVX512-VNNI and no AMX the kernels win at every row count (on a Zen 4,
 # at 2,048 rows INT8 1.7x and INT4 1.5x faster than dequantizing, and faster
 # than the bf16 kernel: benchmarks/linear_methods.py --slow), so there they take
-# every row count (see quant_kernel_max_rows); elsewhere (AMX tiles, AVX2 only)
-# the cut-off stays where it was measured, 256 rows.
+# every row count (see quant_kernel_max_rows); with AMX tiles the cut-off stays
+# where it was measured, 256 rows.
 INT8_KERNEL_MAX_ROWS = 256
 INT4_KERNEL_MAX_ROWS = 256
+# On a CPU without VNNI or bf16 units (AVX2 only) the methods dequantize to float32: there the INT4
+# kernel beats that at every row count (gate/up at 2,048 rows 34.5 ms against 39.3) and the INT8 kernel
+# up to 512 rows (10.8 ms against 13.0 at 512, 42.3 against 40.5 at 2,048); BENCHMARKS.md, linear_methods
+# with the AVX2 variant forced.
+INT8_AVX2_KERNEL_MAX_ROWS = 512
 LM_HEAD_KERNEL_MAX_ROWS = 256
 # A kernel_max_rows no batch reaches.
 NO_ROW_LIMIT = 2**62
@@ -147,7 +152,7 @@ class Int8LinearMethod(LinearMethod):
     """
 
     def __init__(self, kernel_max_rows: int | None = None) -> None:
-        self.kernel_max_rows = quant_kernel_max_rows(INT8_KERNEL_MAX_ROWS) if kernel_max_rows is None else kernel_max_rows
+        self.kernel_max_rows = quant_kernel_max_rows("int8") if kernel_max_rows is None else kernel_max_rows
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         weight = layer.weight.detach().to(torch.float32)  # (out, in)
@@ -196,7 +201,7 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, group_size: int, kernel_max_rows: int | None = None) -> None:
         self.group_size = group_size
-        self.kernel_max_rows = quant_kernel_max_rows(INT4_KERNEL_MAX_ROWS) if kernel_max_rows is None else kernel_max_rows
+        self.kernel_max_rows = quant_kernel_max_rows("int4") if kernel_max_rows is None else kernel_max_rows
 
     def process_weights_after_loading(self, layer: PackedLinear) -> None:
         out_features, in_features = layer.weight.shape
@@ -397,13 +402,18 @@ def check_int4_group_size(in_features: int, group_size: int) -> None:
         )
 
 
-def quant_kernel_max_rows(cut_off: int) -> int:
-    """The quantized methods' default ``kernel_max_rows``: every row count on a CPU with AVX512-VNNI and
-    no AMX tiles (the kernels measured fastest there at prefill sizes too), else ``cut_off``."""
-    flags = cpu_flags()
-    if "avx512_vnni" in flags and not flags & {"amx_bf16", "amx_int8"}:
+def quant_kernel_max_rows(kind: str) -> int:
+    """The quantized methods' default ``kernel_max_rows`` for ``kind`` ("int8" or "int4"): every row count on a
+    CPU with AVX512-VNNI and no AMX tiles (the kernels measured fastest there at prefill sizes too); the
+    measured cut-off with AMX tiles; on a CPU with neither VNNI nor bf16 units (AVX2 only), every row count
+    for INT4 and ``INT8_AVX2_KERNEL_MAX_ROWS`` for INT8. Reads ``dispatch_flags()``, so a forced
+    ``PDSERVE_CPU_ISA`` chooses as the smaller CPU would."""
+    flags = dispatch_flags()
+    if flags & {"amx_bf16", "amx_int8"}:
+        return INT8_KERNEL_MAX_ROWS if kind == "int8" else INT4_KERNEL_MAX_ROWS
+    if "avx512_vnni" in flags or kind == "int4":
         return NO_ROW_LIMIT
-    return cut_off
+    return INT8_AVX2_KERNEL_MAX_ROWS
 
 
 def linear_method(quantization: str | None, group_size: int) -> LinearMethod:

@@ -1,14 +1,34 @@
-"""Model architectures, chosen by the checkpoint's ``architectures`` field."""
+"""Model architectures, chosen by the checkpoint's ``architectures`` field (vLLM's registry, in small)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pdserve.engine.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Olmo2ForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
 
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+}
+# A config without ``architectures`` names its family by ``model_type``.
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
@@ -17,9 +37,8 @@ SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 def model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """The class for a checkpoint; falls back on ``model_type`` when ``architectures`` is absent."""
     names = list(getattr(hf_config, "architectures", None) or [])
-    by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-    if not names and getattr(hf_config, "model_type", None) in by_type:
-        names = [by_type[hf_config.model_type]]
+    if not names and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        names = [_BY_MODEL_TYPE[hf_config.model_type]]
     for name in names:
         if name in _ARCHITECTURES:
             return _ARCHITECTURES[name]

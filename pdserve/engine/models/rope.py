@@ -1,4 +1,6 @@
-"""Rotary position embeddings: inverse frequencies (default and llama3 scaling) and cos/sin tables."""
+"""Rotary position embeddings: inverse frequencies (default, llama3 and LongRoPE scaling), cos/sin tables,
+and the rotation of the first ``rotary_dim`` features of each head (all of them unless the config sets a
+``partial_rotary_factor``)."""
 
 from __future__ import annotations
 
@@ -22,17 +24,52 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
+def rotary_dim(hf_config: Any, head_dim: int) -> int:
+    """How many features of each head rotate: ``head_dim`` times the config's ``partial_rotary_factor``."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return int(head_dim * float(factor if factor is not None else 1.0))
+
+
 def inverse_frequencies(params: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """(head_dim // 2,) float32 inverse frequencies for the configured rope type."""
+    """(head_dim // 2,) float32 inverse frequencies for the configured rope type (``head_dim``: the rotated
+    features; LongRoPE's short factors, see ``longrope_attention_factor``)."""
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
+    if rope_type == "longrope":
+        return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3')")
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3', 'longrope')")
+
+
+def longrope_attention_factor(hf_config: Any, params: dict[str, Any]) -> float:
+    """LongRoPE's factor on cos and sin, as transformers computes it."""
+    original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor")
+    if factor is None or getattr(hf_config, "original_max_position_embeddings", None):
+        factor = hf_config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def check_longrope_length(hf_config: Any, max_positions: int) -> None:
+    """ValueError naming max_model_len where LongRoPE would switch to its long factors: transformers switches
+    every position of a sequence once it outgrows ``original_max_position_embeddings``, which tables by
+    position cannot follow; up to that length the short factors serve exactly."""
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "longrope":
+        return
+    original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+    if max_positions > original:
+        raise ValueError(
+            f"max_model_len ({max_positions}) exceeds this LongRoPE checkpoint's original_max_position_embeddings "
+            f"({original}): its long factors are not served; set max_model_len <= {original} (--max-model-len)"
+        )
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -57,12 +94,19 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(rope_parameters(hf_config), head_dim)
+        params = rope_parameters(hf_config)
+        check_longrope_length(hf_config, max_positions)
+        dim = rotary_dim(hf_config, head_dim)
+        inv_freq = inverse_frequencies(params, dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, dim)
+        cos, sin = emb.cos(), emb.sin()
+        if params["rope_type"] == "longrope":
+            factor = longrope_attention_factor(hf_config, params)
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at ``positions`` (num_tokens,), each (num_tokens, 1, head_dim) in ``dtype``: once per step."""
@@ -73,8 +117,12 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (num_tokens, heads, head_dim), any heads (queries and keys together), rotated by
-    ``RotaryEmbedding.tables``."""
-    return x * cos + _rotate_half(x) * sin
+    ``RotaryEmbedding.tables``: its first ``cos.shape[-1]`` features, the rest passed through."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, passed = x[..., :dim], x[..., dim:]
+    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,11 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
     if tp == 1:
         return
+    from pdserve.engine.models import model_class
+
+    reason = model_class(hf_config).tensor_parallel_reason
+    if reason is not None:
+        raise ValueError(f"tensor_parallel_size={tp} cannot serve this model: {reason}; use tensor_parallel_size=1")
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     intermediate = int(hf_config.intermediate_size)

@@ -1,0 +1,45 @@
+"""The model families through real processes: a sliding-window family served disaggregated, with prefix hits."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pdserve.protos.pdserve.v1 import generation_pb2
+from tests.conftest import Oracle, random_prompts
+from tests.e2e.conftest import cluster_config, generate, load
+
+MAX_TOKENS = 20
+
+
+def _tokens(responses: list) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+@pytest.mark.asyncio
+async def test_sliding_window_family_disaggregated_with_prefix_hits_equals_transformers(
+    mistral_checkpoint: Path, start_cluster
+) -> None:
+    # The tiny Mistral slides a 48-token window: every prompt but the first outgrows it, in prefill
+    # (on the prefill worker) and in decode (on the decode worker, over the handed-off KV).
+    cluster = start_cluster(cluster_config(mistral_checkpoint))
+    prompts = random_prompts([20, 47, 49, 90, 130], seed=70)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = await asyncio.gather(
+        *(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params))
+          for p in prompts)
+    )
+    oracle = Oracle(mistral_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS), f"{len(prompt)}-token prompt"
+    # The 130-token prompt again, extended: its 8 full blocks are a prefix hit on the prefill worker.
+    extended = prompts[4] + random_prompts([15], seed=71)[0]
+    responses = await generate(
+        cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=extended, sampling_params=params)
+    )
+    assert responses[-1].usage.cached_prompt_tokens == 128
+    assert _tokens(responses) == oracle.generate(extended, MAX_TOKENS)
+    report = await load(cluster.decode_addresses[0], "decode")
+    assert (report.num_running, report.num_free_blocks) == (0, 256)
