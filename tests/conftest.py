@@ -163,6 +163,114 @@ def _tiny_phi3_config() -> object:
     )
 
 
+def _tiny_gemma2_config() -> object:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,  # sliding, global, sliding, global
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,  # scores scaled by 24 ** -0.5, not head_dim ** -0.5
+        max_position_embeddings=1024,
+        sliding_window=40,
+        # Caps the tiny random model's scores and logits actually reach (Gemma 2 ships 50 and 30).
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0,
+        rms_norm_eps=1e-6,
+        # Gemma ties them; tied and scaled by sqrt(hidden), a random model's output repeats its input token
+        # (the tied path itself is the tiny Qwen2's).
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_gemma3_config() -> object:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=1024,
+        sliding_window=40,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,  # as the tiny Gemma 2's
+        # Gemma 3's two RoPEs: the sliding layers' local base, the global layers' long base with linear scaling.
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+        initializer_range=0.25,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_mixtral_config() -> object:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=6,  # more experts than top-k: each token leaves most of them out
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        sliding_window=None,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_qwen3_moe_config() -> object:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,  # the dense layer's
+        moe_intermediate_size=64,  # a multiple of INT4's group size 32
+        num_hidden_layers=3,
+        mlp_only_layers=[1],  # layers 0 and 2 routed, layer 1 dense
+        decoder_sparse_step=1,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
 # The families every engine path is checked on (the ``checkpoint`` fixture), each by its own tiny config.
 FAMILY_CONFIGS = {
     "llama": _tiny_llama_config,
@@ -171,6 +279,10 @@ FAMILY_CONFIGS = {
     "mistral": _tiny_mistral_config,
     "olmo2": _tiny_olmo2_config,
     "phi3": _tiny_phi3_config,
+    "gemma2": _tiny_gemma2_config,
+    "gemma3": _tiny_gemma3_config,
+    "mixtral": _tiny_mixtral_config,
+    "qwen3_moe": _tiny_qwen3_moe_config,
 }
 
 
@@ -187,40 +299,75 @@ def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("tiny-llama"), _tiny_llama_config())
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-llama-"), _tiny_llama_config())
 
 
 @pytest.fixture(scope="session")
 def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), _tiny_qwen2_config())
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen2-"), _tiny_qwen2_config())
 
 
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Seed 3: no prompt of the stop-condition and preemption tests ends at EOS before their cut points.
-    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), _tiny_qwen3_config(), seed=3)
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-"), _tiny_qwen3_config(), seed=3)
 
 
 @pytest.fixture(scope="session")
 def mistral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Seed 1: no prompt of the preemption tests ends at EOS early, so their pools do fill up.
-    return build_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), _tiny_mistral_config(), seed=1)
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-mistral-"), _tiny_mistral_config(), seed=1)
 
 
 @pytest.fixture(scope="session")
 def olmo2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("tiny-olmo2"), _tiny_olmo2_config())
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-olmo2-"), _tiny_olmo2_config())
 
 
 @pytest.fixture(scope="session")
 def phi3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Seed 2: no prompt of the preemption tests ends at EOS early, so their pools do fill up.
-    return build_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), _tiny_phi3_config(), seed=2)
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-phi3-"), _tiny_phi3_config(), seed=2)
+
+
+@pytest.fixture(scope="session")
+def gemma2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 4: no prompt of the preemption and stop-condition tests ends at EOS early.
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-gemma2-"), _tiny_gemma2_config(), seed=4)
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 1: as the tiny Gemma 2's seed 4.
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-gemma3-"), _tiny_gemma3_config(), seed=1)
+
+
+@pytest.fixture(scope="session")
+def mixtral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-mixtral-"), _tiny_mixtral_config())
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 3: the preemption, repetition-penalty and n-gram tests' premises hold (pools fill, outputs differ).
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_moe-"), _tiny_qwen3_moe_config(), seed=3)
+
+
+# The families whose MLPs are mixtures of experts: routing turns small differences (another rounding, a
+# quantized weight) into another expert, so their agreement with float32 is judged on thresholds of their own.
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 
 @pytest.fixture(scope="session", params=list(FAMILY_CONFIGS))
 def checkpoint(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+def family_of(checkpoint: Path) -> str:
+    """The ``FAMILY_CONFIGS`` name of a checkpoint the fixtures built (its folder is ``tiny-<family>-N``)."""
+    name = checkpoint.name.removeprefix("tiny-").rsplit("-", 1)[0]
+    assert name in FAMILY_CONFIGS, checkpoint
+    return name
 
 
 class Oracle:

@@ -214,9 +214,10 @@ def _check_matches(
                     continue
                 # get_slice reads the header only, not the tensor.
                 shape = list(checkpoint.get_slice(key).get_shape())
-                if parts[key][0][1] is None:
-                    if shape != list(params[key].shape):
-                        mismatched.append(f"{key}: checkpoint {shape} vs model {list(params[key].shape)}")
+                name, rows = parts[key][0]
+                if rows is None:  # the whole tensor, under its own name or the one the model gives it
+                    if shape != list(params[name].shape):
+                        mismatched.append(f"{key}: checkpoint {shape} vs model {list(params[name].shape)}")
                     continue
                 # A fused checkpoint tensor: its rows are the parts' rows, side by side.
                 wanted = [sum(end - first for _, (first, end) in parts[key]), *params[parts[key][0][0]].shape[1:]]

@@ -1,4 +1,5 @@
-"""The model families through real processes: a sliding-window family served disaggregated, with prefix hits."""
+"""The model families' mechanisms through real processes: a sliding-window family and a mixture-of-experts
+family, each served disaggregated (1 prefill, 1 decode worker), with prefix hits."""
 
 from __future__ import annotations
 
@@ -40,6 +41,32 @@ async def test_sliding_window_family_disaggregated_with_prefix_hits_equals_trans
         cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=extended, sampling_params=params)
     )
     assert responses[-1].usage.cached_prompt_tokens == 128
+    assert _tokens(responses) == oracle.generate(extended, MAX_TOKENS)
+    report = await load(cluster.decode_addresses[0], "decode")
+    assert (report.num_running, report.num_free_blocks) == (0, 256)
+
+
+@pytest.mark.asyncio
+async def test_mixture_of_experts_family_disaggregated_with_prefix_hits_equals_transformers(
+    qwen3_moe_checkpoint: Path, start_cluster
+) -> None:
+    # The tiny Qwen3-MoE routes each token to 3 of 8 experts in layers 0 and 2 (layer 1 dense), on the
+    # prefill worker for the prompt and on the decode worker for the rest.
+    cluster = start_cluster(cluster_config(qwen3_moe_checkpoint))
+    prompts = random_prompts([3, 20, 49, 90], seed=72)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = await asyncio.gather(
+        *(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params))
+          for p in prompts)
+    )
+    oracle = Oracle(qwen3_moe_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS), f"{len(prompt)}-token prompt"
+    extended = prompts[3] + random_prompts([10], seed=73)[0]
+    responses = await generate(
+        cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=extended, sampling_params=params)
+    )
+    assert responses[-1].usage.cached_prompt_tokens == 80  # the 90-token prompt's 5 full blocks
     assert _tokens(responses) == oracle.generate(extended, MAX_TOKENS)
     report = await load(cluster.decode_addresses[0], "decode")
     assert (report.num_running, report.num_free_blocks) == (0, 256)

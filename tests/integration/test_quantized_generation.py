@@ -20,14 +20,16 @@ from torch import nn
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
-from tests.conftest import random_prompts
+from tests.conftest import FAMILY_CONFIGS, family_of, random_prompts
 
 PROMPTS = random_prompts([40, 95, 160, 300], seed=1)
 TOP1 = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
-_FUSED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+_FUSED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"), "w1": ("w1", "w3")}
 # Phi-3's checkpoints store q/k/v and gate/up fused already, in the engine's order.
 _FIRST_OF_EACH_PACKED = (
-    "q_proj.weight", "o_proj.weight", "gate_proj.weight", "down_proj.weight", "qkv_proj.weight", "gate_up_proj.weight"
+    "q_proj.weight", "o_proj.weight", "gate_proj.weight", "down_proj.weight", "qkv_proj.weight", "gate_up_proj.weight",
+    # Mixtral's experts: w1 / w3 (gate / up, packed together), w2 (down)
+    "w1.weight", "w2.weight",
 )
 
 
@@ -44,6 +46,20 @@ def _agreement(a: list[int], b: list[int]) -> float:
 @pytest.fixture(scope="module")
 def float32_top1() -> dict[Path, list[int]]:
     return {}
+
+
+# The tiny Mixtral routes every layer's tokens to 2 of 6 experts: a rounding that moves a router logit moves a
+# token to another expert, so it agrees less. Measured there (2,048 / 32-token steps): bf16 0.853 / 0.853,
+# int8 0.746 / 0.733, int8 on bf16 0.726 / 0.695, int4 g32 0.144 / 0.149; on its own dequantized weights
+# int4 0.741, int8 0.843. (The tiny Qwen3-MoE, 3 of 8 experts in two of three layers, meets the dense ones.)
+_FAMILY_THRESHOLDS = {
+    "mixtral": {"bfloat16": 0.81, "int8": 0.69, "bfloat16:int8": 0.65, "int4": 0.10,
+                "dequantized int4": 0.70, "dequantized int8": 0.80},
+}
+
+
+def _threshold(checkpoint: Path, setting: str, default: float) -> float:
+    return _FAMILY_THRESHOLDS.get(family_of(checkpoint), {}).get(setting, default)
 
 
 def _reference(checkpoint: Path, memo: dict[Path, list[int]]) -> list[int]:
@@ -69,6 +85,10 @@ def test_top1_agreement_with_float32_is_above_threshold(
 ) -> None:
     # 32-token chunks prefill through the quantized kernels, 2048 through dequantize + bf16 GEMM.
     llm = LLM(model=str(checkpoint), num_kv_blocks=128, max_num_batched_tokens=max_num_batched_tokens, **settings)
+    setting = settings["dtype"] if "quantization" not in settings else settings["quantization"]
+    if settings["dtype"] == "bfloat16" and "quantization" in settings:
+        setting = "bfloat16:" + settings["quantization"]
+    threshold = _threshold(checkpoint, setting, threshold)
     assert _agreement(_top1(llm), _reference(checkpoint, float32_top1)) >= threshold
 
 
@@ -111,13 +131,13 @@ def test_quantized_engine_agrees_with_float32_on_its_own_dequantized_weights(
     expected = _top1(LLM(model=str(fake), dtype="float32", num_kv_blocks=128))
     llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=128, quantization=quantization,
               quantization_group_size=32, quantize_lm_head=False)
-    assert _agreement(_top1(llm), expected) >= threshold
+    assert _agreement(_top1(llm), expected) >= _threshold(checkpoint, f"dequantized {quantization}", threshold)
 
 
 def test_int4_group_size_that_does_not_divide_a_projection_is_refused(checkpoint: Path) -> None:
-    # The tiny checkpoints' down projection reads 160 inputs; Qwen3's o projection, packed first, reads
-    # 4 heads x 24 = 96.
-    in_features = 96 if "qwen3" in checkpoint.name else 160
+    # The first projection 64 does not divide, in packing order: the down projection's 160 inputs; Qwen3's
+    # o projection's 4 heads x 24 = 96; Mixtral's experts' down projections' 96.
+    in_features = {"qwen3": 96, "mixtral": 96}.get(family_of(checkpoint), 160)
     with pytest.raises(
         ValueError, match=f"quantization_group_size=64 cannot serve a projection with in_features={in_features}:"
     ):
@@ -126,30 +146,42 @@ def test_int4_group_size_that_does_not_divide_a_projection_is_refused(checkpoint
 
 def test_quantized_projections_keep_no_float_weight(checkpoint: Path) -> None:
     llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=16, quantization="int8")
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+    model = llm.engine.model
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     quantized = [m for m in layers if isinstance(m.method, Int8LinearMethod)]
-    # Four per decoder layer (q/k/v, o, gate/up, down), and the LM head (INT8 by default under quantization).
-    assert len(quantized) == 4 * 3 + 1 and len(layers) == 4 * 3 + 1
+    # Per decoder layer q/k/v and o, then gate/up and down of its MLP or of each expert (the router stays
+    # float); and the LM head (INT8 by default under quantization).
+    mlps = [len(getattr(layer.mlp, "experts", [layer.mlp])) for layer in model.model.layers]
+    expected = sum(2 + 2 * n for n in mlps) + 1
+    assert len(quantized) == expected and len(layers) == expected
     assert all(m.qweight.dtype == torch.uint8 and not hasattr(m, "weight") for m in quantized)
     float_head = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=16, quantization="int8", quantize_lm_head=False)
     assert isinstance(float_head.engine.model.lm_head_packed.method, UnquantizedLinearMethod)
 
 
-def test_bf16_fused_ops_agree_with_torch_ops(checkpoint: Path) -> None:
+# Gemma's norms multiply by (1 + w) and its MLP is GeGLU: no fused kernel serves them, so there is nothing to compare.
+_FUSED_FAMILIES = [f for f in FAMILY_CONFIGS if not f.startswith("gemma")]
+
+
+@pytest.mark.parametrize("family", _FUSED_FAMILIES)
+def test_bf16_fused_ops_agree_with_torch_ops(family: str, request: pytest.FixtureRequest) -> None:
     # On CPU in bf16 the norms and the MLP activation run fused C kernels. They round where the torch
     # ops round; only their float32 sum of squares is added in another order, which moves a
     # normalised value by one bf16 step now and then. Measured here: at most 0.055 on a prompt logprob.
+    checkpoint = request.getfixturevalue(f"{family}_checkpoint")
     fused = LLM(model=str(checkpoint), dtype="bfloat16", num_kv_blocks=128)
     model = fused.engine.model
     # OLMo 2's norms of each sublayer's output add nothing into the residual: only its final norm is fused.
     norms = [model.model.norm] + [
         n for layer in model.model.layers if not layer.post_norms for n in (layer.input_layernorm, layer.post_attention_layernorm)
     ]
+    # Each expert's activation is fused as a dense MLP's is.
+    mlps = [mlp for layer in model.model.layers for mlp in getattr(layer.mlp, "experts", [layer.mlp])]
     assert all(norm.fused is not None for norm in norms)
-    assert all(layer.mlp.fused is not None for layer in model.model.layers)
+    assert all(mlp.fused is not None for mlp in mlps)
     params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, logprobs=1)
     with_fused = fused.generate(PROMPTS, params)
-    for module in norms + [layer.mlp for layer in model.model.layers]:
+    for module in norms + mlps:
         module.fused = None
     without = fused.generate(PROMPTS, params)
     # Measured: generated tokens identical; teacher-forced top-1 differs at 1 of 588 positions (a near tie).

@@ -92,6 +92,27 @@ def mistral_config() -> object:
     )
 
 
+def qwen3_moe_config() -> object:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,
+        moe_intermediate_size=24,  # each expert split over 2 ranks: 12 columns each
+        num_hidden_layers=2,
+        num_experts=6,
+        num_experts_per_tok=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
 def olmo2_config() -> object:
     from transformers import Olmo2Config
 
@@ -125,6 +146,8 @@ CONFIGS = {
     "qwen3": qwen3_config,
     # a sliding window, which each rank applies to its own heads
     "mistral": mistral_config,
+    # experts, each split over the ranks like an MLP, one all-reduce per layer
+    "qwen3_moe": qwen3_moe_config,
     # q/k norms over all heads: refused
     "olmo2": olmo2_config,
 }

@@ -28,6 +28,13 @@ from tests.support.proposers import ScriptedProposer
 MAX_TOKENS = 24
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    """The controller under test decides from acceptance and a fake clock, whatever the family: two checkpoints
+    whose scripted runs reach every step these tests count (no early EOS)."""
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
 def _seq(request_id: str = "r") -> Sequence:
     return Sequence(request_id, [1, 2, 3], SamplingParams(max_tokens=64, temperature=0.0), block_size=4, model_id="m")
 

@@ -57,12 +57,14 @@ class AttentionBackend(abc.ABC):
         metadata: Any,
         window: int | None = None,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """Store ``key``/``value`` at the batch's slots, then return causal attention output.
 
         ``window``: a sliding-window layer's window (a token attends to itself and the ``window - 1``
         before it, as transformers masks it); None: the whole context. ``scale``: the scores' factor
-        (None: ``head_dim ** -0.5``)."""
+        (None: ``head_dim ** -0.5``). ``softcap``: scores become ``softcap * tanh(score / softcap)``
+        before the softmax (Gemma 2); None: uncapped."""
 
 
 def write_to_cache(

@@ -115,6 +115,7 @@ class PagedAttentionKernel:
         scale: float,
         out: torch.Tensor,  # like query; the plan's rows are written, the others left as they are
         window: int | None = None,  # a token sees itself and the window - 1 before it; None: every position
+        softcap: float | None = None,  # scores become softcap * tanh(score / softcap); None: uncapped
     ) -> None:
         key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
         value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
@@ -143,7 +144,7 @@ class PagedAttentionKernel:
             self._variant, out, query, query.stride(0), int(query.dtype == torch.bfloat16), key_data, value_data,
             _KV_KINDS[kv_dtype], *scales, plan.block_tables, plan.context_lens, plan.query_rows, plan.query_lens,
             plan.range_points, len(plan.item_ranges), plan.block_tables.shape[1], num_kv_heads,
-            query.shape[1] // num_kv_heads, head_dim, block_size, scale, window or 0, 0.0,
+            query.shape[1] // num_kv_heads, head_dim, block_size, scale, window or 0, softcap or 0.0,
         )
         if status == -1:
             raise MemoryError("the paged attention kernel could not allocate its score buffer")

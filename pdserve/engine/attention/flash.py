@@ -91,10 +91,15 @@ class FlashAttentionBackend(AttentionBackend):
         metadata: FlashMetadata,
         window: int | None = None,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         flat_k, flat_v = write_to_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         # flash-attn's window counts the positions before the query it may see: ours less the query itself.
-        options = {"softmax_scale": scale, "window_size": (-1, -1) if window is None else (window - 1, 0)}
+        options = {
+            "softmax_scale": scale,
+            "window_size": (-1, -1) if window is None else (window - 1, 0),
+            "softcap": softcap or 0.0,
+        }
 
         out = torch.empty_like(query)
         if metadata.paged_decode:

@@ -174,9 +174,12 @@ class SdpaBackend(AttentionBackend):
         metadata: SdpaMetadata,
         window: int | None = None,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1:]
         scale = head_dim**-0.5 if scale is None else scale
+        # SDPA has no soft-cap: where a family caps its scores (Gemma 2) the products are spelled out.
+        attend = F.scaled_dot_product_attention if softcap is None else functools.partial(_capped_attention, softcap)
         if self.kernel is not None:
             # One C call for the whole write (cast or int8-quantized as write_to_cache does it, bit for bit).
             self.kernel.store(_heads_packed(key), _heads_packed(value), key_cache, value_cache, metadata.slot_mapping)
@@ -189,7 +192,7 @@ class SdpaBackend(AttentionBackend):
         if metadata.kernel_plan is not None:
             assert self.kernel is not None
             # Writes the plan's rows of ``out`` in place; the rest are SDPA's below.
-            self.kernel(_heads_packed(query), key_cache, value_cache, metadata.kernel_plan, scale, out, window)
+            self.kernel(_heads_packed(query), key_cache, value_cache, metadata.kernel_plan, scale, out, window, softcap)
         if nd:
             assert metadata.decode_block_tables is not None
             block_ids = metadata.decode_block_tables.flatten()  # (nd * max_blocks,)
@@ -207,7 +210,7 @@ class SdpaBackend(AttentionBackend):
                 assert metadata.decode_lens is not None
                 positions = torch.arange(mask.shape[-1], device=mask.device)
                 mask = mask & (positions[None, :] >= metadata.decode_lens[:, None] - window)[:, None, None, :]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = attend(q, k, v, attn_mask=mask, scale=scale)
             out[:nd] = o.reshape(nd, -1, head_dim)
         for span in metadata.prefills:
             q = query[span.start : span.end].transpose(0, 1)  # (heads, q_len, head_dim)
@@ -223,16 +226,38 @@ class SdpaBackend(AttentionBackend):
             # SDPA takes its fused CPU kernel only for 4-D inputs: add a batch of one.
             mask = span.mask if window is None else span.window_mask(window, query.device)
             if mask is None:
-                o = F.scaled_dot_product_attention(
-                    q[None], k[None], v[None], is_causal=True, enable_gqa=True, scale=scale
-                )
+                o = attend(q[None], k[None], v[None], is_causal=True, enable_gqa=True, scale=scale)
             else:
-                o = F.scaled_dot_product_attention(
-                    q[None], k[None], v[None], attn_mask=mask, enable_gqa=True, scale=scale
-                )
+                o = attend(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True, scale=scale)
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
 
+
+
+def _capped_attention(
+    softcap: float,
+    query: torch.Tensor,  # (batch, heads, q_len, head_dim)
+    key: torch.Tensor,  # (batch, kv_heads, ctx_len, head_dim)
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,  # broadcastable to (batch, heads, q_len, ctx_len), True = attend
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, cap * tanh(s / cap), in transformers' eager order: scale, cap,
+    mask, a float32 softmax cast back, then the values; SDPA's arguments."""
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        q_len, ctx_len = scores.shape[-2:]
+        attn_mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=scores.device).tril(ctx_len - q_len)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:

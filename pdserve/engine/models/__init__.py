@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.engine.models.llama import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
     Olmo2ForCausalLM,
     Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
@@ -20,6 +24,10 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # A config without ``architectures`` names its family by ``model_type``.
 _BY_MODEL_TYPE = {
@@ -29,6 +37,10 @@ _BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)

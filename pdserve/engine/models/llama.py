@@ -16,6 +16,7 @@ single dimension: no padding, no batch dimension.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +29,28 @@ from pdserve.engine.layers.linear import LinearMethod, PackedLinear, Unquantized
 from pdserve.engine.models.fused_decode import FusedDecoder, build_fused_decoder
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
-_ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+}
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm of the residual stream, after adding the previous sublayer's output into it (``delta``)."""
+    """RMSNorm of the residual stream, after adding the previous sublayer's output into it (``delta``).
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    ``offset`` 1.0: the weight is stored as w - 1 and multiplies as (1 + w), in float32 (Gemma's norms)."""
+
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset
         self.fused: FusedOps | None = None
 
     def forward(
@@ -49,30 +62,30 @@ class RMSNorm(nn.Module):
             return self.fused.rms_norm(residual, self.weight, self.eps, delta)
         if delta is not None:
             residual.add_(delta)
-        # Normalise in float32 whatever the model dtype, as the reference does.
-        dtype = residual.dtype
-        x32 = residual.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(residual, self.weight, self.eps, self.offset)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, in float32 whatever x's dtype (the q/k norms of Qwen3 and OLMo 2)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dimension, normalised in float32 whatever x's dtype, as the references do; with
+    ``offset`` (Gemma) the float32 result is multiplied by (offset + weight) in float32, then cast."""
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.to(torch.float32))).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
 class PlainRMSNorm(nn.Module):
-    """An RMSNorm with only a weight (``rms_norm``), for the q/k norms."""
+    """An RMSNorm with only a weight (``rms_norm``): the q/k norms, and norms that add nothing to the residual."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 # Where a family normalises queries and keys before the rotation: per head over head_dim (Qwen3), or over
@@ -82,7 +95,15 @@ QK_NORMS = (None, "head", "all_heads")
 
 class Attention(nn.Module):
     def __init__(
-        self, config: Any, qkv_bias: bool, o_bias: bool, qk_norm: str | None = None, window: int | None = None
+        self,
+        config: Any,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: str | None = None,
+        window: int | None = None,
+        norm_offset: float = 0.0,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         if qk_norm not in QK_NORMS:
@@ -97,13 +118,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         # A sliding-window layer's window (None: the whole context).
         self.window = window
+        # The scores' factor (None: head_dim ** -0.5) and soft-cap (None: none), passed to the backend.
+        self.attention_options: dict[str, Any] = {}
+        if window is not None:
+            self.attention_options["window"] = window
+        if scale is not None:
+            self.attention_options["scale"] = scale
+        if softcap is not None:
+            self.attention_options["softcap"] = softcap
         self.qk_norm = qk_norm
         if qk_norm == "head":
-            self.q_norm = PlainRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = PlainRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = PlainRMSNorm(self.head_dim, config.rms_norm_eps, norm_offset)
+            self.k_norm = PlainRMSNorm(self.head_dim, config.rms_norm_eps, norm_offset)
         elif qk_norm == "all_heads":
-            self.q_norm = PlainRMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
-            self.k_norm = PlainRMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
+            self.q_norm = PlainRMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps, norm_offset)
+            self.k_norm = PlainRMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps, norm_offset)
 
     def pack_weights(self, method: LinearMethod) -> None:
         self.qkv_proj = PackedLinear([self.q_proj, self.k_proj, self.v_proj], method)
@@ -127,10 +156,8 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, : heads + kv_heads], *rope)  # (n, heads + kv_heads, head_dim)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]  # (n, kv_heads, head_dim)
-        if self.window is None:
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)  # (n, heads, head_dim)
-        else:
-            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, window=self.window)
+        # (n, heads, head_dim)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, **self.attention_options)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
     def _normalise_qk(self, qkv: torch.Tensor) -> torch.Tensor:  # (n, heads + 2 * kv_heads, head_dim)
@@ -145,15 +172,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, bias: bool) -> None:
+    def __init__(self, config: Any, bias: bool, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        if config.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
-        self.act = _ACTIVATIONS[config.hidden_act]
-        self.intermediate_size = config.intermediate_size
+        intermediate = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=bias)
+        # Gemma's configs name it hidden_activation.
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {sorted(_ACTIVATIONS)})")
+        self.act = _ACTIVATIONS[act]
+        self.intermediate_size = intermediate
         # Fused silu(gate) * up (only ever set for silu).
         self.fused: FusedOps | None = None
 
@@ -175,6 +205,57 @@ class MLP(nn.Module):
 
 
 @dataclass(frozen=True)
+class MoEOptions:
+    """A mixture-of-experts layer's shape and routing."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # Renormalise the top-k probabilities to sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob).
+    normalise: bool
+    # The routing weights cast to the model dtype before they scale the experts' outputs (Qwen3-MoE), or
+    # kept in float32 (Mixtral).
+    weights_in_model_dtype: bool
+
+
+class MoE(nn.Module):
+    """Top-k routed experts: a softmax router, then the tokens grouped by expert and each active expert's
+    gated MLP run once over its tokens (one GEMM per projection, through the model's linear method: float,
+    INT8 or INT4 like every projection). Each token's output is the sum over its experts in expert order,
+    weighted by its routing weights, as transformers adds them."""
+
+    def __init__(self, config: Any, options: MoEOptions, bias: bool) -> None:
+        super().__init__()
+        self.options = options
+        self.gate = nn.Linear(config.hidden_size, options.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(
+            MLP(config, bias, options.intermediate_size) for _ in range(options.num_experts)
+        )
+        self.act = self.experts[0].act
+        self.fused: FusedOps | None = None  # no fused activation: each expert's own (MoE.pack_weights)
+
+    def pack_weights(self, method: LinearMethod) -> None:
+        for expert in self.experts:
+            expert.pack_weights(method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
+        options = self.options
+        logits = nn.functional.linear(x, self.gate.weight)  # (num_tokens, num_experts)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, options.top_k, dim=-1)  # (num_tokens, top_k) each
+        if options.normalise:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if options.weights_in_model_dtype:
+            weights = weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert_index in torch.unique(chosen).tolist():  # ascending
+            rank, tokens = torch.where(chosen.t() == expert_index)  # rank-major, as transformers orders them
+            produced = self.experts[expert_index](x.index_select(0, tokens)) * weights[tokens, rank, None]
+            out.index_add_(0, tokens, produced.to(out.dtype))
+        return out
+
+
+@dataclass(frozen=True)
 class FamilyOptions:
     """What a family changes in the shared decoder."""
 
@@ -183,22 +264,46 @@ class FamilyOptions:
     mlp_bias: bool = False
     qk_norm: str | None = None  # one of QK_NORMS
     # "pre": norm before each sublayer (Llama); "post": norm of each sublayer's output before it joins the
-    # residual, none before (OLMo 2).
+    # residual, none before (OLMo 2); "sandwich": both (Gemma 2 and 3).
     norm_placement: str = "pre"
+    # Gemma: every norm multiplies by (1 + w); the embeddings are scaled by sqrt(hidden_size).
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    # The attention scores' factor (None: head_dim ** -0.5) and soft-caps of the scores and the logits.
+    attention_scale: float | None = None
+    attention_softcap: float | None = None
+    final_softcap: float | None = None
+    # Mixture of experts in the layers ``moe_layers`` names (None: dense MLPs everywhere).
+    moe: MoEOptions | None = None
+    moe_layers: tuple[int, ...] = ()
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, options: FamilyOptions, window: int | None = None) -> None:
+    def __init__(self, config: Any, options: FamilyOptions, window: int | None = None, sparse: bool = False) -> None:
         super().__init__()
-        self.post_norms = options.norm_placement == "post"
-        if self.post_norms:
-            self.post_feedforward_layernorm = PlainRMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.post_attention_layernorm = PlainRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_placement = options.norm_placement
+        # Norms that never add into the residual themselves (the fused residual-add norm is "pre"'s).
+        self.post_norms = options.norm_placement in ("post", "sandwich")
+        hidden, eps, offset = config.hidden_size, config.rms_norm_eps, options.norm_offset
+        if options.norm_placement == "pre":
+            self.input_layernorm = RMSNorm(hidden, eps, offset)
+            self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
         else:
-            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, options.qkv_bias, options.o_bias, options.qk_norm, window)
-        self.mlp = MLP(config, options.mlp_bias)
+            if options.norm_placement == "sandwich":
+                self.input_layernorm = PlainRMSNorm(hidden, eps, offset)
+                self.pre_feedforward_layernorm = PlainRMSNorm(hidden, eps, offset)
+            self.post_attention_layernorm = PlainRMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm = PlainRMSNorm(hidden, eps, offset)
+        self.self_attn = Attention(
+            config, options.qkv_bias, options.o_bias, options.qk_norm, window, offset,
+            options.attention_scale, options.attention_softcap,
+        )
+        self.mlp: MLP | MoE
+        if sparse:
+            assert options.moe is not None
+            self.mlp = MoE(config, options.moe, options.mlp_bias)
+        else:
+            self.mlp = MLP(config, options.mlp_bias)
 
     def forward(
         self,
@@ -210,12 +315,15 @@ class DecoderLayer(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # this layer's MLP output, for the next norm to add
         if self.post_norms:
-            # Each sublayer reads the residual itself; its output is normalised, then added.
+            # Each sublayer's output is normalised, then added; "sandwich" also normalises its input.
             if delta is not None:
                 residual.add_(delta)
-            attn_out = self.self_attn(residual, rope, kv_cache, backend, attn_metadata)
+            sandwich = self.norm_placement == "sandwich"
+            attn_in = self.input_layernorm(residual) if sandwich else residual
+            attn_out = self.self_attn(attn_in, rope, kv_cache, backend, attn_metadata)
             residual.add_(self.post_attention_layernorm(attn_out))
-            return self.post_feedforward_layernorm(self.mlp(residual))
+            mlp_in = self.pre_feedforward_layernorm(residual) if sandwich else residual
+            return self.post_feedforward_layernorm(self.mlp(mlp_in))
         # Each sublayer's output is added into the residual by the norm after it (fused on CPU in bf16).
         attn_out = self.self_attn(self.input_layernorm(residual, delta), rope, kv_cache, backend, attn_metadata)
         return self.mlp(self.post_attention_layernorm(residual, attn_out))
@@ -227,10 +335,32 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # A window no sequence outgrows (max_positions) changes nothing: those layers attend to everything.
         windows = [w if w is not None and w < max_positions else None for w in sliding_windows(config)]
-        self.layers = nn.ModuleList(DecoderLayer(config, options, window) for window in windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, options, window, index in options.moe_layers) for index, window in enumerate(windows)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
         head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        # Gemma 3 rotates its sliding layers with their own RoPE (rope_parameters by layer type).
+        by_type = layer_rope_parameters(config)
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions, by_type.get("full_attention"))
+        self.rotary_local: RotaryEmbedding | None = None
+        if "sliding_attention" in by_type:
+            self.rotary_local = RotaryEmbedding(config, head_dim, max_positions, by_type["sliding_attention"])
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        for layer, kind in zip(self.layers, layer_types):
+            layer.local_rope = self.rotary_local is not None and kind == "sliding_attention"
+        # sqrt(hidden_size) in the model dtype, as Gemma's scaled embedding multiplies (None: no scaling).
+        self.embed_scale = float(config.hidden_size) ** 0.5 if options.embed_scale else None
+        self.final_softcap = options.final_softcap
+
+
+def layer_rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
+    """RoPE settings by layer type where the config keeps them so (Gemma 3: "full_attention" and
+    "sliding_attention"); empty for a config with one setting for every layer."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return {kind: dict(value) for kind, value in params.items() if isinstance(value, dict)}
+    return {}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -259,10 +389,12 @@ class LlamaForCausalLM(nn.Module):
         self.between_layers: Callable[[], None] | None = None
         self.model = DecoderModel(config, max_positions, options)
         attention = self.model.layers[0].self_attn
-        if any(layer.self_attn.window is not None for layer in self.model.layers) or (
-            self.model.rotary.cos.shape[-1] != attention.head_dim
+        if (
+            any(layer.self_attn.window is not None for layer in self.model.layers)
+            or self.model.rotary.cos.shape[-1] != attention.head_dim
+            or options.moe_layers
         ):
-            # The fused C step attends to the whole context and rotates every feature of a head.
+            # The fused C step attends to the whole context, rotates every feature of a head, has no experts.
             self.fused_decode_layout = False
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
@@ -295,9 +427,11 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 if not layer.post_norms:
                     layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
-                if layer.mlp.act is nn.functional.silu:
-                    layer.mlp.fused = fused
-            self.model.norm.fused = fused
+                for mlp in layer.mlp.experts if isinstance(layer.mlp, MoE) else [layer.mlp]:
+                    if mlp.act is nn.functional.silu:
+                        mlp.fused = fused
+            if not self.model.norm.offset:
+                self.model.norm.fused = fused
         # Decode steps in one C call where the model's layout allows (None elsewhere; see forward).
         self.fused_decoder = build_fused_decoder(self) if self.fused_decode_layout else None
 
@@ -323,22 +457,34 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # (num_tokens, hidden)
         residual = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        if self.model.embed_scale is not None:
+            # A float32 scalar cast to the model dtype, as transformers' scaled embedding does.
+            residual.mul_(torch.tensor(self.model.embed_scale, dtype=torch.float32).to(residual.dtype))
         # The one place that chooses: a small decode step runs every layer in one C call
         # (pdserve/engine/models/fused_decode.py), bit for bit the layer-by-layer path below.
         if self.fused_decoder is not None and self.fused_decoder.serves(residual.shape[0], attn_metadata):
             return self.fused_decoder(residual, positions, kv_caches, attn_metadata)
         rope = self.model.rotary.tables(positions, residual.dtype)  # once per step, shared by every layer
+        local_rope = None if self.model.rotary_local is None else self.model.rotary_local.tables(positions, residual.dtype)
         delta = None
         between = self.between_layers
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             if index and between is not None:
                 between()
-            delta = layer(residual, delta, rope, kv_cache, backend, attn_metadata)
+            layer_rope = local_rope if layer.local_rope else rope
+            delta = layer(residual, delta, layer_rope, kv_cache, backend, attn_metadata)
         return self.model.norm(residual, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the rows that are sampled reach here: (num_sampled, hidden) -> (num_sampled, vocab)
-        return self.lm_head_packed(hidden)
+        return self.cap_logits(self.lm_head_packed(hidden))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap, cap * tanh(logits / cap), as transformers computes it (else unchanged)."""
+        cap = self.model.final_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -405,6 +551,90 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             return [(f"{base}gate_proj.{name}", (0, intermediate)),
                     (f"{base}up_proj.{name}", (intermediate, 2 * intermediate))]
         return None
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2: norms before and after each sublayer, each multiplying by (1 + w); embeddings scaled by
+    sqrt(hidden_size); scores scaled by ``query_pre_attn_scalar`` and soft-capped, logits soft-capped; GeGLU;
+    sliding and global layers in turn."""
+
+    fused_decode_layout = False
+
+    @classmethod
+    def family_options(cls, config: Any) -> FamilyOptions:
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError("use_bidirectional_attention=True (an encoder's setting) is not served: generation is causal")
+        bias = bool(getattr(config, "attention_bias", False))
+        return FamilyOptions(
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=cls.gemma_qk_norm,
+            norm_placement="sandwich",
+            norm_offset=1.0,
+            embed_scale=True,
+            attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
+            attention_softcap=getattr(config, "attn_logit_softcapping", None),
+            final_softcap=getattr(config, "final_logit_softcapping", None),
+        )
+
+    gemma_qk_norm: str | None = None
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 (text): Gemma 2's layout with an RMSNorm over each head of q and k, no soft-caps by default, and
+    its own RoPE for the sliding layers (``rope_parameters`` by layer type)."""
+
+    gemma_qk_norm = "head"
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: every layer's MLP is ``num_local_experts`` experts, ``num_experts_per_tok`` of them per token,
+    their routing weights renormalised (in float32); the checkpoint's ``block_sparse_moe.experts.N.w1/w3/w2``
+    load as each expert's gate/up/down."""
+
+    _EXPERT_RENAMES = ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+    @classmethod
+    def family_options(cls, config: Any) -> FamilyOptions:
+        moe = MoEOptions(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.intermediate_size,
+            normalise=True,
+            weights_in_model_dtype=False,
+        )
+        return FamilyOptions(moe=moe, moe_layers=tuple(range(config.num_hidden_layers)))
+
+    def checkpoint_parts(self, key: str) -> list[tuple[str, None]] | None:
+        if ".block_sparse_moe." not in key:
+            return None
+        name = key.replace(".block_sparse_moe.", ".mlp.", 1)
+        for old, new in self._EXPERT_RENAMES:
+            name = name.replace(old, new)
+        return [(name, None)]
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3-MoE: Qwen3's attention; experts of ``moe_intermediate_size`` in every ``decoder_sparse_step``-th
+    layer not in ``mlp_only_layers``, ``num_experts_per_tok`` per token, renormalised where
+    ``norm_topk_prob``."""
+
+    @classmethod
+    def family_options(cls, config: Any) -> FamilyOptions:
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        layers = tuple(
+            i for i in range(config.num_hidden_layers)
+            if i not in dense and config.num_experts > 0 and (i + 1) % step == 0
+        )
+        moe = MoEOptions(
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size,
+            normalise=bool(config.norm_topk_prob),
+            weights_in_model_dtype=True,
+        )
+        return dataclasses.replace(super().family_options(config), moe=moe, moe_layers=layers)
 
 
 def sliding_windows(config: Any) -> list[int | None]:

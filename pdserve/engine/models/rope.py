@@ -43,7 +43,11 @@ def inverse_frequencies(params: dict[str, Any], head_dim: int) -> torch.Tensor:
         return inv_freq
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3', 'longrope')")
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', 'longrope')"
+    )
 
 
 def longrope_attention_factor(hf_config: Any, params: dict[str, Any]) -> float:
@@ -92,9 +96,14 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin for every position up to ``max_positions``, in place of HF's per-call tables."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, params: dict[str, Any] | None = None) -> None:
+        """``params``: these RoPE settings instead of the config's own (one layer type's, Gemma 3)."""
         super().__init__()
-        params = rope_parameters(hf_config)
+        if params is not None:
+            params = dict(params)
+            params.setdefault("rope_type", params.get("type", "default"))
+        else:
+            params = rope_parameters(hf_config)
         check_longrope_length(hf_config, max_positions)
         dim = rotary_dim(hf_config, head_dim)
         inv_freq = inverse_frequencies(params, dim)

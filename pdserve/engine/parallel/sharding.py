@@ -48,6 +48,11 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int) -> None:
         )
     if intermediate % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's intermediate_size ({intermediate})")
+    expert_width = getattr(hf_config, "moe_intermediate_size", None)
+    if expert_width and int(expert_width) % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's moe_intermediate_size ({expert_width})"
+        )
     if int(hf_config.vocab_size) < tp:
         raise ValueError(f"tensor_parallel_size={tp} must not exceed the model's vocab_size ({hf_config.vocab_size})")
 
@@ -92,12 +97,13 @@ class TensorParallelShard:
                 _keep_rows(attn.v_proj, kv.start * head_dim, kv.stop * head_dim)
                 _keep_columns(attn.o_proj, rank * heads * head_dim, (rank + 1) * heads * head_dim, rank == 0)
                 attn.num_heads, attn.num_kv_heads = heads, len(kv)
-                mlp = layer.mlp
-                width = mlp.intermediate_size // tp
-                _keep_rows(mlp.gate_proj, rank * width, (rank + 1) * width)
-                _keep_rows(mlp.up_proj, rank * width, (rank + 1) * width)
-                _keep_columns(mlp.down_proj, rank * width, (rank + 1) * width, rank == 0)
-                mlp.intermediate_size = width
+                # A mixture of experts splits each expert as an MLP (vLLM's TP); the router stays whole.
+                for mlp in getattr(layer.mlp, "experts", None) or [layer.mlp]:
+                    width = mlp.intermediate_size // tp
+                    _keep_rows(mlp.gate_proj, rank * width, (rank + 1) * width)
+                    _keep_rows(mlp.up_proj, rank * width, (rank + 1) * width)
+                    _keep_columns(mlp.down_proj, rank * width, (rank + 1) * width, rank == 0)
+                    mlp.intermediate_size = width
             shard_lm_head(model, rank, tp)
 
 
@@ -137,4 +143,9 @@ def install_all_reduce(model: nn.Module, all_reduce: Any) -> None:
     model.fused_decoder = None
     for layer in model.model.layers:
         layer.self_attn.o_proj = AllReduceOutput(layer.self_attn.o_proj, all_reduce)
-        layer.mlp.down_proj = AllReduceOutput(layer.mlp.down_proj, all_reduce)
+        if hasattr(layer.mlp, "experts"):
+            # Every rank routes alike (the router and its input are whole): one all-reduce of the weighted
+            # sum of the experts' partial outputs.
+            layer.mlp = AllReduceOutput(layer.mlp, all_reduce)
+        else:
+            layer.mlp.down_proj = AllReduceOutput(layer.mlp.down_proj, all_reduce)

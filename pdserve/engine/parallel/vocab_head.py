@@ -104,7 +104,7 @@ def gather_split_logits(
 def send_split_logits(model: nn.Module, hidden_rows: torch.Tensor, group: TensorParallelGroup,
                       comm_device: torch.device) -> None:
     """A follower's half: its part's logits of ``hidden_rows`` (rows, hidden), to rank 0."""
-    logits = model.compute_logits(hidden_rows)  # (rows, this rank's vocab part)
+    logits = model.lm_head_packed(hidden_rows)  # (rows, this rank's vocab part); rank 0 caps the whole (cap_logits)
     group.send(logits.to(comm_device).contiguous(), 0, _LOGITS_TAG)
 
 

@@ -166,7 +166,7 @@ class TensorParallelWorkers:
         part; right after a step broadcast with these rows as its ``logits_rows`` (``lock`` held)."""
         assert self.group is not None
         with self._diagnosed():
-            return gather_split_logits(model.lm_head_packed, hidden_rows, self.group, self.comm_device)
+            return model.cap_logits(gather_split_logits(model.lm_head_packed, hidden_rows, self.group, self.comm_device))
 
     @contextlib.contextmanager
     def _diagnosed(self) -> Iterator[None]:

@@ -1,0 +1,168 @@
+"""A mixture-of-experts decode step against its dense twin and against its own memory bound.
+
+    python -m benchmarks.moe_step [--dtype float32] [--quantization int8] [--repeats 3]
+
+Two random checkpoints of the same width, depth and attention (SmolLM2-135M's: hidden 576, 9 heads, 3 KV
+heads; ``--num-layers`` layers): a Qwen3-MoE with ``--experts`` experts of ``--expert-width`` columns,
+``--top-k`` per token, in every layer; and a dense Qwen3 whose MLP is ``top_k * expert_width`` wide, the same
+active parameters per token. For each, one process, settings alternating within every repeat, best of
+``--repeats``:
+
+- the decode step at batch 1 and at batch 32 (32 prompts of 64 random tokens; ``(time of 1 + 24 new tokens)
+  - (time of 1 new token)`` over 24 steps);
+- at batch 32, the step's memory bound: the bytes a step must read (every weight but the unused experts'
+  and the embedding rows, plus the batch's KV), over the machine's read rate (``Tensor.sum`` over 512 MB,
+  measured in the same run). The experts a step touches are counted from the routing of the run itself.
+
+Targets (the issue of MoE serving): batch-1 step within 1.5x of the dense twin's; batch-32 step within
+1.5x of its memory bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.machine_limits import BANDWIDTH_BUFFER_BYTES, measure_bandwidth_gbps
+from benchmarks.random_checkpoint import SMOLLM2_135M
+
+PROMPT_LEN = 64
+NEW_TOKENS = 24
+BATCH = 32
+
+
+def _config(moe: bool, args: argparse.Namespace) -> Any:
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    fields = {k: v for k, v in SMOLLM2_135M.items() if k not in ("intermediate_size",)}
+    fields["num_hidden_layers"] = args.num_layers
+    fields["max_position_embeddings"] = 1024
+    if moe:
+        return Qwen3MoeConfig(
+            **fields, intermediate_size=args.top_k * args.expert_width, moe_intermediate_size=args.expert_width,
+            num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return Qwen3Config(**fields, intermediate_size=args.top_k * args.expert_width)
+
+
+def _write(folder: Path, config: Any) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
+    return folder
+
+
+def _decode_step_s(llm: Any, batch: int) -> float:
+    from pdserve.engine import SamplingParams
+
+    generator = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, 49000, (PROMPT_LEN,), generator=generator).tolist() for _ in range(batch)]
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    more = SamplingParams(max_tokens=1 + NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, first)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompts, more)
+    return (time.perf_counter() - start - prefill) / NEW_TOKENS
+
+
+class _ExpertCounter:
+    """Distinct experts each MoE layer ran in its steps (wraps the layers' forward)."""
+
+    def __init__(self, model: Any) -> None:
+        from pdserve.engine.models.llama import MoE
+
+        self.per_step: list[int] = []
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, MoE):
+                self._wrap(layer.mlp)
+
+    def _wrap(self, moe: Any) -> None:
+        forward = moe.forward
+        counter = self
+
+        def counting(x: torch.Tensor) -> torch.Tensor:
+            logits = torch.nn.functional.linear(x, moe.gate.weight)
+            chosen = torch.topk(logits, moe.options.top_k, dim=-1).indices
+            counter.per_step.append(len(torch.unique(chosen)))
+            return forward(x)
+
+        moe.forward = counting
+
+
+def _bytes_per_step(model: Any, experts_touched: float, context: int) -> float:
+    """Weights a batch-32 decode step reads (the unused experts' and the embedding's excluded) plus its KV."""
+    from pdserve.engine.models.llama import MoE
+
+    total = 0.0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name or "rotary" in name:
+            continue
+        total += tensor.numel() * tensor.element_size()
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            per_expert = sum(p.numel() * p.element_size() for p in layer.mlp.experts[0].parameters())
+            per_expert += sum(b.numel() * b.element_size() for b in layer.mlp.experts[0].buffers())
+            total -= per_expert * (len(layer.mlp.experts) - experts_touched)
+    attn = model.model.layers[0].self_attn
+    kv = 2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim * 4 * context * BATCH
+    return total + kv
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--expert-width", type=int, default=384)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    from pdserve.engine import LLM
+
+    options: dict[str, Any] = {"dtype": args.dtype, "num_kv_blocks": 512, "enable_prefix_caching": False}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    with tempfile.TemporaryDirectory() as folder:
+        llms = {
+            name: LLM(model=str(_write(Path(folder) / name, _config(name == "moe", args))), **options)
+            for name in ("dense", "moe")
+        }
+        best = {(name, batch): float("inf") for name in llms for batch in (1, BATCH)}
+        for _ in range(args.repeats):
+            for batch in (1, BATCH):
+                for name, llm in llms.items():
+                    best[name, batch] = min(best[name, batch], _decode_step_s(llm, batch))
+        # One more batch-32 run, untimed, counting the experts each decode step's layers ran (its last
+        # NEW_TOKENS steps: one token per sequence each).
+        counter = _ExpertCounter(llms["moe"].engine.model)
+        _decode_step_s(llms["moe"], BATCH)
+        decode_counts = counter.per_step[-NEW_TOKENS * args.num_layers :]
+        touched = sum(decode_counts) / len(decode_counts)
+        _, read_gbps = measure_bandwidth_gbps(BANDWIDTH_BUFFER_BYTES, repeats=20)
+        step_bytes = _bytes_per_step(llms["moe"].engine.model, touched, PROMPT_LEN + NEW_TOKENS // 2)
+        bound_s = step_bytes / (read_gbps * 1e9)
+    setting = args.dtype + (f":{args.quantization}" if args.quantization else "")
+    print(f"setting {setting}; {args.num_layers} layers, {args.experts} experts of {args.expert_width}, top-{args.top_k};"
+          f" threads {torch.get_num_threads()}")
+    for batch in (1, BATCH):
+        dense, moe = best["dense", batch] * 1e3, best["moe", batch] * 1e3
+        print(f"batch {batch:>2}: dense twin {dense:7.2f} ms, MoE {moe:7.2f} ms ({moe / dense:.2f}x the dense twin)")
+    print(f"batch {BATCH}: experts touched per MoE layer {touched:.1f} of {args.experts}; the step reads "
+          f"{step_bytes / 1e6:.1f} MB at {read_gbps:.1f} GB/s: bound {bound_s * 1e3:.2f} ms; the MoE step is "
+          f"{best['moe', BATCH] / bound_s:.2f}x its bound")
+
+
+if __name__ == "__main__":
+    main()
