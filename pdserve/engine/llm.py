@@ -10,7 +10,8 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 
-PromptInput = str | list[int]
+# A prompt: text, token ids, or vLLM's prompt dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
+PromptInput = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -107,7 +108,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in input order.
 
-        ``prompts`` is a string, a list of token ids, or a list of either.
+        ``prompts`` is a string, a list of token ids, a vLLM prompt dict (``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``), or a list of any of these.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -152,15 +154,31 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompt_list = list(prompts)
     if not prompt_list:
         raise ValueError("prompts must not be empty")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt_list):
         return [prompt_list]  # one prompt given as token ids
     for prompt in prompt_list:
-        if not isinstance(prompt, (str, list, tuple)):
-            raise ValueError(f"prompts must be strings or lists of token ids, got {type(prompt).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompt_list]
+        if not isinstance(prompt, (str, list, tuple, dict)):
+            raise ValueError(
+                f"prompts must be strings, lists of token ids or prompt dicts, got {type(prompt).__name__}"
+            )
+    return [_from_dict(p) if isinstance(p, dict) else p if isinstance(p, str) else list(p) for p in prompt_list]
+
+
+def _from_dict(prompt: dict[str, Any]) -> str | list[int]:
+    """vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt) or ``{"prompt_token_ids": ids}`` (TokensPrompt)."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"prompt dict keys {unknown} are not supported (supported: 'prompt', 'prompt_token_ids')")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids' (token ids)")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompt must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    return list(prompt["prompt_token_ids"])

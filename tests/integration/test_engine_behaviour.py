@@ -205,3 +205,20 @@ def test_dtype_auto_is_bf16_where_the_cpu_runs_it_natively(llama_checkpoint: Pat
     monkeypatch.setattr(llm_engine, "cpu_has_native_bf16", lambda: True)
     assert llm_engine.auto_dtype(torch.device("cpu")) == torch.bfloat16
     assert llm_engine.auto_dtype(torch.device("cuda")) == torch.bfloat16
+
+
+def test_vllm_prompt_dicts_are_accepted_and_bad_ones_refused_naming_the_key(tiny_llm: LLM) -> None:
+    ids = random_prompts([7, 12], seed=90)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0)
+    plain = [o.token_ids for o in tiny_llm.generate(ids, greedy)]
+    # TokensPrompt dicts, alone or mixed with plain token ids, give what the ids give.
+    as_dicts = tiny_llm.generate([{"prompt_token_ids": ids[0]}, ids[1]], greedy)
+    assert [o.token_ids for o in as_dicts] == plain
+    (single,) = tiny_llm.generate({"prompt_token_ids": ids[1]}, greedy)
+    assert single.token_ids == plain[1] and single.prompt_token_ids == ids[1]
+    with pytest.raises(ValueError, match=r"prompt dict keys \['multi_modal_data'\] are not supported"):
+        tiny_llm.generate({"prompt_token_ids": ids[0], "multi_modal_data": {}}, greedy)
+    with pytest.raises(ValueError, match="a prompt dict needs exactly one of 'prompt' .text. or 'prompt_token_ids'"):
+        tiny_llm.generate([{}], greedy)
+    with pytest.raises(ValueError, match="prompts must be strings, lists of token ids or prompt dicts, got float"):
+        tiny_llm.generate([1.5], greedy)

@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import family_of, random_prompts
 from tests.support.handoff import handoff_tokens
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-# Teacher-forced top-1 agreement with float32 KV over 4 x 300 positions of the tiny
-# random checkpoints (measured: bfloat16 0.979 llama / 0.986 qwen2, int8 0.959 / 0.958;
-# near-uniform random models make close calls common, real models agree more).
-MIN_TOP1_AGREEMENT = {"bfloat16": 0.96, "int8": 0.94}
+# Teacher-forced top-1 agreement with float32 KV over 4 x 300 positions of the tiny random checkpoints,
+# measured (bfloat16 / int8): llama 0.979 / 0.958, qwen2 0.986 / 0.958, qwen3 0.994 / 0.985, mistral
+# 0.981 / 0.938, olmo2 0.997 / 0.989, phi3 0.971 / 0.937, gemma2 0.997 / 0.991, gemma3 1.000 / 0.993,
+# qwen3_moe 0.990 / 0.966; mixtral 0.920 / 0.829 (a moved router logit moves a token to another expert).
+# Near-uniform random models make close calls common; real models agree more.
+MIN_TOP1_AGREEMENT = {"bfloat16": 0.95, "int8": 0.92}
+MOE_MIN_TOP1_AGREEMENT = {"mixtral": {"bfloat16": 0.88, "int8": 0.79}}
 
 
 def _engine(path: Path, kv_cache_dtype: str, **kwargs: object) -> LLMEngine:
@@ -58,12 +61,13 @@ def test_int8_blocks_imported_into_a_float32_cache_decode_to_the_end(llama_check
     assert [len(outputs[f"req-{i}"]) for i in range(2)] == [24, 24]
 
 
-def _teacher_forced_top1(path: Path, kv_cache_dtype: str, prompts: list[list[int]]) -> list[int]:
-    """Argmax of every position after the first chunk; 16-token chunks make each read its context from the cache."""
+def _teacher_forced_top1(path: Path, kv_cache_dtype: str, prompts: list[list[int]]) -> list[tuple[int, float]]:
+    """Argmax and its logprob at every position after the first chunk; 16-token chunks make each read its context
+    from the cache."""
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16,
               kv_cache_dtype=kv_cache_dtype)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
-    return [entry.top[0][0] for out in outputs for entry in out.prompt_logprobs[16:]]
+    return [entry.top[0] for out in outputs for entry in out.prompt_logprobs[16:]]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
@@ -72,5 +76,8 @@ def test_compact_kv_agrees_with_float32_kv_above_the_stated_threshold(checkpoint
     reference = _teacher_forced_top1(checkpoint, "auto", prompts)
     compact = _teacher_forced_top1(checkpoint, kv_cache_dtype, prompts)
     assert len(reference) == len(compact) == 4 * 283
-    agreement = sum(a == b for a, b in zip(reference, compact)) / len(reference)
-    assert MIN_TOP1_AGREEMENT[kv_cache_dtype] <= agreement < 1.0  # < 1: the compact cache really is read
+    agreement = sum(a[0] == b[0] for a, b in zip(reference, compact)) / len(reference)
+    threshold = MOE_MIN_TOP1_AGREEMENT.get(family_of(checkpoint), MIN_TOP1_AGREEMENT)[kv_cache_dtype]
+    assert agreement >= threshold
+    # The compact cache really is read: the logprobs move (an argmax need not, Gemma 3's never did in bf16).
+    assert max(abs(a[1] - b[1]) for a, b in zip(reference, compact)) > 1e-4

@@ -247,12 +247,31 @@ class MoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         if options.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for expert_index in torch.unique(chosen).tolist():  # ascending
-            rank, tokens = torch.where(chosen.t() == expert_index)  # rank-major, as transformers orders them
-            produced = self.experts[expert_index](x.index_select(0, tokens)) * weights[tokens, rank, None]
-            out.index_add_(0, tokens, produced.to(out.dtype))
-        return out
+        num_tokens = x.shape[0]
+        if num_tokens == 1:
+            # One token (a batch-1 decode step): its experts in ascending order, summed in that order.
+            out: torch.Tensor | None = None
+            for expert_index, weight in sorted(zip(chosen[0].tolist(), weights[0])):
+                produced = (self.experts[expert_index](x) * weight).to(x.dtype)
+                out = produced if out is None else out.add_(produced)
+            assert out is not None
+            return out
+        # Every (token, choice) pair sorted by expert, within an expert rank-major as transformers takes them:
+        # one gather of the rows, one contiguous slice per active expert, one scatter-add at the end.
+        pairs = chosen.t().reshape(-1)  # pair r * num_tokens + t: token t's r-th choice
+        order = torch.argsort(pairs, stable=True)
+        counts = torch.bincount(pairs, minlength=options.num_experts).tolist()
+        tokens = order % num_tokens
+        rows = x.index_select(0, tokens)
+        produced = torch.empty_like(rows)
+        start = 0
+        for expert_index, count in enumerate(counts):
+            if count:
+                produced[start : start + count] = self.experts[expert_index](rows[start : start + count])
+                start += count
+        produced = (produced * weights.t().reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+        # index_add_ adds each row in turn: a token's experts in ascending order, as transformers sums them.
+        return torch.zeros_like(x).index_add_(0, tokens, produced)
 
 
 @dataclass(frozen=True)
