@@ -29,6 +29,11 @@ extern "C" int pdserve_openmp_team(int threads);
                                    int64_t, int64_t);                                                            \
     int64_t pdserve_##v##_int8_gemm(void *, const void *, const uint8_t *, const float *, int64_t, int64_t,      \
                                     int64_t, int64_t, int64_t);                                                  \
+    int64_t pdserve_##v##_int8_grouped_gemm(void *, const void *, const int64_t *, const int64_t *,              \
+                                            const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t);       \
+    int64_t pdserve_##v##_int4_grouped_gemm(void *, const void *, const int64_t *, const int64_t *,              \
+                                            const int64_t *, int64_t, const int64_t *, int64_t, int64_t,         \
+                                            int64_t, int64_t, int64_t);                                          \
     int64_t pdserve_##v##_int4_gemm(void *, const void *, const uint8_t *, const uint16_t *, const uint16_t *,   \
                                     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);                       \
     int pdserve_##v##_paged_attention_ranges(void *, const void *, int64_t, int64_t, const void *, const void *, \
@@ -56,6 +61,8 @@ extern "C" int pdserve_openmp_team(int threads);
             pdserve_##v##_f32_gemm,                                                                              \
             pdserve_##v##_int8_gemm,                                                                             \
             pdserve_##v##_int4_gemm,                                                                             \
+            pdserve_##v##_int8_grouped_gemm,                                                                     \
+            pdserve_##v##_int4_grouped_gemm,                                                                     \
             pdserve_##v##_paged_attention_ranges,                                                                \
             pdserve_##v##_store_kv,                                                                              \
             pdserve_##v##_rms_norm,                                                                              \
@@ -78,6 +85,10 @@ struct Kernels {
                          int64_t);
     int64_t (*int4_gemm)(void *, const void *, const uint8_t *, const uint16_t *, const uint16_t *, int64_t,
                          int64_t, int64_t, int64_t, int64_t, int64_t);
+    int64_t (*int8_grouped_gemm)(void *, const void *, const int64_t *, const int64_t *, const int64_t *, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t);
+    int64_t (*int4_grouped_gemm)(void *, const void *, const int64_t *, const int64_t *, const int64_t *, int64_t,
+                                 const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t);
     int (*paged_attention_ranges)(void *, const void *, int64_t, int64_t, const void *, const void *, int64_t,
                                   const float *, const float *, const int64_t *, const int64_t *, const int64_t *,
                                   const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -166,6 +177,23 @@ int64_t int4_gemm(int64_t v, const at::Tensor &out, const at::Tensor &x, const a
                                 is_bf16, threads);
 }
 
+int64_t int8_grouped_gemm(int64_t v, const at::Tensor &out, const at::Tensor &x, const at::Tensor &weights,
+                          const at::Tensor &row_scales, const at::Tensor &offsets, int64_t num_experts, int64_t n,
+                          int64_t k, int64_t is_bf16, int64_t threads) {
+    return kernels(v).int8_grouped_gemm(ptr(out), ptr<const void>(x), ptr<const int64_t>(weights),
+                                        ptr<const int64_t>(row_scales), ptr<const int64_t>(offsets), num_experts, n,
+                                        k, is_bf16, threads);
+}
+
+int64_t int4_grouped_gemm(int64_t v, const at::Tensor &out, const at::Tensor &x, const at::Tensor &weights,
+                          const at::Tensor &scales, const at::Tensor &minimums, int64_t group_size,
+                          const at::Tensor &offsets, int64_t num_experts, int64_t n, int64_t k, int64_t is_bf16,
+                          int64_t threads) {
+    return kernels(v).int4_grouped_gemm(ptr(out), ptr<const void>(x), ptr<const int64_t>(weights),
+                                        ptr<const int64_t>(scales), ptr<const int64_t>(minimums), group_size,
+                                        ptr<const int64_t>(offsets), num_experts, n, k, is_bf16, threads);
+}
+
 int64_t paged_attention(int64_t v, const at::Tensor &out, const at::Tensor &query, int64_t query_stride,
                         int64_t io_bf16, const at::Tensor &key_cache, const at::Tensor &value_cache, int64_t kv_kind,
                         const std::optional<at::Tensor> &key_scales, const std::optional<at::Tensor> &value_scales,
@@ -236,6 +264,13 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("int8_gemm(int variant, Tensor(a!) out, Tensor x, Tensor qweight, Tensor row_scales, int rows, int n, "
           "int k, int is_bf16, int threads) -> int",
           &int8_gemm);
+    m.def("int8_grouped_gemm(int variant, Tensor(a!) out, Tensor x, Tensor weights, Tensor row_scales, "
+          "Tensor offsets, int num_experts, int n, int k, int is_bf16, int threads) -> int",
+          &int8_grouped_gemm);
+    m.def("int4_grouped_gemm(int variant, Tensor(a!) out, Tensor x, Tensor weights, Tensor scales, "
+          "Tensor minimums, int group_size, Tensor offsets, int num_experts, int n, int k, int is_bf16, "
+          "int threads) -> int",
+          &int4_grouped_gemm);
     m.def("int4_gemm(int variant, Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor minimums, "
           "int group_size, int rows, int n, int k, int is_bf16, int threads) -> int",
           &int4_gemm);

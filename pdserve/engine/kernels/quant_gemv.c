@@ -615,3 +615,74 @@ int64_t pdserve_int4_gemm(void *out, const void *x, const uint8_t *qweight, cons
     free_rows(&quantized);
     return 0;
 }
+
+/*
+ * Experts side by side (a mixture-of-experts layer): expert e multiplies rows [offsets[e], offsets[e + 1]) of
+ * x by its own weight into the same rows of out, n outputs a row. The activation is quantized once for all
+ * rows, and the (expert, tile) units of every expert split over the threads in one parallel region, so a
+ * layer's experts cost one call instead of one each. Each row's results are the bits pdserve_int8_gemm /
+ * pdserve_int4_gemm give for it (every row is quantized alone; a tile's sums do not depend on its partners).
+ * weights[e], row_scales[e] (INT8) or scales[e], minimums[e] (INT4): addresses of expert e's tensors in the
+ * layouts above; offsets: num_experts + 1 non-decreasing row indices from 0. Returns 0, or -1 when out of memory.
+ */
+int64_t pdserve_int8_grouped_gemm(void *out, const void *x, const int64_t *weights, const int64_t *row_scales,
+                                  const int64_t *offsets, int64_t num_experts, int64_t n, int64_t k, int64_t is_bf16,
+                                  int64_t threads)
+{
+    QuantizedRows quantized;
+    if (quantize_rows(x, (int)is_bf16, offsets[num_experts], k, threads, &quantized) != 0) {
+        free_rows(&quantized);
+        return -1;
+    }
+    const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / QBLOCK;
+    const size_t element = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t unit = 0; unit < num_experts * tiles; ++unit) {
+        const int64_t e = unit / tiles, t = unit % tiles, first = offsets[e], count = offsets[e + 1] - first;
+        if (count <= 0) {
+            continue;
+        }
+        const QuantizedRows rows = {quantized.xq + first * k, quantized.d + first * blocks,
+                                    quantized.sums + first * blocks};
+        int8_one_tile((char *)out + (size_t)(first * n) * element, (int)is_bf16, (const uint8_t *)weights[e],
+                      (const float *)row_scales[e], &rows, count, n, k, t);
+    }
+    free_rows(&quantized);
+    return 0;
+}
+
+int64_t pdserve_int4_grouped_gemm(void *out, const void *x, const int64_t *weights, const int64_t *scales,
+                                  const int64_t *minimums, int64_t group_size, const int64_t *offsets,
+                                  int64_t num_experts, int64_t n, int64_t k, int64_t is_bf16, int64_t threads)
+{
+    QuantizedRows quantized;
+    if (quantize_rows(x, (int)is_bf16, offsets[num_experts], k, threads, &quantized) != 0) {
+        free_rows(&quantized);
+        return -1;
+    }
+    const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / QBLOCK, groups = k / group_size;
+    const size_t element = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t unit = 0; unit < num_experts * tiles; ++unit) {
+        const int64_t e = unit / tiles, t = unit % tiles, first = offsets[e], count = offsets[e + 1] - first;
+        if (count <= 0) {
+            continue;
+        }
+        const QuantizedRows rows = {quantized.xq + first * k, quantized.d + first * blocks,
+                                    quantized.sums + first * blocks};
+        void *expert_out = (char *)out + (size_t)(first * n) * element;
+        const uint8_t *tile = (const uint8_t *)weights[e] + t * (k / 2) * TILE;
+        const uint16_t *tile_scales = (const uint16_t *)scales[e] + t * groups * TILE;
+        const uint16_t *tile_minimums = (const uint16_t *)minimums[e] + t * groups * TILE;
+        float results[ROW_GROUP * TILE];
+        for (int64_t row0 = 0; row0 < count; row0 += ROW_GROUP) {
+            const int c = count - row0 < ROW_GROUP ? (int)(count - row0) : ROW_GROUP;
+            int4_tile(tile, tile_scales, tile_minimums, group_size, &rows, row0, c, k, results);
+            for (int r = 0; r < c; ++r) {
+                store_tile(expert_out, (int)is_bf16, row0 + r, n, t * TILE, results + r * TILE);
+            }
+        }
+    }
+    free_rows(&quantized);
+    return 0;
+}

@@ -47,6 +47,7 @@ from pdserve.engine.layers.dense_kernels import (
     pack_dense,
 )
 from pdserve.engine.layers.quant_kernels import (
+    _PARALLEL_MIN_BYTES,
     QBLOCK,
     TILE,
     BoundGemm,
@@ -434,3 +435,61 @@ def lm_head_method(quantization: str | None, quantize_lm_head: bool = True) -> L
         return UnquantizedLinearMethod()
     linear_method(quantization, INT4_GROUP_SIZES[0])  # the same error for an unknown setting
     return Int8LinearMethod(kernel_max_rows=LM_HEAD_KERNEL_MAX_ROWS)
+
+
+class GroupedQuantizedGemm:
+    """One projection of every expert of a mixture-of-experts layer (``PackedLinear`` layers of one quantized
+    method, one shape, no bias), multiplied in one kernel call: rows ``offsets[e]`` to ``offsets[e + 1]`` of
+    x go through expert e. Each row's result is the bits ``layers[e]`` alone would give it (the kernels'
+    ``*_grouped_gemm``); ``max_rows`` is the methods' ``kernel_max_rows``, above which they dequantize
+    instead, so the caller keeps to it."""
+
+    def __init__(self, layers: list[PackedLinear]) -> None:
+        method = layers[0].method
+        kernels = layers[0]._quant_kernels
+        assert kernels is not None and isinstance(method, (Int8LinearMethod, Int4LinearMethod))
+        self.out_features, self.in_features = layers[0].out_features, layers[0].in_features
+        self.max_rows = method.kernel_max_rows
+        # The tensors themselves are kept: the addresses handed to the kernel stay theirs.
+        self._tensors = [(layer.qweight, layer.scales, getattr(layer, "minimums", None)) for layer in layers]
+        addresses = list(zip(*((t.data_ptr() if t is not None else 0 for t in ts) for ts in self._tensors)))
+        self._weights, self._scales, self._minimums = (torch.tensor(a, dtype=torch.int64) for a in addresses)
+        self._num_experts = len(layers)
+        self._parallel = layers[0].qweight.numel() * len(layers) >= _PARALLEL_MIN_BYTES
+        if isinstance(method, Int8LinearMethod):
+            self._call = lambda out, x, offsets, threads: kernels.int8_grouped(
+                out, x, self._weights, self._scales, offsets, self._num_experts, self.out_features,
+                self.in_features, int(x.dtype == torch.bfloat16), threads,
+            )
+        else:
+            group_size = method.group_size
+            self._call = lambda out, x, offsets, threads: kernels.int4_grouped(
+                out, x, self._weights, self._scales, self._minimums, group_size, offsets, self._num_experts,
+                self.out_features, self.in_features, int(x.dtype == torch.bfloat16), threads,
+            )
+
+    @staticmethod
+    def serves(layers: list[PackedLinear]) -> bool:
+        """Whether the layers can be multiplied in one call: one quantized method kind with kernels on CPU, one
+        shape, no bias, inputs a whole number of the kernels' blocks."""
+        first = layers[0]
+        method = first.method
+        if not isinstance(method, (Int8LinearMethod, Int4LinearMethod)) or first._quant_kernels is None:
+            return False
+        return all(
+            type(layer.method) is type(method)
+            and getattr(layer.method, "group_size", None) == getattr(method, "group_size", None)
+            and layer.method.kernel_max_rows == method.kernel_max_rows
+            and (layer.out_features, layer.in_features) == (first.out_features, first.in_features)
+            and layer.bias is None and layer._quant_kernels is not None
+            for layer in layers
+        ) and first.in_features % QBLOCK == 0
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
+        source = x if x.dtype in _KERNEL_DTYPES else x.to(_GEMM_DTYPE)
+        source = source.contiguous()
+        out = torch.empty((source.shape[0], self.out_features), dtype=source.dtype)
+        threads = torch.get_num_threads() if self._parallel else 1
+        if self._call(out, source, offsets, threads) != 0:
+            raise MemoryError("the quantized kernel could not allocate its int8 activation")
+        return _kernel_output(out, x)

@@ -95,6 +95,9 @@ class QuantKernels:
         ops, variant = kernels.ops, kernels.variant
         self._int8: Callable[..., int] = lambda *args: ops.int8_gemm(variant, *args)
         self._int4: Callable[..., int] = lambda *args: ops.int4_gemm(variant, *args)
+        # Every expert of a layer in one call (linear.GroupedQuantizedGemm); arguments as the operators'.
+        self.int8_grouped: Callable[..., int] = lambda *args: ops.int8_grouped_gemm(variant, *args)
+        self.int4_grouped: Callable[..., int] = lambda *args: ops.int4_grouped_gemm(variant, *args)
         self.variant = kernels.name
         # Which integer-product code the variant runs.
         self.isa = _QUANT_PATHS[ops.quant_path(variant)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.layers.fused_ops import FusedOps, load_fused_ops
-from pdserve.engine.layers.linear import LinearMethod, PackedLinear, UnquantizedLinearMethod
+from pdserve.engine.layers.linear import GroupedQuantizedGemm, LinearMethod, PackedLinear, UnquantizedLinearMethod
 from pdserve.engine.models.fused_decode import FusedDecoder, build_fused_decoder
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
@@ -233,10 +234,16 @@ class MoE(nn.Module):
         )
         self.act = self.experts[0].act
         self.fused: FusedOps | None = None  # no fused activation: each expert's own (MoE.pack_weights)
+        self.grouped: tuple[GroupedQuantizedGemm, GroupedQuantizedGemm] | None = None  # set by pack_weights
 
     def pack_weights(self, method: LinearMethod) -> None:
         for expert in self.experts:
             expert.pack_weights(method)
+        # Quantized experts: each projection of every expert in one kernel call (None: one call per expert).
+        gate_ups = [expert.gate_up_proj for expert in self.experts]
+        downs = [expert.down_proj for expert in self.experts]
+        if GroupedQuantizedGemm.serves(gate_ups) and GroupedQuantizedGemm.serves(downs):
+            self.grouped = (GroupedQuantizedGemm(gate_ups), GroupedQuantizedGemm(downs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
         options = self.options
@@ -248,7 +255,7 @@ class MoE(nn.Module):
         if options.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
         num_tokens = x.shape[0]
-        if num_tokens == 1:
+        if num_tokens == 1 and self.grouped is None:
             # One token (a batch-1 decode step): its experts in ascending order, summed in that order.
             out: torch.Tensor | None = None
             for expert_index, weight in sorted(zip(chosen[0].tolist(), weights[0])):
@@ -263,15 +270,33 @@ class MoE(nn.Module):
         counts = torch.bincount(pairs, minlength=options.num_experts).tolist()
         tokens = order % num_tokens
         rows = x.index_select(0, tokens)
-        produced = torch.empty_like(rows)
-        start = 0
-        for expert_index, count in enumerate(counts):
-            if count:
-                produced[start : start + count] = self.experts[expert_index](rows[start : start + count])
-                start += count
+        if self.grouped is not None and max(counts) <= self.grouped[0].max_rows:
+            produced = self._grouped_experts(rows, counts)
+        else:
+            produced = torch.empty_like(rows)
+            start = 0
+            for expert_index, count in enumerate(counts):
+                if count:
+                    produced[start : start + count] = self.experts[expert_index](rows[start : start + count])
+                    start += count
         produced = (produced * weights.t().reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         # index_add_ adds each row in turn: a token's experts in ascending order, as transformers sums them.
         return torch.zeros_like(x).index_add_(0, tokens, produced)
+
+    def _grouped_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert's MLP over its rows (sorted by expert, ``counts`` each) in two kernel calls, bit for bit
+        what each expert's own ``MLP.forward`` gives its rows."""
+        assert self.grouped is not None
+        gate_up_gemm, down_gemm = self.grouped
+        offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+        gate_up = gate_up_gemm(rows, offsets)  # (rows, 2 * intermediate)
+        expert = self.experts[0]
+        if expert.fused is not None:
+            hidden = expert.fused.silu_mul(gate_up)
+        else:
+            width = expert.intermediate_size
+            hidden = expert.act(gate_up[:, :width]).mul_(gate_up[:, width:])
+        return down_gemm(hidden, offsets)
 
 
 @dataclass(frozen=True)

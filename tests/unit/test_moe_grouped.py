@@ -1,0 +1,69 @@
+"""A mixture-of-experts layer's quantized experts in one kernel call: the bits of one call per expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pdserve.engine.layers.linear import GroupedQuantizedGemm, Int4LinearMethod, Int8LinearMethod, PackedLinear
+from pdserve.engine.layers.quant_kernels import load_quant_kernels
+from pdserve.engine.native import supported_variants
+
+# Expert row counts: an expert with no rows, one with one, one past the 16 rows from which the per-expert
+# INT8 kernel takes its tiles in pairs.
+COUNTS = [3, 0, 7, 1, 20]
+
+
+def _experts(method_name: str, variant: str, seed: int) -> list[PackedLinear]:
+    torch.manual_seed(seed)
+    experts = []
+    for _ in COUNTS:
+        linear = nn.Linear(64, 80, bias=False)  # 80 outputs: the last tile of 16 is padded
+        method = Int8LinearMethod() if method_name == "int8" else Int4LinearMethod(32)
+        layer = PackedLinear([linear], method)
+        layer._quant_kernels = load_quant_kernels(variant)
+        experts.append(layer)
+    return experts
+
+
+@pytest.mark.parametrize("variant", supported_variants())
+@pytest.mark.parametrize("method_name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_grouped_call_gives_each_experts_own_bits(variant: str, method_name: str, dtype: torch.dtype) -> None:
+    experts = _experts(method_name, variant, seed=len(variant))
+    assert GroupedQuantizedGemm.serves(experts)
+    grouped = GroupedQuantizedGemm(experts)
+    x = torch.randn(sum(COUNTS), 64).to(dtype)
+    offsets = torch.tensor([0, 3, 3, 10, 11, 31], dtype=torch.int64)
+    expected = torch.cat([expert(x[offsets[e] : offsets[e + 1]]) for e, expert in enumerate(experts)])
+    got = grouped(x, offsets)
+    assert got.dtype == dtype and got.shape == (31, 80)
+    assert torch.equal(got, expected)
+
+
+def test_layers_of_mixed_methods_shapes_or_biases_are_not_grouped() -> None:
+    experts = _experts("int8", supported_variants()[-1], seed=0)
+    other = _experts("int4", supported_variants()[-1], seed=1)
+    assert not GroupedQuantizedGemm.serves([experts[0], other[0]])
+    wide = PackedLinear([nn.Linear(64, 96, bias=False)], Int8LinearMethod())
+    assert not GroupedQuantizedGemm.serves([experts[0], wide])
+    biased = PackedLinear([nn.Linear(64, 80, bias=True)], Int8LinearMethod())
+    assert not GroupedQuantizedGemm.serves([biased, experts[0]])
+    assert not GroupedQuantizedGemm.serves([PackedLinear([nn.Linear(64, 80, bias=False)])])  # unquantized
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_moe_layer_gives_the_same_bits_grouped_and_expert_by_expert(qwen3_moe_checkpoint, quantization: str) -> None:
+    from pdserve.engine.model_loader import load_hf_config, load_model
+    from pdserve.engine.models.llama import MoE
+
+    path = qwen3_moe_checkpoint
+    model = load_model(path, load_hf_config(path), 256, torch.float32, torch.device("cpu"), quantization, 32)
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, MoE) and moe.grouped is not None
+    x = torch.randn(12, 64)
+    grouped, grouped_one = moe(x), moe(x[:1])  # 12 tokens, and one (a batch-1 decode step)
+    moe.grouped = None  # one call per expert
+    assert torch.equal(moe(x), grouped)
+    assert torch.equal(moe(x[:1]), grouped_one)
