@@ -113,6 +113,30 @@ def qwen3_moe_config() -> object:
     )
 
 
+def gemma2_config() -> object:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=10,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=8.0,  # applied to the whole vocabulary once the ranks' parts are gathered
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        bos_token_id=1,
+        pad_token_id=0,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
 def olmo2_config() -> object:
     from transformers import Olmo2Config
 
@@ -148,6 +172,8 @@ CONFIGS = {
     "mistral": mistral_config,
     # experts, each split over the ranks like an MLP, one all-reduce per layer
     "qwen3_moe": qwen3_moe_config,
+    # (1 + w) sandwich norms, scaled embeddings, soft-capped scores and logits, windows on alternate layers
+    "gemma2": gemma2_config,
     # q/k norms over all heads: refused
     "olmo2": olmo2_config,
 }
