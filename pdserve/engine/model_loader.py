@@ -205,7 +205,7 @@ def _check_matches(
     if tie_word_embeddings:
         expected.discard(_TIED_HEAD_NAME)
     missing = sorted(expected - filled)
-    unexpected = sorted(key for key, key_parts in parts.items() if any(name not in params for name, _ in key_parts))
+    unexpected = {key for key, key_parts in parts.items() if any(name not in params for name, _ in key_parts)}
     mismatched: list[str] = []
     for file_path, keys in keys_by_file.items():
         with safe_open(str(file_path), framework="pt") as checkpoint:
@@ -229,7 +229,7 @@ def _check_matches(
     if missing:
         problems.append(f"{len(missing)} missing parameters: {_first_names(missing)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected checkpoint tensors: {_first_names(unexpected)}")
+        problems.append(f"{len(unexpected)} unexpected checkpoint tensors: {_first_names(sorted(unexpected))}")
     if mismatched:
         problems.append(f"{len(mismatched)} shape mismatches: {_first_names(sorted(mismatched))}")
     if problems:

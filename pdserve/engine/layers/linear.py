@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -452,8 +452,9 @@ class GroupedQuantizedGemm:
         self.max_rows = method.kernel_max_rows
         # The tensors themselves are kept: the addresses handed to the kernel stay theirs.
         self._tensors = [(layer.qweight, layer.scales, getattr(layer, "minimums", None)) for layer in layers]
-        addresses = list(zip(*((t.data_ptr() if t is not None else 0 for t in ts) for ts in self._tensors)))
-        self._weights, self._scales, self._minimums = (torch.tensor(a, dtype=torch.int64) for a in addresses)
+        self._weights = _addresses(qweight for qweight, _, _ in self._tensors)
+        self._scales = _addresses(scales for _, scales, _ in self._tensors)
+        self._minimums = _addresses(minimums for _, _, minimums in self._tensors)  # INT4 only
         self._num_experts = len(layers)
         self._parallel = layers[0].qweight.numel() * len(layers) >= _PARALLEL_MIN_BYTES
         if isinstance(method, Int8LinearMethod):
@@ -493,3 +494,8 @@ class GroupedQuantizedGemm:
         if self._call(out, source, offsets, threads) != 0:
             raise MemoryError("the quantized kernel could not allocate its int8 activation")
         return _kernel_output(out, x)
+
+
+def _addresses(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """The tensors' data addresses as an int64 tensor, for a kernel that takes one pointer per expert (0: none)."""
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)

@@ -603,6 +603,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     sliding and global layers in turn."""
 
     fused_decode_layout = False
+    # Gemma 3 adds per-head q/k norms.
+    gemma_qk_norm: str | None = None
 
     @classmethod
     def family_options(cls, config: Any) -> FamilyOptions:
@@ -620,8 +622,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             attention_softcap=getattr(config, "attn_logit_softcapping", None),
             final_softcap=getattr(config, "final_logit_softcapping", None),
         )
-
-    gemma_qk_norm: str | None = None
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
