@@ -271,6 +271,79 @@ def _tiny_qwen3_moe_config() -> object:
     )
 
 
+def _tiny_deepseek_v2_config() -> object:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,  # the dense first layer's
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,  # layer 0 dense, layers 1 and 2 routed
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,  # V2-Lite: queries projected directly
+        kv_lora_rank=32,  # the cached latent: smaller than heads x head_dim (4 x 24)
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,  # 3 experts from the best 2 of 4 groups: the limit bites
+        n_shared_experts=1,
+        topk_method="group_limited_greedy",  # groups scored by their best expert
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        # YaRN as DeepSeek ships it: mscale_all_dim scales the scores as well as the rotation.
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+        },
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
+def _tiny_deepseek_v3_config() -> object:
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,  # queries compressed too
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=32,  # values wider than the keys' no-rope part
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_interleave=True,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+
+
 # The families every engine path is checked on (the ``checkpoint`` fixture), each by its own tiny config.
 FAMILY_CONFIGS = {
     "llama": _tiny_llama_config,
@@ -283,6 +356,8 @@ FAMILY_CONFIGS = {
     "gemma3": _tiny_gemma3_config,
     "mixtral": _tiny_mixtral_config,
     "qwen3_moe": _tiny_qwen3_moe_config,
+    "deepseek_v2": _tiny_deepseek_v2_config,
+    "deepseek_v3": _tiny_deepseek_v3_config,
 }
 
 
@@ -292,6 +367,11 @@ def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # DeepSeek-V3's routing bias starts at zero; random values make it change which experts win.
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0).save_pretrained(directory)
     return directory
@@ -353,9 +433,22 @@ def qwen3_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_moe-"), _tiny_qwen3_moe_config(), seed=3)
 
 
+@pytest.fixture(scope="session")
+def deepseek_v2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Seed 4: the n-gram, repetition-penalty and preemption tests' premises hold (proposals accepted, outputs differ).
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-deepseek_v2-"), _tiny_deepseek_v2_config(), seed=4)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-deepseek_v3-"), _tiny_deepseek_v3_config())
+
+
 # The families whose MLPs are mixtures of experts: routing turns small differences (another rounding, a
 # quantized weight) into another expert, so their agreement with float32 is judged on thresholds of their own.
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+# The families with latent attention (one cached row per token and layer, no tensor parallelism yet).
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 @pytest.fixture(scope="session", params=list(FAMILY_CONFIGS))

@@ -15,6 +15,8 @@ _KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "int8": torch.
 # int8 KV stores one float32 scale per (token, KV head); on the wire (export/import)
 # its 4 bytes follow the head's head_dim int8 values, so a handoff stays one tensor.
 SCALE_BYTES = 4
+# Rows a pool keeps per token and layer: keys and values (2), or one latent (1: multi-head latent attention).
+KV_PARTS = (1, 2)
 _INT8_MAX = 127.0
 
 
@@ -71,10 +73,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 class KVCache:
     """Pool of ``num_blocks`` blocks of ``block_size`` token slots, for every layer.
 
-    Layout: ``data`` (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    in ``dtype``; index 0 of the second dimension holds keys, 1 values. Keeping
+    Layout: ``data`` (num_layers, parts, num_blocks, block_size, num_kv_heads, head_dim)
+    in ``dtype``. With ``parts`` 2, index 0 of the second dimension holds keys, 1
+    values; with ``parts`` 1 (latent attention, DeepSeek's MLA) each token has one
+    row, its compressed latent and rope part, which attention reads as both. Keeping
     one tensor makes export and import of a sequence's blocks a single index
-    operation. With ``dtype`` int8, ``scales`` (num_layers, 2, num_blocks,
+    operation. With ``dtype`` int8, ``scales`` (num_layers, parts, num_blocks,
     block_size, num_kv_heads) float32 holds each token's per-KV-head scale
     (symmetric: value = int8 * scale); otherwise ``scales`` is None.
     """
@@ -88,16 +92,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        parts: int = 2,
     ) -> None:
         if not dtype.is_floating_point and dtype != torch.int8:
             raise ValueError(f"KV cache dtype must be floating point or int8, got {dtype}")
+        if parts not in KV_PARTS:
+            raise ValueError(f"parts must be one of {KV_PARTS}, got {parts}")
         # Zeroed, not empty: attention over padded positions multiplies masked
         # (zero) weights by these values, and 0 * NaN from garbage would be NaN.
         self.data = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (num_layers, parts, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
         self.scales = (
-            torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
+            torch.zeros((num_layers, parts, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
             if dtype == torch.int8
             else None
         )
@@ -111,19 +118,26 @@ class KVCache:
 
     def layers(self) -> list[tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV]]:
         """(key_cache, value_cache) per layer, each (num_blocks, block_size, num_kv_heads, head_dim),
-        or a ``QuantizedKV`` of that data and its (num_blocks, block_size, num_kv_heads) scales."""
+        or a ``QuantizedKV`` of that data and its (num_blocks, block_size, num_kv_heads) scales. A one-part
+        pool gives its latent rows as both."""
+        value = self.parts - 1
         if self.scales is None:
-            return [(layer[0], layer[1]) for layer in self.data]
+            return [(layer[0], layer[value]) for layer in self.data]
         return [
-            (QuantizedKV(layer[0], scales[0]), QuantizedKV(layer[1], scales[1]))
+            (QuantizedKV(layer[0], scales[0]), QuantizedKV(layer[value], scales[value]))
             for layer, scales in zip(self.data, self.scales)
         ]
 
     @property
+    def parts(self) -> int:
+        """Rows per token and layer: 2 (keys and values) or 1 (a latent)."""
+        return self.data.shape[1]
+
+    @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one exported block: (num_layers, 2, block_size, num_kv_heads, head_dim [+ 4 for int8])."""
-        num_layers, two, _, block_size, heads, head_dim = self.data.shape
-        return (num_layers, two, block_size, heads, head_dim + (SCALE_BYTES if self.is_quantized else 0))
+        """Shape of one exported block: (num_layers, parts, block_size, num_kv_heads, head_dim [+ 4 for int8])."""
+        num_layers, parts, _, block_size, heads, head_dim = self.data.shape
+        return (num_layers, parts, block_size, heads, head_dim + (SCALE_BYTES if self.is_quantized else 0))
 
     @property
     def num_layers(self) -> int:
@@ -137,7 +151,7 @@ class KVCache:
     def export_blocks(
         self, block_ids: Seq[int], layers: slice = slice(None), heads: range | None = None
     ) -> torch.Tensor:
-        """A copy of the given blocks of ``layers``: (num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim)
+        """A copy of the given blocks of ``layers``: (num_layers, parts, len(block_ids), block_size, num_kv_heads, head_dim)
         in the cache's dtype; int8 blocks carry their scales packed (``pack_int8``): head_dim + 4 int8.
         ``heads``: only these KV heads (indices into this pool's), contiguous."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
@@ -177,11 +191,13 @@ class KVCache:
         self.scales[layers].index_copy_(2, index, scales)
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of every layer's keys and values, int8 scales included."""
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, parts: int = 2
+) -> int:
+    """Bytes of one block of every layer's keys and values (or latents: ``parts`` 1), int8 scales included."""
     element_size = torch.empty((), dtype=dtype).element_size()
     scale_bytes = SCALE_BYTES if dtype == torch.int8 else 0
-    return num_layers * 2 * block_size * num_kv_heads * (head_dim * element_size + scale_bytes)
+    return num_layers * parts * block_size * num_kv_heads * (head_dim * element_size + scale_bytes)
 
 
 def available_memory_bytes(device: torch.device) -> int:

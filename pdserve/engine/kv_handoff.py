@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.engine.hashing import BlockHash
-from pdserve.engine.kv_cache import SCALE_BYTES, bytes_per_block
+from pdserve.engine.kv_cache import KV_PARTS, SCALE_BYTES, bytes_per_block
 
 # Every transport a handoff may name. grpc streams with FetchKV; the others are
 # staged with StageKV and read out of band (kv_transfer.config re-exports these).
@@ -50,8 +50,9 @@ class KVLayout:
     """Shape and type of KV blocks; the prefill and decode sides must agree on every field.
 
     A transfer of ``n`` blocks is one contiguous tensor of
-    ``tensor_shape(n) == (num_layers, 2, n, block_size, num_kv_heads, head_dim)``,
-    the layout ``engine.kv_cache.KVCache.export_blocks`` returns. With dtype
+    ``tensor_shape(n) == (num_layers, kv_parts, n, block_size, num_kv_heads, head_dim)``,
+    the layout ``engine.kv_cache.KVCache.export_blocks`` returns: ``kv_parts`` 2
+    for keys and values, 1 for a latent-attention model's latent rows. With dtype
     int8 the last dimension is ``head_dim + 4``: each row's float32 scale
     travels as 4 bytes after its values (``engine.kv_cache.pack_int8``).
 
@@ -65,10 +66,13 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name, e.g. "float32"
+    kv_parts: int = 2  # rows per token and layer (engine.kv_cache.KV_PARTS)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             _check_range(name, getattr(self, name), 1, _UINT32_MAX)
+        if self.kv_parts not in KV_PARTS:
+            raise ValueError(f"kv_parts must be one of {KV_PARTS}, got {self.kv_parts!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -78,7 +82,9 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype)
+        return bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype, self.kv_parts
+        )
 
     @property
     def row_size(self) -> int:
@@ -86,10 +92,11 @@ class KVLayout:
         return self.head_dim + (SCALE_BYTES if self.dtype == "int8" else 0)
 
     def tensor_shape(self, num_blocks: int, num_heads: int | None = None) -> tuple[int, int, int, int, int, int]:
-        """(num_layers, 2, num_blocks, block_size, num_kv_heads, row_size); ``num_heads``: a transfer of some heads only."""
+        """(num_layers, kv_parts, num_blocks, block_size, num_kv_heads, row_size); ``num_heads``: a transfer of some
+        heads only."""
         _check_range("num_blocks", num_blocks, 0, _UINT32_MAX)
         heads = self.num_kv_heads if num_heads is None else num_heads
-        return (self.num_layers, 2, num_blocks, self.block_size, heads, self.row_size)
+        return (self.num_layers, self.kv_parts, num_blocks, self.block_size, heads, self.row_size)
 
     def check_heads(self, heads: range | None) -> range:
         """``heads`` (None: all) if it is a non-empty range of this layout's KV heads, else ValueError."""
@@ -101,16 +108,17 @@ class KVLayout:
 
     @classmethod
     def from_tensor(cls, blocks: torch.Tensor) -> KVLayout:
-        """The layout of an exported (num_layers, 2, n, block_size, num_kv_heads, row_size) tensor."""
-        if blocks.dim() != 6 or blocks.shape[1] != 2:
+        """The layout of an exported (num_layers, kv_parts, n, block_size, num_kv_heads, row_size) tensor."""
+        if blocks.dim() != 6 or blocks.shape[1] not in KV_PARTS:
             raise ValueError(
-                f"KV blocks must be (layers, 2, blocks, block_size, heads, head_dim), got {tuple(blocks.shape)}"
+                f"KV blocks must be (layers, 2 or 1, blocks, block_size, heads, head_dim), got {tuple(blocks.shape)}"
             )
         dtype = next((name for name, value in _DTYPES.items() if value == blocks.dtype), str(blocks.dtype))
-        num_layers, _, _, block_size, num_kv_heads, row_size = blocks.shape
+        num_layers, parts, _, block_size, num_kv_heads, row_size = blocks.shape
         head_dim = row_size - (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
         return cls(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+            kv_parts=parts,
         )
 
 

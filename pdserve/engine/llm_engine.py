@@ -121,18 +121,22 @@ class LLMEngine:
         num_layers = int(hf_config.num_hidden_layers)
         # This rank's KV heads (all of them without tensor parallelism): every rank's pool has num_blocks blocks.
         block_bytes = bytes_per_block(
-            num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype
+            num_layers, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype,
+            self.model.kv_parts,
         ) + (draft.block_bytes if draft else 0)
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
         self.kv_cache = KVCache(
             num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype,
-            self.device,
+            self.device, self.model.kv_parts,
         )
         self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
+        if self.model.kv_parts == 1 and backend.name == "flash_attn":
+            raise ValueError("attention_backend 'flash_attn' does not serve latent attention (MLA): its latent rows "
+                             "exceed flash-attn's head sizes; use 'sdpa' (or 'cpu_paged' on CPU)")
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
         if self.parallel is not None:
             self.parallel.connect(num_blocks)
@@ -141,10 +145,11 @@ class LLMEngine:
         # The model's KV heads (all ranks together): what a handoff carries.
         self.kv_layout = KVLayout(
             num_layers=num_layers,
-            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads),
+            num_kv_heads=self.model.total_kv_heads,
             head_dim=self.model.head_dim,
             block_size=block_size,
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+            kv_parts=self.model.kv_parts,
         )
         # Requests held with push=True hand each layer's KV to its sink as it is written.
         self.kv_pusher = LayerPusher(self.model.model.layers, self.kv_cache, block_size)

@@ -22,6 +22,7 @@ def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
         dtype=layout.dtype,
+        kv_parts=layout.kv_parts,
     )
 
 
@@ -32,6 +33,7 @@ def layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
         head_dim=message.head_dim,
         block_size=message.block_size,
         dtype=message.dtype,
+        kv_parts=message.kv_parts or 2,
     )
 
 

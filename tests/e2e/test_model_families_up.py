@@ -1,5 +1,5 @@
-"""The model families' mechanisms through real processes: a sliding-window family and a mixture-of-experts
-family, each served disaggregated (1 prefill, 1 decode worker), with prefix hits."""
+"""The model families' mechanisms through real processes: a sliding-window family, a mixture-of-experts family
+and a latent-attention family, each served disaggregated (1 prefill, 1 decode worker), with prefix hits."""
 
 from __future__ import annotations
 
@@ -67,6 +67,32 @@ async def test_mixture_of_experts_family_disaggregated_with_prefix_hits_equals_t
         cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=extended, sampling_params=params)
     )
     assert responses[-1].usage.cached_prompt_tokens == 80  # the 90-token prompt's 5 full blocks
+    assert _tokens(responses) == oracle.generate(extended, MAX_TOKENS)
+    report = await load(cluster.decode_addresses[0], "decode")
+    assert (report.num_running, report.num_free_blocks) == (0, 256)
+
+
+@pytest.mark.asyncio
+async def test_latent_attention_family_disaggregated_with_prefix_hits_equals_transformers(
+    deepseek_v3_checkpoint: Path, start_cluster
+) -> None:
+    # The tiny DeepSeek-V3 caches one 40-feature latent row per token and layer: the prefill worker hands
+    # those rows over, and the decode worker attends them in the absorbed form.
+    cluster = start_cluster(cluster_config(deepseek_v3_checkpoint))
+    prompts = random_prompts([4, 21, 48, 95], seed=74)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = await asyncio.gather(
+        *(generate(cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params))
+          for p in prompts)
+    )
+    oracle = Oracle(deepseek_v3_checkpoint)
+    for prompt, responses in zip(prompts, results):
+        assert _tokens(responses) == oracle.generate(prompt, MAX_TOKENS), f"{len(prompt)}-token prompt"
+    extended = prompts[3] + random_prompts([12], seed=75)[0]
+    responses = await generate(
+        cluster.endpoint, generation_pb2.GenerateRequest(prompt_token_ids=extended, sampling_params=params)
+    )
+    assert responses[-1].usage.cached_prompt_tokens == 80  # the 95-token prompt's 5 full blocks
     assert _tokens(responses) == oracle.generate(extended, MAX_TOKENS)
     report = await load(cluster.decode_addresses[0], "decode")
     assert (report.num_running, report.num_free_blocks) == (0, 256)

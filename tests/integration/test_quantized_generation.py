@@ -28,6 +28,8 @@ _FUSED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "
 # Phi-3's checkpoints store q/k/v and gate/up fused already, in the engine's order.
 _FIRST_OF_EACH_PACKED = (
     "q_proj.weight", "o_proj.weight", "gate_proj.weight", "down_proj.weight", "qkv_proj.weight", "gate_up_proj.weight",
+    # DeepSeek's latent attention: q (or q's latent) packed with the kv latent; q_b alone
+    "q_a_proj.weight", "q_b_proj.weight",
     # Mixtral's experts: w1 / w3 (gate / up, packed together), w2 (down)
     "w1.weight", "w2.weight",
 )
@@ -52,9 +54,12 @@ def float32_top1() -> dict[Path, list[int]]:
 # token to another expert, so it agrees less. Measured there (2,048 / 32-token steps): bf16 0.853 / 0.853,
 # int8 0.746 / 0.733, int8 on bf16 0.726 / 0.695, int4 g32 0.144 / 0.149; on its own dequantized weights
 # int4 0.741, int8 0.843. (The tiny Qwen3-MoE, 3 of 8 experts in two of three layers, meets the dense ones.)
+# The tiny DeepSeek-V3 (3 of 8 experts by sigmoid scores plus a bias, within 2 of 4 groups) measured at
+# 32-token steps int8 0.834, int8 on bf16 0.826, int4 g32 0.225.
 _FAMILY_THRESHOLDS = {
     "mixtral": {"bfloat16": 0.81, "int8": 0.69, "bfloat16:int8": 0.65, "int4": 0.10,
                 "dequantized int4": 0.70, "dequantized int8": 0.80},
+    "deepseek_v3": {"int8": 0.80, "bfloat16:int8": 0.79, "int4": 0.19},
 }
 
 
@@ -105,6 +110,8 @@ def _fake_quantized_checkpoint(checkpoint: Path, directory: Path, method: Int4Li
         for key in [k for k in tensors if k.endswith(_FIRST_OF_EACH_PACKED)]:
             prefix, name, _ = key.rsplit(".", 2)
             names = _FUSED.get(name, (name,))
+            if f"{prefix}.kv_a_proj_with_mqa.weight" in tensors and name in ("q_proj", "q_a_proj"):
+                names = (name, "kv_a_proj_with_mqa")
             linears = []
             for part in names:
                 value = tensors[f"{prefix}.{part}.weight"]
@@ -149,10 +156,13 @@ def test_quantized_projections_keep_no_float_weight(checkpoint: Path) -> None:
     model = llm.engine.model
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     quantized = [m for m in layers if isinstance(m.method, Int8LinearMethod)]
-    # Per decoder layer q/k/v and o, then gate/up and down of its MLP or of each expert (the router stays
-    # float); and the LM head (INT8 by default under quantization).
-    mlps = [len(getattr(layer.mlp, "experts", [layer.mlp])) for layer in model.model.layers]
-    expected = sum(2 + 2 * n for n in mlps) + 1
+    # Per decoder layer q/k/v and o (latent attention: q or q's latent with the kv latent, q_b where queries
+    # are compressed, o; kv_b_proj stays float, its per-head blocks multiply queries and outputs), then
+    # gate/up and down of its MLP or of each expert and shared expert (the router stays float); and the LM head
+    # (INT8 by default under quantization).
+    attention = [3 if getattr(layer.self_attn, "q_lora_rank", None) else 2 for layer in model.model.layers]
+    mlps = [len(layer.mlp.mlps()) if hasattr(layer.mlp, "mlps") else 1 for layer in model.model.layers]
+    expected = sum(a + 2 * n for a, n in zip(attention, mlps)) + 1
     assert len(quantized) == expected and len(layers) == expected
     assert all(m.qweight.dtype == torch.uint8 and not hasattr(m, "weight") for m in quantized)
     float_head = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=16, quantization="int8", quantize_lm_head=False)
@@ -176,7 +186,7 @@ def test_bf16_fused_ops_agree_with_torch_ops(family: str, request: pytest.Fixtur
         n for layer in model.model.layers if not layer.post_norms for n in (layer.input_layernorm, layer.post_attention_layernorm)
     ]
     # Each expert's activation is fused as a dense MLP's is.
-    mlps = [mlp for layer in model.model.layers for mlp in getattr(layer.mlp, "experts", [layer.mlp])]
+    mlps = [mlp for layer in model.model.layers for mlp in (layer.mlp.mlps() if hasattr(layer.mlp, "mlps") else [layer.mlp])]
     assert all(norm.fused is not None for norm in norms)
     assert all(mlp.fused is not None for mlp in mlps)
     params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, logprobs=1)
@@ -184,9 +194,12 @@ def test_bf16_fused_ops_agree_with_torch_ops(family: str, request: pytest.Fixtur
     for module in norms + mlps:
         module.fused = None
     without = fused.generate(PROMPTS, params)
-    # Measured: generated tokens identical; teacher-forced top-1 differs at 1 of 588 positions (a near tie).
+    # Measured: generated tokens identical; teacher-forced top-1 differs at 1 of 588 positions (a near tie);
+    # the tiny DeepSeek-V3 at 0.971, its routing moving a token to another expert now and then.
     fused_top1, torch_top1 = ([e.top[0][0] for out in outputs for e in out.prompt_logprobs] for outputs in (with_fused, without))
-    assert _agreement(fused_top1, torch_top1) >= 0.99
+    assert _agreement(fused_top1, torch_top1) >= (0.95 if family == "deepseek_v3" else 0.99)
+    if family == "deepseek_v3":
+        return  # where a rounding moves a token to another expert, its whole distribution moves: no bound holds
     for a, b in zip(with_fused, without):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs)) < 0.1

@@ -180,7 +180,8 @@ def test_the_lease_table_exports_the_draft_section_and_ends_it_with_the_request(
     assert prefill.leases.num_layers_of(held.request_id) == num_layers
     draft_blocks = prefill.leases.export(section_id, 1)
     target_blocks = prefill.leases.export(held.request_id, 1)
-    assert draft_blocks.shape[:3] == (1, 2, 1) and target_blocks.shape[:3] == (num_layers, 2, 1)
+    assert draft_blocks.shape[:3] == (1, prefill.draft.kv_layout.kv_parts, 1)
+    assert target_blocks.shape[:3] == (num_layers, prefill.kv_layout.kv_parts, 1)
     # The section's KV is the draft's own over the prompt: what its pool holds in the request's blocks.
     table = prefill.leases._leases[held.request_id].seq.block_table
     assert torch.equal(draft_blocks, prefill.draft.kv_cache.export_blocks(table[1:]))

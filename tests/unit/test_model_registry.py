@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.engine import LLM
 from pdserve.engine.models import SUPPORTED_ARCHITECTURES, model_class
+from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pdserve.engine.models.llama import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -27,6 +28,8 @@ from tests.conftest import _tiny_mistral_config, _tiny_qwen3_config, build_check
 
 def test_every_family_has_its_class_by_architecture_and_by_model_type() -> None:
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
@@ -50,6 +53,8 @@ def test_every_family_has_its_class_by_architecture_and_by_model_type() -> None:
         Gemma3TextConfig: Gemma3ForCausalLM,
         MixtralConfig: MixtralForCausalLM,
         Qwen3MoeConfig: Qwen3MoeForCausalLM,
+        DeepseekV2Config: DeepseekV2ForCausalLM,
+        DeepseekV3Config: DeepseekV3ForCausalLM,
     }
     for config_class, cls in expected.items():
         config = config_class()
@@ -59,6 +64,7 @@ def test_every_family_has_its_class_by_architecture_and_by_model_type() -> None:
     assert SUPPORTED_ARCHITECTURES == (
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
         "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+        "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     )
 
 
@@ -71,7 +77,7 @@ def test_an_unsupported_architecture_is_refused_listing_the_supported_ones() -> 
     assert str(error.value) == (
         "model architecture ['GPT2LMHeadModel'] is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
         "Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, "
-        "Qwen3MoeForCausalLM)"
+        "Qwen3MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)"
     )
 
 

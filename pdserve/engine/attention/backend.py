@@ -66,6 +66,20 @@ class AttentionBackend(abc.ABC):
         (None: ``head_dim ** -0.5``). ``softcap``: scores become ``softcap * tanh(score / softcap)``
         before the softmax (Gemma 2); None: uncapped."""
 
+    def forward_latent(
+        self,
+        q_nope: torch.Tensor,  # (num_tokens, num_heads, nope_dim)
+        q_rope: torch.Tensor,  # (num_tokens, num_heads, rope_dim), rotated
+        latent: torch.Tensor,  # (num_tokens, 1, latent_dim + rope_dim): each new token's cached row
+        cache: CacheTensor,  # (num_blocks, block_size, 1, latent_dim + rope_dim)
+        metadata: Any,
+        layer: Any,  # models.deepseek.LatentAttention: absorb, unabsorb, expand, scale
+    ) -> torch.Tensor:  # (num_tokens, num_heads, v_head_dim)
+        """Multi-head latent attention (DeepSeek's MLA): store ``latent`` at the batch's slots, then attend, in
+        the absorbed form for decodes and the expanded one for prefill chunks (models/deepseek.py)."""
+        raise ValueError(f"the {self.name} attention backend does not serve latent attention (MLA); "
+                         "use attention_backend 'cpu_paged' or 'sdpa'")
+
 
 def write_to_cache(
     key: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -76,7 +90,7 @@ def write_to_cache(
 ) -> tuple[CacheTensor, CacheTensor]:
     """Store each new token's K/V at its slot (cast or quantized to the cache's dtype);
     returns the caches viewed as (slots, kv_heads, head_dim)."""
-    return _store(key, key_cache, slot_mapping), _store(value, value_cache, slot_mapping)
+    return store_rows(key, key_cache, slot_mapping), store_rows(value, value_cache, slot_mapping)
 
 
 def flat_slots(cache: CacheTensor) -> CacheTensor:
@@ -91,7 +105,9 @@ def flat_slots(cache: CacheTensor) -> CacheTensor:
     return cache.view(num_blocks * block_size, num_kv_heads, head_dim)
 
 
-def _store(new: torch.Tensor, cache: CacheTensor, slot_mapping: torch.Tensor) -> CacheTensor:
+def store_rows(new: torch.Tensor, cache: CacheTensor, slot_mapping: torch.Tensor) -> CacheTensor:
+    """Store each new token's rows (num_tokens, num_kv_heads, head_dim) at its slot, cast or quantized to the
+    cache's dtype; returns the cache viewed as (slots, kv_heads, head_dim)."""
     flat = flat_slots(cache)
     if isinstance(flat, QuantizedKV):
         data, scales = quantize_int8(new)

@@ -159,7 +159,7 @@ class PagedAttentionKernel:
         value_cache: torch.Tensor | QuantizedKV,
         slot_mapping: torch.Tensor,  # (num_tokens,) int64: block_id * block_size + offset
     ) -> None:
-        """Writes each token's K/V at its slot, cast or int8-quantized exactly as ``attention.backend._store`` does."""
+        """Writes each token's K/V at its slot, cast or int8-quantized exactly as ``attention.backend.store_rows`` does."""
         key_data = key_cache.data if isinstance(key_cache, QuantizedKV) else key_cache
         value_data = value_cache.data if isinstance(value_cache, QuantizedKV) else value_cache
         kv_dtype = key_data.dtype

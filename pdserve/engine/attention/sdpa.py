@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from pdserve.engine.attention.backend import (
     CacheTensor,
     flat_slots,
     read_cache,
+    store_rows,
     write_to_cache,
 )
 from pdserve.engine.attention.cpu_kernel import KernelPlan, PagedAttentionKernel
@@ -232,6 +233,61 @@ class SdpaBackend(AttentionBackend):
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
 
+
+    @_without_cudnn_on_cuda
+    def forward_latent(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        cache: CacheTensor,
+        metadata: SdpaMetadata,
+        layer: Any,
+    ) -> torch.Tensor:
+        num_tokens, heads = q_nope.shape[:2]
+        latent_dim = layer.latent_dim
+        flat = store_rows(latent, cache, metadata.slot_mapping)  # one row per token: key and value alike
+        out = torch.empty(num_tokens, heads, layer.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        # Absorbed form for every row outside the prefill spans (the kernel's and SDPA's decodes): multi-query
+        # attention of queries (q_nope @ W_UK, q_rope) over the cached rows, which serve as values too.
+        in_spans = [range(span.start, span.end) for span in metadata.prefills]
+        absorbed = None
+        if sum(len(rows) for rows in in_spans) < num_tokens:
+            absorbed = torch.ones(num_tokens, dtype=torch.bool)
+            for rows in in_spans:
+                absorbed[rows.start : rows.stop] = False
+            rows_index = absorbed.nonzero().squeeze(1).to(q_nope.device)
+            query = torch.empty(num_tokens, heads, layer.head_dim, dtype=q_nope.dtype, device=q_nope.device)
+            query[rows_index, :, :latent_dim] = layer.absorb(q_nope.index_select(0, rows_index))
+            query[rows_index, :, latent_dim:] = q_rope.index_select(0, rows_index)
+            out_latent = torch.empty_like(query)
+            if metadata.kernel_plan is not None:
+                assert self.kernel is not None
+                self.kernel(query, cache, cache, metadata.kernel_plan, layer.scale, out_latent)
+            nd = metadata.num_decodes
+            if nd:
+                assert metadata.decode_block_tables is not None
+                block_ids = metadata.decode_block_tables.flatten()
+                rows = read_cache(cache, block_ids, query.dtype).view(nd, 1, -1, layer.head_dim)  # (nd, 1, ctx, D)
+                q = query[:nd].view(nd, 1, heads, layer.head_dim)
+                o = F.scaled_dot_product_attention(q, rows, rows, attn_mask=metadata.decode_mask, scale=layer.scale)
+                out_latent[:nd] = o.view(nd, heads, layer.head_dim)
+            out[rows_index] = layer.unabsorb(out_latent.index_select(0, rows_index)[..., :latent_dim])
+        # Expanded form for prefill chunks: the context's rows expanded into every head's keys and values.
+        for span in metadata.prefills:
+            if span.context_slots is None:
+                context = latent[span.start : span.end, 0]  # the whole context is this chunk: its fresh rows
+            else:
+                context = read_cache(flat, span.context_slots, q_nope.dtype)[:, 0]  # (ctx_len, D)
+            keys, values = layer.expand(context)  # (ctx_len, heads, qk_dim), (ctx_len, heads, v_head_dim)
+            q = torch.cat((q_nope[span.start : span.end], q_rope[span.start : span.end]), dim=-1).transpose(0, 1)
+            k, v = keys.transpose(0, 1), values.transpose(0, 1)
+            if span.mask is None:
+                o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=layer.scale)
+            else:
+                o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=span.mask, scale=layer.scale)
+            out[span.start : span.end] = o[0].transpose(0, 1)
+        return out
 
 
 def _capped_attention(

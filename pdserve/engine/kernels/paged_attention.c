@@ -52,8 +52,9 @@ enum kv_kind { KV_FLOAT32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
 
 /* Query vectors (query row x head of the group) scored together against each widened row. */
 #define VECTORS_PER_PASS 4
-/* The largest head size served (Llama and Qwen2 use 64 and 128). */
-#define MAX_HEAD_DIM 256
+/* The largest row served: Llama and Qwen2 heads have 64 and 128 features, DeepSeek's latent-attention rows
+   512 + 64 (the latent and its rope part, read as one KV head). */
+#define MAX_HEAD_DIM 576
 
 /* The row (lanes [16 * chunk, 16 * chunk + 16)) of cache row `index`, widened to float32. */
 ALWAYS_INLINE v16f load_row_chunk(enum kv_kind kind, const void *cache, const float *scales, int64_t index,

@@ -93,7 +93,7 @@ class PushTable:
         KV of ``layout`` cannot land here.
         """
         own = self._layout
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "kv_parts"):
             if getattr(layout, name) != getattr(own, name):
                 raise ValueError(f"layout.{name} {getattr(layout, name)} != this worker's {getattr(own, name)}")
         if not 0 <= first_block < num_blocks:

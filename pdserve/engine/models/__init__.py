@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pdserve.engine.models.llama import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -28,6 +29,8 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 # A config without ``architectures`` names its family by ``model_type``.
 _BY_MODEL_TYPE = {
@@ -41,6 +44,8 @@ _BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)

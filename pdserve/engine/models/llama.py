@@ -217,6 +217,22 @@ class MoEOptions:
     # The routing weights cast to the model dtype before they scale the experts' outputs (Qwen3-MoE), or
     # kept in float32 (Mixtral).
     weights_in_model_dtype: bool
+    # DeepSeek's routing. "softmax" or "sigmoid" scores (sigmoid: chosen by score + a learnt correction bias,
+    # weighted by the score alone; V3).
+    scoring: str = "softmax"
+    # Group-limited choice: the experts fall in ``num_groups`` groups, each scored by its best expert ("max",
+    # V2's group_limited_greedy) or its best two summed ("top2_sum", V3); only the ``topk_groups`` best groups'
+    # experts can be chosen. None: any expert.
+    group_limit: str | None = None
+    num_groups: int = 1
+    topk_groups: int = 1
+    # Added to the normalising sum (V3's 1e-20), and the routed experts' weights' factor.
+    normalise_eps: float = 0.0
+    routed_scale: float = 1.0
+    # Always-on experts whose MLP of this width is added to every token's routed sum (0: none).
+    shared_intermediate_size: int = 0
+    # The router kept and computed in float32 whatever the model's dtype (DeepSeek).
+    router_in_float32: bool = False
 
 
 class MoE(nn.Module):
@@ -227,18 +243,35 @@ class MoE(nn.Module):
 
     def __init__(self, config: Any, options: MoEOptions, bias: bool) -> None:
         super().__init__()
+        if options.scoring not in ("softmax", "sigmoid") or options.group_limit not in (None, "max", "top2_sum"):
+            raise ValueError(f"unsupported routing: scoring {options.scoring!r}, group limit {options.group_limit!r}")
+        if options.group_limit and options.num_experts % options.num_groups:
+            raise ValueError(f"n_group ({options.num_groups}) must divide the {options.num_experts} experts")
         self.options = options
-        self.gate = nn.Linear(config.hidden_size, options.num_experts, bias=False)  # the router
+        router_dtype = torch.float32 if options.router_in_float32 else None
+        self.gate = nn.Linear(config.hidden_size, options.num_experts, bias=False, dtype=router_dtype)  # the router
+        if options.scoring == "sigmoid":
+            # The checkpoint's mlp.gate.e_score_correction_bias: shifts which experts are chosen, not their weights.
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(options.num_experts, dtype=torch.float32), requires_grad=False
+            )
         self.experts = nn.ModuleList(
             MLP(config, bias, options.intermediate_size) for _ in range(options.num_experts)
+        )
+        self.shared_experts = (
+            MLP(config, bias, options.shared_intermediate_size) if options.shared_intermediate_size else None
         )
         self.act = self.experts[0].act
         self.fused: FusedOps | None = None  # no fused activation: each expert's own (MoE.pack_weights)
         self.grouped: tuple[GroupedQuantizedGemm, GroupedQuantizedGemm] | None = None  # set by pack_weights
 
+    def mlps(self) -> list[MLP]:
+        """Every MLP of the layer: the routed experts, then the shared one where there is one."""
+        return [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
+
     def pack_weights(self, method: LinearMethod) -> None:
-        for expert in self.experts:
-            expert.pack_weights(method)
+        for mlp in self.mlps():
+            mlp.pack_weights(method)
         # Quantized experts: each projection of every expert in one kernel call (None: one call per expert).
         gate_ups = [expert.gate_up_proj for expert in self.experts]
         downs = [expert.down_proj for expert in self.experts]
@@ -246,14 +279,51 @@ class MoE(nn.Module):
             self.grouped = (GroupedQuantizedGemm(gate_ups), GroupedQuantizedGemm(downs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
+        routed = self._routed(x)
+        if self.shared_experts is not None:
+            routed.add_(self.shared_experts(x))
+        return routed
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights, (num_tokens, top_k) each, as the family's router picks them."""
         options = self.options
-        logits = nn.functional.linear(x, self.gate.weight)  # (num_tokens, num_experts)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, options.top_k, dim=-1)  # (num_tokens, top_k) each
+        if options.router_in_float32:
+            logits = nn.functional.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = nn.functional.linear(x, self.gate.weight)  # (num_tokens, num_experts)
+        if options.scoring == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            choice = scores
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.gate.e_score_correction_bias
+        if options.group_limit is not None:
+            grouped = choice.view(x.shape[0], options.num_groups, -1)  # (num_tokens, groups, experts per group)
+            if options.group_limit == "max":
+                group_scores = grouped.max(dim=-1).values
+            else:
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            groups = torch.topk(group_scores, options.topk_groups, dim=-1)[1]
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+            kept = kept.unsqueeze(-1).expand_as(grouped).reshape(x.shape[0], -1)
+            # V2 zeroes the other groups' softmax scores, V3 rules them out.
+            choice = choice.masked_fill(~kept, 0.0 if options.scoring == "softmax" else float("-inf"))
+        if options.scoring == "softmax":
+            weights, chosen = torch.topk(choice, options.top_k, dim=-1)  # (num_tokens, top_k) each
+        else:
+            chosen = torch.topk(choice, options.top_k, dim=-1)[1]
+            weights = scores.gather(1, chosen)
         if options.normalise:
-            weights /= weights.sum(dim=-1, keepdim=True)
+            weights /= weights.sum(dim=-1, keepdim=True) + options.normalise_eps
+        if options.routed_scale != 1.0:
+            weights = weights * options.routed_scale
         if options.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
+        return weights, chosen
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        options = self.options
+        weights, chosen = self.route(x)
         num_tokens = x.shape[0]
         if num_tokens == 1 and self.grouped is None:
             # One token (a batch-1 decode step): its experts in ascending order, summed in that order.
@@ -320,6 +390,8 @@ class FamilyOptions:
     # Mixture of experts in the layers ``moe_layers`` names (None: dense MLPs everywhere).
     moe: MoEOptions | None = None
     moe_layers: tuple[int, ...] = ()
+    # Builds a family's own attention from the config (DeepSeek's latent attention); None: ``Attention``.
+    attention: Callable[[Any], nn.Module] | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -338,7 +410,7 @@ class DecoderLayer(nn.Module):
                 self.pre_feedforward_layernorm = PlainRMSNorm(hidden, eps, offset)
             self.post_attention_layernorm = PlainRMSNorm(hidden, eps, offset)
             self.post_feedforward_layernorm = PlainRMSNorm(hidden, eps, offset)
-        self.self_attn = Attention(
+        self.self_attn: nn.Module = options.attention(config) if options.attention is not None else Attention(
             config, options.qkv_bias, options.o_bias, options.qk_norm, window, offset,
             options.attention_scale, options.attention_softcap,
         )
@@ -383,7 +455,8 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, options, window, index in options.moe_layers) for index, window in enumerate(windows)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_offset)
-        head_dim = self.layers[0].self_attn.head_dim
+        # The features RoPE turns: a head's (latent attention: its decoupled rope part).
+        head_dim = getattr(self.layers[0].self_attn, "rope_head_dim", self.layers[0].self_attn.head_dim)
         # Gemma 3 rotates its sliding layers with their own RoPE (rope_parameters by layer type).
         by_type = layer_rope_parameters(config)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions, by_type.get("full_attention"))
@@ -471,7 +544,7 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 if not layer.post_norms:
                     layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
-                for mlp in layer.mlp.experts if isinstance(layer.mlp, MoE) else [layer.mlp]:
+                for mlp in layer.mlp.mlps() if isinstance(layer.mlp, MoE) else [layer.mlp]:
                     if mlp.act is nn.functional.silu:
                         mlp.fused = fused
             if not self.model.norm.offset:
@@ -490,7 +563,21 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def head_dim(self) -> int:
+        """Features of one cached row per KV head (latent attention: the latent and its rope part)."""
         return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def total_kv_heads(self) -> int:
+        """KV heads of the whole model, every rank's together: what a handoff carries."""
+        attention = self.model.layers[0].self_attn
+        if getattr(attention, "kv_parts", 2) == 1:
+            return attention.num_kv_heads
+        return int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+
+    @property
+    def kv_parts(self) -> int:
+        """Cached rows per token and layer: 2 (keys and values) or 1 (a latent; engine.kv_cache.KV_PARTS)."""
+        return getattr(self.model.layers[0].self_attn, "kv_parts", 2)
 
     def forward(
         self,

@@ -1,6 +1,7 @@
-"""Rotary position embeddings: inverse frequencies (default, llama3 and LongRoPE scaling), cos/sin tables,
-and the rotation of the first ``rotary_dim`` features of each head (all of them unless the config sets a
-``partial_rotary_factor``)."""
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3, YaRN and LongRoPE scaling), cos/sin
+tables, and the rotation of the first ``rotary_dim`` features of each head (all of them unless the config sets a
+``partial_rotary_factor``), in halves (``apply_rotary``) or in interleaved pairs (``apply_rotary_interleaved``,
+DeepSeek's layout)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,59 @@ def inverse_frequencies(params: dict[str, Any], head_dim: int) -> torch.Tensor:
         return _llama3_scaled(inv_freq, params)
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
+    if rope_type == "yarn":
+        return _yarn_scaled(base**exponents, params, head_dim)
     raise ValueError(
-        f"rope_type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', 'longrope')"
+        f"rope_type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', 'longrope', 'yarn')"
     )
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 where the context is not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(params: dict[str, Any]) -> float:
+    """YaRN's factor on cos and sin, as transformers infers it when the config gives none."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def yarn_softmax_scale(params: dict[str, Any], scale: float) -> float:
+    """``scale`` times YaRN's ``mscale_all_dim`` correction squared, as DeepSeek's latent attention scales its
+    scores (every feature, not only the rotated ones); unchanged without YaRN."""
+    if params.get("rope_type", "default") == "default" or not params.get("mscale_all_dim"):
+        return scale
+    mscale = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+    return scale * mscale * mscale
+
+
+def _yarn_scaled(wavelengths: torch.Tensor, params: dict[str, Any], dim: int) -> torch.Tensor:
+    # YaRN: frequencies that turn fewer than beta_slow times over the original context are divided by `factor`,
+    # those that turn more than beta_fast times kept, and a linear ramp over the features between.
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    original = float(params["original_max_position_embeddings"])
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    # Computed as transformers does, so the tables match it to the bit.
+    return (1.0 / (factor * wavelengths)) * (1 - extrapolation) + (1.0 / wavelengths) * extrapolation
 
 
 def longrope_attention_factor(hf_config: Any, params: dict[str, Any]) -> float:
@@ -111,8 +162,11 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, dim // 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, dim)
         cos, sin = emb.cos(), emb.sin()
-        if params["rope_type"] == "longrope":
-            factor = longrope_attention_factor(hf_config, params)
+        if params["rope_type"] in ("longrope", "yarn"):
+            factor = (
+                longrope_attention_factor(hf_config, params) if params["rope_type"] == "longrope"
+                else yarn_attention_factor(params)
+            )
             cos, sin = cos * factor, sin * factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -132,6 +186,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x * cos + _rotate_half(x) * sin
     rotated, passed = x[..., :dim], x[..., dim:]
     return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (num_tokens, heads, dim) rotated in adjacent pairs (x0, x1), (x2, x3)... each by one frequency
+    (DeepSeek's layout), returned with the pairs' first elements then their second ones, as transformers'
+    DeepSeek-V3 lays them out; tables as ``RotaryEmbedding.tables`` gives them (frequencies twice over)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

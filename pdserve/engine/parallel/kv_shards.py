@@ -79,7 +79,8 @@ class ShardedKV:
                 if rank == 0:
                     parts.append(self.local.export_blocks(block_ids, layers, local_heads))
                     continue
-                shape = (len(layer_range), 2, len(ids), self.local.block_size, len(part), self.local.block_shape[-1])
+                shape = (len(layer_range), self.local.parts, len(ids), self.local.block_size, len(part),
+                         self.local.block_shape[-1])
                 buffer = torch.empty(shape, dtype=_wire_dtype(self.local), device=self.workers.comm_device)
                 group.recv(buffer, rank, _EXPORT_TAG)
                 parts.append(buffer)

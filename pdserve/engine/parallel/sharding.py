@@ -98,7 +98,7 @@ class TensorParallelShard:
                 _keep_columns(attn.o_proj, rank * heads * head_dim, (rank + 1) * heads * head_dim, rank == 0)
                 attn.num_heads, attn.num_kv_heads = heads, len(kv)
                 # A mixture of experts splits each expert as an MLP (vLLM's TP); the router stays whole.
-                for mlp in getattr(layer.mlp, "experts", None) or [layer.mlp]:
+                for mlp in layer.mlp.mlps() if hasattr(layer.mlp, "mlps") else [layer.mlp]:
                     width = mlp.intermediate_size // tp
                     _keep_rows(mlp.gate_proj, rank * width, (rank + 1) * width)
                     _keep_rows(mlp.up_proj, rank * width, (rank + 1) * width)

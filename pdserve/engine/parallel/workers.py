@@ -327,7 +327,7 @@ class _Follower:
         self.group.broadcast(num_blocks)
         kv_cache = KVCache(
             self.num_layers, int(num_blocks.item()), config.cache.block_size, self.model.num_kv_heads,
-            self.model.head_dim, spec.kv_cache_dtype, self.device,
+            self.model.head_dim, spec.kv_cache_dtype, self.device, self.model.kv_parts,
         )
         install_all_reduce(self.model, self.group.all_reduce)
         self.runner = ModelRunner(self.model, kv_cache, self.backend, None, self.device)

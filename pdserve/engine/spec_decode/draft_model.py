@@ -99,7 +99,9 @@ class DraftModelProposer(Proposer):
         # token may open a new block, the proposal runs k-1 positions further).
         self.blocks_per_seq = -(-config.num_speculative_tokens // bs) + 1
         self.max_seqs = min(config.disable_by_batch_size, target.max_num_seqs)
-        self.block_bytes = bytes_per_block(self.num_layers, bs, self.model.num_kv_heads, self.model.head_dim, self.dtype)
+        self.block_bytes = bytes_per_block(
+            self.num_layers, bs, self.model.num_kv_heads, self.model.head_dim, self.dtype, self.model.kv_parts
+        )
         self.backend = select_backend(target.attention_backend, self.device, self.dtype, self.dtype)
         self.num_target_blocks = 0
         self.kv_cache: KVCache | None = None
@@ -110,7 +112,7 @@ class DraftModelProposer(Proposer):
         )
         self.kv_layout = KVLayout(
             num_layers=self.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-            block_size=bs, dtype=str(self.dtype).removeprefix("torch."),
+            block_size=bs, dtype=str(self.dtype).removeprefix("torch."), kv_parts=self.model.kv_parts,
         )
 
     def allocate_kv(self, num_target_blocks: int) -> None:
@@ -118,7 +120,7 @@ class DraftModelProposer(Proposer):
         self.num_target_blocks = num_target_blocks
         self.kv_cache = KVCache(
             self.num_layers, num_target_blocks + self.max_seqs * self.blocks_per_seq, self.block_size,
-            self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+            self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device, self.model.kv_parts,
         )
         self.kv_layers = self.kv_cache.layers()
 

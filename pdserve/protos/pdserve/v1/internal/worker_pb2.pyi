@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_parts")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_PARTS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_parts: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
     __slots__ = ("request_id", "model_id", "layout", "block_hashes", "num_tokens", "first_token_id", "transport", "address", "lease_deadline_ms", "worker_id", "epoch", "draft_layout", "draft_model_id", "tensor_parallel_size")
