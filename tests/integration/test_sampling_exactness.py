@@ -18,7 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.hashing import hash_prompt_blocks
 from pdserve.engine.kv_handoff import KVHandoff
-from tests.conftest import EOS_TOKEN_ID, Oracle, random_prompts
+from tests.conftest import EOS_TOKEN_ID, MOE_FAMILIES, Oracle, family_of, random_prompts
 
 MAX_TOKENS = 20
 
@@ -176,7 +176,7 @@ LOGPROB_RTOL = 4e-6  # ~32 float32 ulps
 
 
 def _assert_prompt_logprobs_equal_transformers(
-    entries: list, prompt: list[int], oracle: Oracle, num_top: int
+    entries: list, prompt: list[int], oracle: Oracle, num_top: int, atol: float = 1e-5
 ) -> None:
     expected = hf_prompt_logprobs(oracle, prompt)  # (len(prompt) - 1, vocab)
     assert [entry.token_id for entry in entries] == prompt[1:]
@@ -184,14 +184,14 @@ def _assert_prompt_logprobs_equal_transformers(
     own = expected.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
     # Float32 sums in another order (chunks, the thread split a loaded machine gets) move a logprob
     # of -5 to -10 by tens of ulps (1e-5 is ~20 of them at -5): atol alone flaked at 1.0014e-5.
-    torch.testing.assert_close(got, own, rtol=LOGPROB_RTOL, atol=1e-5)
+    torch.testing.assert_close(got, own, rtol=LOGPROB_RTOL, atol=atol)
     top_lps, top_ids = expected.topk(num_top, dim=-1) if num_top else (None, None)
     for position, entry in enumerate(entries):
         assert len(entry.top) == num_top
         if num_top:
             assert [token for token, _ in entry.top] == top_ids[position].tolist(), f"position {position}"
             torch.testing.assert_close(
-                torch.tensor([lp for _, lp in entry.top]), top_lps[position], rtol=LOGPROB_RTOL, atol=1e-5
+                torch.tensor([lp for _, lp in entry.top]), top_lps[position], rtol=LOGPROB_RTOL, atol=atol
             )
 
 
@@ -251,7 +251,10 @@ def test_prompt_logprobs_survive_preemption_once(checkpoint: Path, oracle: Oracl
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == oracle.generate(prompt, MAX_TOKENS)
         assert out.prompt_logprobs is not None
-        _assert_prompt_logprobs_equal_transformers(out.prompt_logprobs, prompt, oracle, 1)
+        # A prompt recomputed in other chunks sums in another order; through routed experts a logprob moved
+        # 2.5e-5 (the tiny Mixtral on Zen 3, a top logprob of -2.17).
+        atol = 5e-5 if family_of(checkpoint) in MOE_FAMILIES else 1e-5
+        _assert_prompt_logprobs_equal_transformers(out.prompt_logprobs, prompt, oracle, 1, atol)
 
 
 def test_prompt_logprobs_arrive_complete_on_the_first_output(llama_checkpoint: Path) -> None:

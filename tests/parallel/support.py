@@ -6,7 +6,14 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE, build_checkpoint
+from tests.conftest import (
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    _tiny_gemma3_config,
+    _tiny_mixtral_config,
+    _tiny_phi3_config,
+    build_checkpoint,
+)
 
 # A greedy step whose top-2 logits (in the reference run) are closer than this may flip when
 # the ranks sum partial products in another order; the comparison stops before such a step.
@@ -137,6 +144,38 @@ def gemma2_config() -> object:
     )
 
 
+def deepseek_config(v3: bool) -> object:
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    fields = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        intermediate_size=96,  # the dense first layer's
+        moe_intermediate_size=24,  # each expert (and the shared one) split over 2 or 3 ranks
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=6,  # 3 or 2 query heads per rank, every rank caching the whole latent
+        num_key_value_heads=6,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+    if v3:
+        return DeepseekV3Config(**fields, q_lora_rank=32, n_group=3, topk_group=2, norm_topk_prob=True,
+                                routed_scaling_factor=2.0)
+    return DeepseekV2Config(**fields, q_lora_rank=None, topk_method="greedy")
+
+
 def olmo2_config() -> object:
     from transformers import Olmo2Config
 
@@ -174,6 +213,15 @@ CONFIGS = {
     "qwen3_moe": qwen3_moe_config,
     # (1 + w) sandwich norms, scaled embeddings, soft-capped scores and logits, windows on alternate layers
     "gemma2": gemma2_config,
+    # the engine tests' own tiny checkpoints: fused q/k/v and gate/up split at load, then by rank (LongRoPE on
+    # 3/4 of each head); per-head q/k norms, one KV head replicated, a RoPE per layer type; experts
+    "phi3": _tiny_phi3_config,
+    "gemma3": _tiny_gemma3_config,
+    "mixtral": _tiny_mixtral_config,
+    # latent attention: the query heads split, the latent replicated; shared and routed experts split
+    "deepseek_v2": lambda: deepseek_config(v3=False),
+    # q compression and sigmoid routing within groups
+    "deepseek_v3": lambda: deepseek_config(v3=True),
     # q/k norms over all heads: refused
     "olmo2": olmo2_config,
 }

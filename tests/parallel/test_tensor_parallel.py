@@ -61,7 +61,8 @@ def _check_equal(reference: Reference, prompts: list[list[int]], outputs: list[l
 
 @pytest.mark.parametrize(
     ("name", "tp"),
-    [("mha_bias", 2), ("mha_bias", 3), ("gqa_1kv", 3), ("gqa_2kv", 2), ("qwen2", 3), ("qwen3", 2), ("mistral", 2), ("qwen3_moe", 2), ("gemma2", 2)],
+    [("mha_bias", 2), ("mha_bias", 3), ("gqa_1kv", 3), ("gqa_2kv", 2), ("qwen2", 3), ("qwen3", 2), ("mistral", 2),
+     ("qwen3_moe", 2), ("gemma2", 2), ("phi3", 2), ("gemma3", 2), ("mixtral", 2), ("deepseek_v2", 2), ("deepseek_v3", 3)],
 )
 def test_tensor_parallel_greedy_matches_transformers_through_batching_prefix_hits_and_preemption(
     checkpoints: dict[str, Path], name: str, tp: int

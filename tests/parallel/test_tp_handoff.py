@@ -125,8 +125,10 @@ def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[
 
 
 def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prompt: list[int],
-               params: SamplingParams, transport: str, options: RankFetchOptions | None = None) -> str:
-    """Hand ``prompt`` from ``prefill`` to ``decode``; the follower ranks fetch with ``options``."""
+               params: SamplingParams, transport: str, options: RankFetchOptions | None = None,
+               kv_heads: int = 6) -> str:
+    """Hand ``prompt`` from ``prefill`` to ``decode``; the follower ranks fetch with ``options``. ``kv_heads``:
+    the model's (the module checkpoint's 6)."""
     hold = KVHoldParams(transport=transport, address=sender.address, worker_id="prefill-tp", epoch=1)
     request_id = prefill.add_request(prompt, dataclasses.replace(params, max_tokens=1), hold_kv=hold)
     held = None
@@ -134,13 +136,13 @@ def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prom
         held = next((o for o in prefill.step() if o.request_id == request_id and o.finished), None)
     handoff = held.kv_handoff
     assert handoff is not None and handoff.tensor_parallel_size == prefill.tensor_parallel_size
-    assert handoff.layout.num_kv_heads == 6
+    assert handoff.layout.num_kv_heads == kv_heads
     decode_id = decode.kv_connector.add_remote_request(request_id, prompt, params, handoff)
     (slot,) = decode.kv_connector.drain_kv_slots()
     heads = decode.local_kv_heads if decode.tensor_parallel_size > 1 else None
     # Rank 0's heads only (all of them at D=1); the other ranks fetch theirs as the KV lands.
     blocks = sender.run(sender.receivers[transport].fetch(handoff, slot.first_block, sender.stub, heads))
-    assert blocks.shape[4] == (6 if heads is None else len(heads))
+    assert blocks.shape[4] == (kv_heads if heads is None else len(heads))
     landed = decode.kv_connector.fill(
         decode_id, slot.first_block,
         blocks if heads is None else KVFetch(handoff, blocks, rank_fetcher(options or RankFetchOptions())),
@@ -221,3 +223,33 @@ def test_follower_ranks_fetch_their_kv_heads_over_mutual_tls_and_never_in_plaint
         expected, margins = reference.generate(prompt, MAX_TOKENS)
         n = comparable(expected, margins)
         assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_latent_attention_kv_lands_between_tensor_parallel_sizes(
+    tmp_path: Path, prefill_tp: int, decode_tp: int
+) -> None:
+    # DeepSeek-V3's latent rows: one KV head, which every rank holds whole (replicated), one part per token.
+    path = build(tmp_path, "deepseek_v3")
+    prefill = decode = sender = None
+    try:
+        prefill, decode = _engine(path, prefill_tp), _engine(path, decode_tp)
+        sender = SenderServer(prefill)
+        assert (prefill.kv_layout.kv_parts, prefill.kv_layout.num_kv_heads) == (1, 1)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        prompts = random_prompts([9, 17], seed=40 + prefill_tp)
+        jobs = {_hand_over(prefill, decode, sender, prompt, params, transport, kv_heads=1): prompt
+                for prompt, transport in zip(prompts, ("grpc", "shm"))}
+        outputs = finished_outputs(decode)
+        assert decode.block_manager.num_used_blocks == 0 and prefill.block_manager.num_used_blocks == 0
+        reference = Reference(path)
+        for request_id, prompt in jobs.items():
+            expected, margins = reference.generate(prompt, MAX_TOKENS)
+            n = comparable(expected, margins)
+            assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
+    finally:
+        if sender is not None:
+            sender.stop()
+        for engine in (decode, prefill):
+            if engine is not None:
+                engine.shutdown()

@@ -261,3 +261,17 @@ def test_without_kernels_in_the_package_auto_falls_back_to_sdpa(monkeypatch: pyt
     assert select_backend("auto", torch.device("cpu"), torch.float16).name == "sdpa"
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         select_backend("cpu_paged", torch.device("cpu"), torch.float16)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_reads_latent_attention_rows_as_keys_and_values(variant: str) -> None:
+    # DeepSeek's absorbed decode: 16 query heads over one KV head of 576 features (512 latent + 64 rope), the
+    # same rows passed as keys and values, as models/deepseek.py does.
+    kernel = load_paged_attention_kernel(2, variant)
+    assert kernel is not None
+    torch.manual_seed(1)
+    cache = torch.randn(200, 16, 1, 576)
+    lens, tables, query_lens = _scattered_batch(16, seed=1)
+    query = torch.randn(sum(query_lens), 16, 576)
+    out = _run(kernel, query, cache, cache, tables, lens, query_lens)
+    torch.testing.assert_close(out, _reference(query, cache, cache, tables, lens, query_lens), rtol=1e-4, atol=1e-4)

@@ -104,7 +104,23 @@ def test_yarn_tables_and_score_scale_match_transformers() -> None:
     assert yarn_softmax_scale(config.rope_parameters, 1.0) == pytest.approx(mscale**2)
 
 
-def test_latent_attention_is_refused_where_it_is_not_served(tmp_path: Path) -> None:
-    path = build_checkpoint(tmp_path, _tiny_deepseek_v2_config())
-    with pytest.raises(ValueError, match="latent attention \\(MLA\\) is not split across tensor-parallel ranks"):
-        LLM(model=str(path), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+def test_tensor_parallel_ranks_keep_their_heads_and_the_whole_latent() -> None:
+    from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM
+    from pdserve.engine.parallel.sharding import TensorParallelShard
+
+    config = _tiny_deepseek_v2_config()
+    whole = DeepseekV2ForCausalLM(config, 64).model.layers[0].self_attn
+    for rank in (0, 1):
+        model = DeepseekV2ForCausalLM(config, 64)
+        attention = model.model.layers[0].self_attn
+        for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            getattr(attention, name).weight.data.copy_(getattr(whole, name).weight)
+        TensorParallelShard(rank, 2).shard(model)
+        # 2 of the 4 heads: q rows of 24 (16 no-rope + 8 rope), kv_b rows of 32 (16 key + 16 value), o columns of 16.
+        assert attention.num_heads == 2 and attention.num_kv_heads == 1
+        assert torch.equal(attention.q_proj.weight, whole.q_proj.weight[rank * 48 : (rank + 1) * 48])
+        assert torch.equal(attention.kv_b_proj.weight, whole.kv_b_proj.weight[rank * 64 : (rank + 1) * 64])
+        assert torch.equal(attention.o_proj.weight, whole.o_proj.weight[:, rank * 32 : (rank + 1) * 32])
+        assert torch.equal(attention.kv_a_proj_with_mqa.weight, whole.kv_a_proj_with_mqa.weight)  # the latent: whole
+        # The shared expert splits like the routed ones: 64 columns, 32 per rank.
+        assert model.model.layers[1].mlp.shared_experts.intermediate_size == 32

@@ -171,7 +171,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     (greedy or group-limited), shared experts, the first ``first_k_dense_replace`` layers dense."""
 
     fused_decode_layout = False
-    tensor_parallel_reason = "latent attention (MLA) is not split across tensor-parallel ranks yet"
     deepseek_v3 = False
 
     @classmethod

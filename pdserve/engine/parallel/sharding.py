@@ -89,14 +89,10 @@ class TensorParallelShard:
         with torch.no_grad():
             for layer in model.model.layers:
                 attn = layer.self_attn
-                head_dim = attn.head_dim
-                heads = attn.num_heads // tp
-                kv = kv_heads_of_rank(attn.num_kv_heads, tp, rank)
-                _keep_rows(attn.q_proj, rank * heads * head_dim, (rank + 1) * heads * head_dim)
-                _keep_rows(attn.k_proj, kv.start * head_dim, kv.stop * head_dim)
-                _keep_rows(attn.v_proj, kv.start * head_dim, kv.stop * head_dim)
-                _keep_columns(attn.o_proj, rank * heads * head_dim, (rank + 1) * heads * head_dim, rank == 0)
-                attn.num_heads, attn.num_kv_heads = heads, len(kv)
+                if getattr(attn, "kv_parts", 2) == 1:
+                    _shard_latent_attention(attn, rank, tp)
+                else:
+                    _shard_attention(attn, rank, tp)
                 # A mixture of experts splits each expert as an MLP (vLLM's TP); the router stays whole.
                 for mlp in layer.mlp.mlps() if hasattr(layer.mlp, "mlps") else [layer.mlp]:
                     width = mlp.intermediate_size // tp
@@ -105,6 +101,33 @@ class TensorParallelShard:
                     _keep_columns(mlp.down_proj, rank * width, (rank + 1) * width, rank == 0)
                     mlp.intermediate_size = width
             shard_lm_head(model, rank, tp)
+
+
+def _shard_attention(attn: nn.Module, rank: int, tp: int) -> None:
+    """This rank's query heads (q and o) and the KV heads they read (k and v; replicated where tp > KV heads)."""
+    head_dim = attn.head_dim
+    heads = attn.num_heads // tp
+    kv = kv_heads_of_rank(attn.num_kv_heads, tp, rank)
+    _keep_rows(attn.q_proj, rank * heads * head_dim, (rank + 1) * heads * head_dim)
+    _keep_rows(attn.k_proj, kv.start * head_dim, kv.stop * head_dim)
+    _keep_rows(attn.v_proj, kv.start * head_dim, kv.stop * head_dim)
+    _keep_columns(attn.o_proj, rank * heads * head_dim, (rank + 1) * heads * head_dim, rank == 0)
+    attn.num_heads, attn.num_kv_heads = heads, len(kv)
+
+
+def _shard_latent_attention(attn: nn.Module, rank: int, tp: int) -> None:
+    """Latent attention (models/deepseek.py): this rank's query heads (q or q_b, their blocks of kv_b, and o's
+    columns); the latent projections stay whole, and every rank caches the whole latent, the one KV head
+    (``kv_heads_of_rank`` replicates it)."""
+    heads = attn.num_heads // tp
+    qk = attn.nope_dim + attn.rope_head_dim
+    q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+    _keep_rows(q, rank * heads * qk, (rank + 1) * heads * qk)
+    kv_b = attn.nope_dim + attn.v_head_dim
+    _keep_rows(attn.kv_b_proj, rank * heads * kv_b, (rank + 1) * heads * kv_b)
+    v = attn.v_head_dim
+    _keep_columns(attn.o_proj, rank * heads * v, (rank + 1) * heads * v, rank == 0)
+    attn.num_heads = heads
 
 
 def _keep_rows(linear: nn.Linear, start: int, stop: int) -> None:

@@ -307,7 +307,7 @@ class _Follower:
         )
         self.backend = select_backend(config.model.attention_backend, self.device, spec.dtype, spec.kv_cache_dtype)
         self.num_layers = int(hf_config.num_hidden_layers)
-        self.total_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+        self.total_kv_heads = self.model.total_kv_heads
         self.kv_heads = kv_heads_of_rank(self.total_kv_heads, spec.world_size, rank)
         self.comm_device = self.device if spec.backend == "nccl" else torch.device("cpu")
         # Connected after loading; the group is joined in run(), once rank 0 heard every rank is ready.
