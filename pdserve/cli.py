@@ -73,7 +73,9 @@ class _RenamedFlag(argparse.Action):
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="local folder, GGUF file or hub id (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: bfloat16 on GPUs and on CPUs with native bf16 (AMX or AVX512-BF16), float32 on "
                              "other CPUs; float32 is the exactness oracle (token for token transformers' output)")

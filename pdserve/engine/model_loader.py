@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.default_model import ensure_default_model
+from pdserve.engine.default_model import ensure_default_model, ensure_gguf_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -42,12 +42,17 @@ _NAMES_SHOWN = 5
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The local folder of ``model``: the default model, a local folder, or a hub id downloaded once."""
+    """The local folder of ``model``: the default model, a local folder, a GGUF file (converted once:
+    ``default_model.ensure_gguf_model``), or a hub id downloaded once."""
     if model is None or model == "default":
         return ensure_default_model()
     local = Path(model).expanduser()
     if local.is_dir():
         return local
+    if local.suffix == ".gguf":
+        if not local.is_file():
+            raise ValueError(f"--model {model}: no such GGUF file")
+        return ensure_gguf_model(local)
     try:
         from huggingface_hub import snapshot_download
 

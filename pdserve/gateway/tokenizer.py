@@ -30,6 +30,10 @@ def load_tokenizer(model: str | None) -> Any | None:
     from transformers import AutoTokenizer
 
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        from pdserve.engine.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)  # from the file's metadata, without torch, as the default model's
     if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else model)

@@ -133,7 +133,7 @@ def test_without_torch_the_default_tokenizer_is_built_from_the_gguf_metadata(tmp
     expected_config = {k: v for k, v in json.loads((reference / "tokenizer_config.json").read_text()).items()
                        if k not in bookkeeping}
     assert json.loads((built / "tokenizer_config.json").read_text()) == expected_config
-    assert json.loads((built / "pdserve-converted.json").read_text()) == _marker_for(gguf_path)
+    assert json.loads((built / "pdserve-converted.json").read_text()) == _marker_for(gguf_path, DEFAULT_MODEL_ID)
 
 
 def test_the_workers_converted_folder_is_the_default_tokenizer_when_present(
@@ -143,7 +143,7 @@ def test_the_workers_converted_folder_is_the_default_tokenizer_when_present(
 
     converted = tmp_path / "models" / DEFAULT_MODEL_ID
     converted.mkdir(parents=True)
-    (converted / "pdserve-converted.json").write_text(json.dumps(_marker_for(default_gguf_path())))
+    (converted / "pdserve-converted.json").write_text(json.dumps(_marker_for(default_gguf_path(), DEFAULT_MODEL_ID)))
 
     def must_not_convert(*args: object) -> None:
         raise AssertionError("converted although the workers' folder is there")
