@@ -250,16 +250,14 @@ class SdpaBackend(AttentionBackend):
         out = torch.empty(num_tokens, heads, layer.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
         # Absorbed form for every row outside the prefill spans (the kernel's and SDPA's decodes): multi-query
         # attention of queries (q_nope @ W_UK, q_rope) over the cached rows, which serve as values too.
-        in_spans = [range(span.start, span.end) for span in metadata.prefills]
-        absorbed = None
-        if sum(len(rows) for rows in in_spans) < num_tokens:
-            absorbed = torch.ones(num_tokens, dtype=torch.bool)
-            for rows in in_spans:
-                absorbed[rows.start : rows.stop] = False
-            rows_index = absorbed.nonzero().squeeze(1).to(q_nope.device)
-            query = torch.empty(num_tokens, heads, layer.head_dim, dtype=q_nope.dtype, device=q_nope.device)
-            query[rows_index, :, :latent_dim] = layer.absorb(q_nope.index_select(0, rows_index))
-            query[rows_index, :, latent_dim:] = q_rope.index_select(0, rows_index)
+        rows = _rows_outside(metadata.prefills, num_tokens, q_nope.device)
+        if rows is None or len(rows):
+            if rows is None:
+                query = torch.cat((layer.absorb(q_nope), q_rope), dim=-1)  # (n, heads, latent + rope)
+            else:
+                # The absorbed rows in their places in the batch: the kernel's plan names rows of it.
+                query = q_nope.new_empty(num_tokens, heads, layer.head_dim)
+                query[rows] = torch.cat((layer.absorb(q_nope[rows]), q_rope[rows]), dim=-1)
             out_latent = torch.empty_like(query)
             if metadata.kernel_plan is not None:
                 assert self.kernel is not None
@@ -268,11 +266,15 @@ class SdpaBackend(AttentionBackend):
             if nd:
                 assert metadata.decode_block_tables is not None
                 block_ids = metadata.decode_block_tables.flatten()
-                rows = read_cache(cache, block_ids, query.dtype).view(nd, 1, -1, layer.head_dim)  # (nd, 1, ctx, D)
+                context = read_cache(cache, block_ids, query.dtype).view(nd, 1, -1, layer.head_dim)  # (nd, 1, ctx, D)
                 q = query[:nd].view(nd, 1, heads, layer.head_dim)
-                o = F.scaled_dot_product_attention(q, rows, rows, attn_mask=metadata.decode_mask, scale=layer.scale)
+                mask = metadata.decode_mask
+                o = F.scaled_dot_product_attention(q, context, context, attn_mask=mask, scale=layer.scale)
                 out_latent[:nd] = o.view(nd, heads, layer.head_dim)
-            out[rows_index] = layer.unabsorb(out_latent.index_select(0, rows_index)[..., :latent_dim])
+            if rows is None:
+                out = layer.unabsorb(out_latent[..., :latent_dim])
+            else:
+                out[rows] = layer.unabsorb(out_latent.index_select(0, rows)[..., :latent_dim])
         # Expanded form for prefill chunks: the context's rows expanded into every head's keys and values.
         for span in metadata.prefills:
             if span.context_slots is None:
@@ -288,6 +290,16 @@ class SdpaBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=span.mask, scale=layer.scale)
             out[span.start : span.end] = o[0].transpose(0, 1)
         return out
+
+
+def _rows_outside(spans: tuple[_PrefillSpan, ...], num_tokens: int, device: torch.device) -> torch.Tensor | None:
+    """The batch rows no prefill span holds, ascending; None when that is every row (a decode step)."""
+    if not spans:
+        return None
+    outside = torch.ones(num_tokens, dtype=torch.bool)
+    for span in spans:
+        outside[span.start : span.end] = False
+    return outside.nonzero().squeeze(1).to(device)
 
 
 def _capped_attention(
