@@ -11,6 +11,7 @@ transformers' tokens (tie rule: tests/parallel/support.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
@@ -107,13 +108,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("mha_bias"), "mha_bias")
 
 
-@pytest.fixture
-def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[LLMEngine, LLMEngine, SenderServer]]:
-    prefill_tp, decode_tp = request.param
+@contextlib.contextmanager
+def _prefill_and_decode(
+    path: Path, prefill_tp: int, decode_tp: int
+) -> Iterator[tuple[LLMEngine, LLMEngine, SenderServer]]:
+    """A prefill engine behind its sender server and a decode engine, stopped (ranks included) however it ends."""
     prefill = decode = sender = None
     try:
-        prefill = _engine(checkpoint, prefill_tp)
-        decode = _engine(checkpoint, decode_tp)
+        prefill = _engine(path, prefill_tp)
+        decode = _engine(path, decode_tp)
         sender = SenderServer(prefill)
         yield prefill, decode, sender
     finally:
@@ -122,6 +125,12 @@ def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[
         for engine in (decode, prefill):
             if engine is not None:
                 engine.shutdown()
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[tuple[LLMEngine, LLMEngine, SenderServer]]:
+    with _prefill_and_decode(checkpoint, *request.param) as engines:
+        yield engines
 
 
 def _hand_over(prefill: LLMEngine, decode: LLMEngine, sender: SenderServer, prompt: list[int],
@@ -231,10 +240,7 @@ def test_latent_attention_kv_lands_between_tensor_parallel_sizes(
 ) -> None:
     # DeepSeek-V3's latent rows: one KV head, which every rank holds whole (replicated), one part per token.
     path = build(tmp_path, "deepseek_v3")
-    prefill = decode = sender = None
-    try:
-        prefill, decode = _engine(path, prefill_tp), _engine(path, decode_tp)
-        sender = SenderServer(prefill)
+    with _prefill_and_decode(path, prefill_tp, decode_tp) as (prefill, decode, sender):
         assert (prefill.kv_layout.kv_parts, prefill.kv_layout.num_kv_heads) == (1, 1)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
         prompts = random_prompts([9, 17], seed=40 + prefill_tp)
@@ -242,14 +248,8 @@ def test_latent_attention_kv_lands_between_tensor_parallel_sizes(
                 for prompt, transport in zip(prompts, ("grpc", "shm"))}
         outputs = finished_outputs(decode)
         assert decode.block_manager.num_used_blocks == 0 and prefill.block_manager.num_used_blocks == 0
-        reference = Reference(path)
-        for request_id, prompt in jobs.items():
-            expected, margins = reference.generate(prompt, MAX_TOKENS)
-            n = comparable(expected, margins)
-            assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
-    finally:
-        if sender is not None:
-            sender.stop()
-        for engine in (decode, prefill):
-            if engine is not None:
-                engine.shutdown()
+    reference = Reference(path)
+    for request_id, prompt in jobs.items():
+        expected, margins = reference.generate(prompt, MAX_TOKENS)
+        n = comparable(expected, margins)
+        assert outputs[request_id][:n] == expected[:n], (request_id, outputs[request_id], expected)
