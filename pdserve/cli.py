@@ -89,6 +89,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="keep every KV block in sliding-window layers too (by default the blocks a window "
+                        "has left behind are freed in those layers)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="run the model over N ranks (this process and N-1 it starts; gloo on CPU, NCCL on "
                         "N GPUs from --device): attention heads and MLP split Megatron-style (default: 1)")
@@ -304,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: %(default)g)")
     up.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                     help="KV cache dtype of every worker (see `pdserve offline --help`)")
+    up.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                    help="every worker keeps every KV block in sliding-window layers too")
     add_speculative_config_argument(up, "of every decode and colocated worker (prefill workers do not decode); ")
     up.add_argument("--draft-prompt-kv", default="recompute", choices=["recompute", "prefill"],
                     help="with a draft_model --speculative-config, where the draft's prompt KV is built: recomputed "

@@ -43,6 +43,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
         cache=CacheConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
+            disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),

@@ -25,6 +25,8 @@ def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
         engine_args += ("--quantization", args.quantization, "--quantization-group-size", str(args.quantization_group_size))
     if args.kv_cache_dtype != "auto":
         engine_args += ("--kv-cache-dtype", args.kv_cache_dtype)
+    if args.disable_hybrid_kv_cache_manager:
+        engine_args += ("--disable-hybrid-kv-cache-manager",)
     return engine_args
 
 

@@ -456,6 +456,16 @@ def checkpoint(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_checkpoint")
 
 
+def preempting_pool(checkpoint: Path) -> int:
+    """KV blocks of 16 tokens that make the preemption tests' prompts (1 to 200 tokens, up to 24 generated)
+    preempt: 21, or 14 where sliding windows free the blocks they have passed (the 200-token prompt and its
+    outputs still fit)."""
+    from pdserve.engine.models.llama import sliding_windows
+
+    sliding = any(window is not None for window in sliding_windows(FAMILY_CONFIGS[family_of(checkpoint)]()))
+    return 14 if sliding else 21
+
+
 def family_of(checkpoint: Path) -> str:
     """The ``FAMILY_CONFIGS`` name of a checkpoint the fixtures built (its folder is ``tiny-<family>-N``)."""
     name = checkpoint.name.removeprefix("tiny-").rsplit("-", 1)[0]

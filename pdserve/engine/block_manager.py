@@ -10,6 +10,7 @@ from least to most recently freed.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from collections.abc import Iterable
@@ -49,10 +50,16 @@ class _Block:
 class BlockManager:
     """Hands out KV blocks to sequences; the caller asks ``can_*`` before each action."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        """``sliding_window``: the model's sliding layers' window, where this pool keeps every block in them
+        (tensor parallelism, a draft model): imported KV before it may come from a paged pool that freed
+        those layers (as zeros), so such blocks are not cached for other requests."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks = [_Block(i) for i in range(num_blocks)]
@@ -82,6 +89,10 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
+
+    def held_block_ids(self) -> list[int]:
+        """Blocks some sequence, lease or reservation holds (ref count above 0)."""
+        return [block.block_id for block in self._blocks if block.ref_count > 0]
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash the prefix cache holds now (to rebuild an index from scratch)."""
@@ -137,8 +148,7 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.request_id}")
-        for block_id in computed_blocks:
-            self._touch(block_id)
+        self._touch_prefix(seq, computed_blocks, len(computed_blocks) * self.block_size)
         seq.block_table = list(computed_blocks)
         seq.num_computed_tokens = len(computed_blocks) * self.block_size
         self._num_registered[seq.request_id] = len(computed_blocks)
@@ -174,21 +184,23 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.request_id} already holds blocks")
         reservation, seq.kv_reservation = seq.kv_reservation, None
         num_blocks = seq.num_blocks_for(num_tokens)
-        reused = self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
+        reused = self._reusable(block_hashes, num_tokens)
         first_pushed = num_blocks if reservation is None else reservation.first_block
         if reservation is not None and reservation.end_block != num_blocks:
             raise RuntimeError(f"the reservation of {seq.request_id} ends at block {reservation.end_block}, "
                                f"not at its last block {num_blocks}")
-        for block_id in reused:
-            self._touch(block_id)
+        self._touch_prefix(seq, reused, num_tokens)
         seq.block_table = list(reused)
         self._num_registered[seq.request_id] = len(reused)
+        if self.sliding_window is not None and num_tokens - self.sliding_window + 1 > len(reused) * self.block_size:
+            # Imported blocks the window has passed may hold zeros in the sliding layers: never cached.
+            self._num_registered[seq.request_id] = sys.maxsize
         for index in range(len(reused), num_blocks):
             if index >= first_pushed:
                 # Held with ref count 1 since ``reserve``: the sequence takes that reference over.
                 seq.block_table.append(reservation.block_ids[index - first_pushed])
             else:
-                seq.block_table.append(self._take_free_block())
+                seq.block_table.append(self._take_import_block(index, num_tokens))
         if reservation is not None:
             self._release(reservation.block_ids[: max(0, len(reused) - first_pushed)])
         seq.num_computed_tokens = num_tokens
@@ -196,8 +208,16 @@ class BlockManager:
             return list(range(len(reused), num_blocks))
         return []
 
+    def _reusable(self, block_hashes: Seq[BlockHash], num_tokens: int) -> list[int]:
+        """The blocks cached here that an import of ``num_tokens`` tokens with these hashes reuses."""
+        return self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
+
+    def _take_import_block(self, index: int, num_tokens: int) -> int:
+        """A block for position ``index`` of an import of ``num_tokens`` tokens."""
+        return self._take_free_block()
+
     def can_import(self, seq: Sequence, block_hashes: Seq[BlockHash], num_tokens: int) -> bool:
-        reused = self.lookup_prefix(block_hashes)[: num_tokens // self.block_size]
+        reused = self._reusable(block_hashes, num_tokens)
         reservation = seq.kv_reservation
         num_blocks = seq.num_blocks_for(num_tokens)
         first_pushed = num_blocks if reservation is None else reservation.first_block
@@ -268,6 +288,10 @@ class BlockManager:
         seq.draft_proposal = None
         self._num_registered.pop(seq.request_id, None)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free what ``seq``'s next query no longer reads (nothing here: every layer reads the whole context;
+        ``engine.kv_pages.PagedBlockManager`` frees what sliding windows left behind)."""
+
     def release_unused(self, seq: Sequence) -> None:
         """Free the blocks past the ones ``seq.num_computed_tokens`` needs (rejected speculative positions).
 
@@ -295,6 +319,11 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+
+    def _touch_prefix(self, seq: Sequence, block_ids: Seq[int], num_tokens: int) -> None:
+        """``seq`` takes these cached blocks as its prefix, its next query at position ``num_tokens``."""
+        for block_id in block_ids:
+            self._touch(block_id)
 
     def _touch(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -29,6 +29,9 @@ class CacheConfig:
     kv_memory_fraction: float | None = None
     # One of KV_CACHE_DTYPES (vLLM's name): what the pool stores keys and values in.
     kv_cache_dtype: str = "auto"
+    # vLLM's name: keep every block in sliding-window layers too (engine.kv_pages frees what windows leave
+    # behind unless this is set).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

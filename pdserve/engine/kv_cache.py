@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from pdserve.engine.config import KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_pages import PageLayout
 
 # engine.config.KV_CACHE_DTYPES other than "auto" (the model's dtype).
 _KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -81,6 +85,13 @@ class KVCache:
     operation. With ``dtype`` int8, ``scales`` (num_layers, parts, num_blocks,
     block_size, num_kv_heads) float32 holds each token's per-KV-head scale
     (symmetric: value = int8 * scale); otherwise ``scales`` is None.
+
+    With a ``PageLayout`` (a model with sliding-window layers, ``engine.kv_pages``)
+    the first dimension is the layers of one page and the third the pages
+    (``num_blocks`` times the layout's groups); block ids are logical, and
+    ``page_map.pages`` (the block manager's) gives each one's page per group.
+    Export and import translate; a page a window freed exports as zeros and is
+    skipped on import.
     """
 
     def __init__(
@@ -93,21 +104,30 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         parts: int = 2,
+        layout: PageLayout | None = None,
     ) -> None:
         if not dtype.is_floating_point and dtype != torch.int8:
             raise ValueError(f"KV cache dtype must be floating point or int8, got {dtype}")
         if parts not in KV_PARTS:
             raise ValueError(f"parts must be one of {KV_PARTS}, got {parts}")
+        self.layout = layout
+        rows, slots = num_layers, num_blocks
+        if layout is not None:
+            if layout.num_layers != num_layers:
+                raise ValueError(f"the page layout has {layout.num_layers} layers, the pool {num_layers}")
+            rows, slots = layout.layers_per_page, num_blocks * layout.num_groups
+            self._places = [layout.place(layer) for layer in range(num_layers)]
+        # Set by the engine with a layout: the block manager, whose ``pages`` maps block ids to pages.
+        self.page_map: object | None = None
         # Zeroed, not empty: attention over padded positions multiplies masked
         # (zero) weights by these values, and 0 * NaN from garbage would be NaN.
-        self.data = torch.zeros(
-            (num_layers, parts, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        self.data = torch.zeros((rows, parts, slots, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         self.scales = (
-            torch.zeros((num_layers, parts, num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
+            torch.zeros((rows, parts, slots, block_size, num_kv_heads), dtype=torch.float32, device=device)
             if dtype == torch.int8
             else None
         )
+        self._num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -121,11 +141,13 @@ class KVCache:
         or a ``QuantizedKV`` of that data and its (num_blocks, block_size, num_kv_heads) scales. A one-part
         pool gives its latent rows as both."""
         value = self.parts - 1
+        rows = range(self._num_layers) if self.layout is None else [slot for _, slot in self._places]
         if self.scales is None:
-            return [(layer[0], layer[value]) for layer in self.data]
+            return [(self.data[row][0], self.data[row][value]) for row in rows]
+        data, scales = self.data, self.scales
         return [
-            (QuantizedKV(layer[0], scales[0]), QuantizedKV(layer[value], scales[value]))
-            for layer, scales in zip(self.data, self.scales)
+            (QuantizedKV(data[row][0], scales[row][0]), QuantizedKV(data[row][value], scales[row][value]))
+            for row in rows
         ]
 
     @property
@@ -136,12 +158,12 @@ class KVCache:
     @property
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one exported block: (num_layers, parts, block_size, num_kv_heads, head_dim [+ 4 for int8])."""
-        num_layers, parts, _, block_size, heads, head_dim = self.data.shape
-        return (num_layers, parts, block_size, heads, head_dim + (SCALE_BYTES if self.is_quantized else 0))
+        _, parts, _, block_size, heads, head_dim = self.data.shape
+        return (self.num_layers, parts, block_size, heads, head_dim + (SCALE_BYTES if self.is_quantized else 0))
 
     @property
     def num_layers(self) -> int:
-        return self.data.shape[0]
+        return self._num_layers
 
     @property
     def num_kv_heads(self) -> int:
@@ -154,9 +176,12 @@ class KVCache:
         """A copy of the given blocks of ``layers``: (num_layers, parts, len(block_ids), block_size, num_kv_heads, head_dim)
         in the cache's dtype; int8 blocks carry their scales packed (``pack_int8``): head_dim + 4 int8.
         ``heads``: only these KV heads (indices into this pool's), contiguous."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
-        blocks = self.data[layers].index_select(2, index)
-        scales = None if self.scales is None else self.scales[layers].index_select(2, index)
+        if self.layout is not None:
+            blocks, scales = self._export_pages(block_ids, layers)
+        else:
+            index = torch.tensor(list(block_ids), dtype=torch.long, device=self.data.device)
+            blocks = self.data[layers].index_select(2, index)
+            scales = None if self.scales is None else self.scales[layers].index_select(2, index)
         if heads is not None and len(heads) != self.num_kv_heads:
             blocks = blocks[:, :, :, :, heads.start : heads.stop].contiguous()
             scales = None if scales is None else scales[..., heads.start : heads.stop].contiguous()
@@ -171,14 +196,18 @@ class KVCache:
         Blocks of this cache's own dtype are copied bit for bit; others are
         converted (int8 dequantized, floats cast, int8 quantized anew).
         """
-        data = self.data[layers]
-        head_dim = data.shape[-1]
+        first, stop, _ = layers.indices(self.num_layers)
+        _, parts, _, _, heads, head_dim = self.data.shape
         wire_head_dim = head_dim + (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
-        expected = (*data.shape[:2], len(block_ids), *data.shape[3:5], wire_head_dim)
+        expected = (stop - first, parts, len(block_ids), self.block_size, heads, wire_head_dim)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"imported KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
+        blocks = blocks.to(device=self.data.device)
+        if self.layout is not None:
+            self._import_pages(block_ids, blocks, range(first, stop))
+            return
+        data = self.data[layers]
         index = torch.tensor(list(block_ids), dtype=torch.long, device=data.device)
-        blocks = blocks.to(device=data.device)
         if self.scales is None:
             values = blocks if blocks.dtype != torch.int8 else wire_to_float(blocks)
             data.index_copy_(2, index, values.to(dtype=data.dtype))
@@ -189,6 +218,52 @@ class KVCache:
             values, scales = quantize_int8(blocks)
         data.index_copy_(2, index, values)
         self.scales[layers].index_copy_(2, index, scales)
+
+    def _pages_of(self, block_ids: Seq[int]) -> np.ndarray:
+        """(len(block_ids), groups) pages of logical blocks (NO_PAGE: freed by a window)."""
+        assert self.page_map is not None, "a paged KV pool needs its block manager's page map"
+        return self.page_map.pages[np.asarray(list(block_ids), dtype=np.int64)]  # type: ignore[attr-defined]
+
+    def _export_pages(self, block_ids: Seq[int], layers: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``export_blocks`` of a paged pool, before heads and packing: each layer read from its group's pages,
+        the pages a window freed as zeros."""
+        pages = self._pages_of(block_ids)
+        device = self.data.device
+        data_out, scale_out = [], []
+        for layer in range(*layers.indices(self.num_layers)):
+            group, slot = self._places[layer]
+            column = pages[:, group]
+            index = torch.from_numpy(np.where(column < 0, 0, column)).to(device)
+            freed = torch.from_numpy(column < 0).to(device)
+            rows = self.data[slot].index_select(1, index)  # (parts, n, block_size, heads, head_dim)
+            rows[:, freed] = 0
+            data_out.append(rows)
+            if self.scales is not None:
+                scales = self.scales[slot].index_select(1, index)
+                scales[:, freed] = 0
+                scale_out.append(scales)
+        return torch.stack(data_out), torch.stack(scale_out) if self.scales is not None else None
+
+    def _import_pages(self, block_ids: Seq[int], blocks: torch.Tensor, layers: range) -> None:
+        """``import_blocks`` into a paged pool: each layer into its group's pages, skipping the ones a window freed."""
+        if self.scales is None:
+            values = (blocks if blocks.dtype != torch.int8 else wire_to_float(blocks)).to(dtype=self.data.dtype)
+            scales = None
+        elif blocks.dtype == torch.int8:
+            values, scales = unpack_int8(blocks)
+        else:
+            values, scales = quantize_int8(blocks)
+        pages = self._pages_of(block_ids)
+        device = self.data.device
+        for offset, layer in enumerate(layers):
+            group, slot = self._places[layer]
+            column = pages[:, group]
+            kept = torch.from_numpy(np.flatnonzero(column >= 0)).to(device)
+            index = torch.from_numpy(column[column >= 0]).to(device)
+            self.data[slot].index_copy_(1, index, values[offset].index_select(1, kept))
+            if scales is not None:
+                assert self.scales is not None
+                self.scales[slot].index_copy_(1, index, scales[offset].index_select(1, kept))
 
 
 def bytes_per_block(

@@ -47,6 +47,7 @@ class LLM:
         quantize_lm_head: bool = True,
         enforce_eager: bool = False,
         kv_cache_dtype: str = "auto",
+        disable_hybrid_kv_cache_manager: bool = False,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -69,6 +70,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 kv_memory_fraction=kv_memory_fraction,
                 kv_cache_dtype=kv_cache_dtype,
+                disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),

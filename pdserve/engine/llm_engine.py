@@ -23,6 +23,7 @@ from pdserve.engine.default_model import DEFAULT_MODEL_ID
 from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from pdserve.engine.hashing import BlockHash
 from pdserve.engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
+from pdserve.engine.kv_pages import PageLayout, PagedBlockManager
 from pdserve.engine.kv_connector import DecodeKVConnector
 from pdserve.engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout
 from pdserve.engine.kv_leases import LeaseTable
@@ -127,11 +128,26 @@ class LLMEngine:
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
+        # Sliding-window layers free what their window has left behind (engine.kv_pages), on one rank
+        # without a draft model (whose pool shares the block ids) unless disabled; elsewhere every layer
+        # keeps every block.
+        windows = [layer.self_attn.window for layer in self.model.model.layers]
+        paged = tp == 1 and draft is None and not cache_cfg.disable_hybrid_kv_cache_manager
+        layout = PageLayout.of(windows) if paged else None
         self.kv_cache = KVCache(
             num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype,
-            self.device, self.model.kv_parts,
+            self.device, self.model.kv_parts, layout,
         )
-        self.block_manager = BlockManager(num_blocks, block_size, cache_cfg.enable_prefix_caching)
+        if layout is not None:
+            self.block_manager: BlockManager = PagedBlockManager(
+                num_blocks, block_size, layout, cache_cfg.enable_prefix_caching
+            )
+            self.kv_cache.page_map = self.block_manager
+        else:
+            sliding = [window for window in windows if window is not None]
+            self.block_manager = BlockManager(
+                num_blocks, block_size, cache_cfg.enable_prefix_caching, max(sliding) if sliding else None
+            )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         backend = select_backend(model_cfg.attention_backend, self.device, self.dtype, self.kv_cache_dtype)
         if self.model.kv_parts == 1 and backend.name == "flash_attn":

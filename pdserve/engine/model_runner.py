@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch
+from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch, LayerMetadata
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.logits_processors import TokenHistory
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -64,6 +66,8 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.parallel = parallel
+        layout = kv_cache.layout
+        self._layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -110,7 +114,12 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:  # (num_tokens, hidden)
         """The model over one step's tokens on this rank's shard (every rank runs this)."""
-        metadata = self.backend.build_metadata(inputs.batch)
+        batch = inputs.batch
+        if batch.groups is None:
+            metadata = self.backend.build_metadata(batch)
+        else:
+            by_group = [self.backend.build_metadata(group) for group in batch.groups]
+            metadata = LayerMetadata(by_group[group] for group in batch.layer_groups)
         return self.model(inputs.input_ids, inputs.positions, self.kv_layers, self.backend, metadata)
 
     def _prompt_logprobs(
@@ -200,12 +209,34 @@ class ModelRunner:
             num_heads=self.model.num_heads,
             num_kv_heads=self.model.num_kv_heads,
         )
+        if self.kv_cache.layout is not None:
+            batch = self._group_batches(batch, slots)
         return (
             torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             batch,
             sample_rows,
         )
+
+
+    def _group_batches(self, batch: AttentionBatch, slots: list[int]) -> AttentionBatch:
+        """``batch`` with each layer group's own: block tables and slots in that group's pages (a page a window
+        freed reads as page 0, which the window masks)."""
+        pages = self.kv_cache.page_map.pages  # type: ignore[union-attr]
+        bs = self.block_size
+        logical = np.asarray(slots, dtype=np.int64)
+        slot_pages = pages[logical // bs]  # (num_tokens, groups)
+        tables = [pages[np.asarray(table, dtype=np.int64)].clip(min=0) for table in batch.block_tables]
+        device = self.device
+        groups = []
+        for group in range(pages.shape[1]):
+            group_slots = slot_pages[:, group] * bs + logical % bs
+            groups.append(dataclasses.replace(
+                batch,
+                block_tables=[table[:, group].tolist() for table in tables],
+                slot_mapping=torch.from_numpy(group_slots).to(device),
+            ))
+        return dataclasses.replace(batch, groups=tuple(groups), layer_groups=self._layer_groups)
 
 
 def _history(seq: Sequence, proposed: tuple[int, ...]) -> TokenHistory:

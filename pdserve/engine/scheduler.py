@@ -275,6 +275,8 @@ class Scheduler:
         for item in output.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens - len(item.spec_token_ids)
             self.block_manager.cache_computed_blocks(item.seq)
+            # Sliding layers: what the window has left behind goes back to the pool (engine.kv_pages).
+            self.block_manager.trim(item.seq)
 
     def accept_proposed(self, seq: Sequence, num_accepted: int) -> None:
         """After verification appended ``seq``'s accepted tokens: their KV counts as computed, the
@@ -282,3 +284,4 @@ class Scheduler:
         seq.num_computed_tokens += num_accepted
         self.block_manager.release_unused(seq)
         self.block_manager.cache_computed_blocks(seq)
+        self.block_manager.trim(seq)

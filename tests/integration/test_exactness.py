@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from pdserve.engine import LLM, LLMEngine, SamplingParams
-from tests.conftest import Oracle, random_prompts
+from tests.conftest import Oracle, preempting_pool, random_prompts
 from tests.support.handoff import hand_over, handoff_tokens, prefill_and_hold
 
 # Mixed lengths from 1 to 300 tokens, around block boundaries (block size 16) too.
@@ -29,7 +27,7 @@ def _assert_matches_oracle(outputs: list, prompts: list[list[int]], oracle: Orac
 def _assert_no_block_held(llm: LLM) -> None:
     manager = llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks
-    assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks))
+    assert manager.held_block_ids() == []
 
 
 def test_batched_greedy_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
@@ -113,7 +111,7 @@ def test_preemption_by_tiny_pool_equals_transformers(checkpoint: Path, oracle: O
     prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 200], seed=6)
     # 21 blocks of 16 tokens: the first six prompts fill 14 at admission, then
     # their decodes need 8 more, so the newest running sequence is preempted.
-    llm = _llm(checkpoint, num_kv_blocks=21, block_size=16, enable_prefix_caching=False)
+    llm = _llm(checkpoint, num_kv_blocks=preempting_pool(checkpoint), block_size=16, enable_prefix_caching=False)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     _assert_matches_oracle(outputs, prompts, oracle)

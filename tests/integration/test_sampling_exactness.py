@@ -18,7 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.hashing import hash_prompt_blocks
 from pdserve.engine.kv_handoff import KVHandoff
-from tests.conftest import EOS_TOKEN_ID, MOE_FAMILIES, Oracle, family_of, random_prompts
+from tests.conftest import EOS_TOKEN_ID, MOE_FAMILIES, Oracle, family_of, preempting_pool, random_prompts
 
 MAX_TOKENS = 20
 
@@ -243,9 +243,10 @@ def test_prompt_logprobs_compute_the_whole_prompt_when_its_prefix_is_cached(chec
     ids=["preempted", "preempted_mid_prompt_chunks"],
 )
 def test_prompt_logprobs_survive_preemption_once(checkpoint: Path, oracle: Oracle, kwargs: dict[str, object]) -> None:
-    # The pool of test_exactness's preemption tests: 21 blocks of 16 tokens for prompts of 1 to 200 tokens.
+    # The pool of test_exactness's preemption tests: 21 blocks of 16 tokens (14 with sliding windows) for prompts
+    # of 1 to 200 tokens.
     prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 200], seed=29)
-    llm = _llm(checkpoint, num_kv_blocks=21, block_size=16, **kwargs)
+    llm = _llm(checkpoint, num_kv_blocks=preempting_pool(checkpoint), block_size=16, **kwargs)
     outputs = llm.generate(prompts, _greedy(prompt_logprobs=1))
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outputs):

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.spec_decode.decoder import SpecDecoder
-from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE, Oracle, random_prompts
+from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE, Oracle, preempting_pool, random_prompts
 from tests.support.handoff import handoff_tokens
 from tests.support.proposers import ScriptedProposer
 
@@ -86,7 +86,7 @@ def test_scripted_proposals_equal_transformers_with_chunked_prefill_and_prefix_h
 def test_speculation_under_preemption_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
     prompts = random_prompts([1, 5, 16, 17, 40, 95, 160, 200], seed=24)
     llm = _llm(
-        checkpoint, num_kv_blocks=21, block_size=16, enable_prefix_caching=False,
+        checkpoint, num_kv_blocks=preempting_pool(checkpoint), block_size=16, enable_prefix_caching=False,
         speculative_config={**NGRAM, "disable_by_batch_size": 16},
     )
     _scripted(llm, oracle, prompts)

@@ -1,4 +1,5 @@
-"""``--quantization`` and ``--quantization-group-size`` reach the engine config of every engine role, and ``up``'s workers."""
+"""``--quantization``, ``--quantization-group-size`` and ``--disable-hybrid-kv-cache-manager`` reach the engine
+config of every engine role, and ``up``'s workers."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def test_up_passes_the_quantization_flags_to_its_workers() -> None:
     # What up passes, each worker parses back.
     worker = build_parser().parse_args(["decode", *up_engine_args(args)])
     assert engine_config(worker).model.quantization == "int8"
+
+
+@pytest.mark.parametrize("role", ["offline", "prefill", "decode", "colocated"])
+def test_every_engine_role_and_up_take_the_hybrid_kv_cache_manager_switch(role: str) -> None:
+    args = build_parser().parse_args([role, "--disable-hybrid-kv-cache-manager"])
+    assert engine_config(args).cache.disable_hybrid_kv_cache_manager is True
+    assert engine_config(build_parser().parse_args([role])).cache.disable_hybrid_kv_cache_manager is False
+    up = build_parser().parse_args(["up", "--disable-hybrid-kv-cache-manager"])
+    assert up_engine_args(up) == ("--disable-hybrid-kv-cache-manager",)
+    worker = build_parser().parse_args([role, *up_engine_args(up)])
+    assert engine_config(worker).cache.disable_hybrid_kv_cache_manager is True

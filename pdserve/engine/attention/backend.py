@@ -35,6 +35,14 @@ class AttentionBatch:
     # The model's attention shape: query heads, and the KV heads they share
     num_heads: int
     num_kv_heads: int
+    # A paged pool (engine.kv_pages): the batch of each layer group, its block tables and slots in that
+    # group's pages; ``layer_groups`` gives each layer's group. None: every layer reads the tables above.
+    groups: tuple[AttentionBatch, ...] | None = None
+    layer_groups: tuple[int, ...] = ()
+
+
+class LayerMetadata(tuple):
+    """Per-layer attention metadata, where layer groups read different pages (a paged pool)."""
 
 
 class AttentionBackend(abc.ABC):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.attention.backend import AttentionBackend, LayerMetadata
 from pdserve.engine.layers.fused_ops import FusedOps, load_fused_ops
 from pdserve.engine.layers.linear import GroupedQuantizedGemm, LinearMethod, PackedLinear, UnquantizedLinearMethod
 from pdserve.engine.models.fused_decode import FusedDecoder, build_fused_decoder
@@ -599,11 +599,14 @@ class LlamaForCausalLM(nn.Module):
         local_rope = None if self.model.rotary_local is None else self.model.rotary_local.tables(positions, residual.dtype)
         delta = None
         between = self.between_layers
+        # A paged pool's layer groups read different pages: each layer its own metadata.
+        per_layer = attn_metadata if isinstance(attn_metadata, LayerMetadata) else None
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             if index and between is not None:
                 between()
             layer_rope = local_rope if layer.local_rope else rope
-            delta = layer(residual, delta, layer_rope, kv_cache, backend, attn_metadata)
+            metadata = attn_metadata if per_layer is None else per_layer[index]
+            delta = layer(residual, delta, layer_rope, kv_cache, backend, metadata)
         return self.model.norm(residual, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

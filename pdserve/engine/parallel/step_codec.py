@@ -42,6 +42,8 @@ class StepInputs:
 def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) int64 CPU tensors for ``inputs``."""
     batch = inputs.batch
+    if batch.groups is not None:
+        raise RuntimeError("a paged KV pool (sliding-window layers) is not served under tensor parallelism")
     table_lens = [len(table) for table in batch.block_tables]
     entries = [block for table in batch.block_tables for block in table]
     lists = torch.tensor(batch.query_lens + batch.context_lens + table_lens + entries, dtype=torch.long)
