@@ -10,6 +10,7 @@ active parameters per token. For each, one process, settings alternating within 
 
 - the decode step at batch 1 and at batch 32 (32 prompts of 64 random tokens; ``(time of 1 + 24 new tokens)
   - (time of 1 new token)`` over 24 steps);
+- the MoE step again with each expert in a call of its own (``grouped`` unset: what the grouped kernels save);
 - at batch 32, the step's memory bound: the bytes a step must read (every weight but the unused experts'
   and the embedding rows, plus the batch's KV), over the machine's read rate (``Tensor.sum`` over 512 MB,
   measured in the same run). The experts a step touches are counted from the routing of the run itself.
@@ -139,11 +140,19 @@ def main(argv: list[str] | None = None) -> None:
             name: LLM(model=str(_write(Path(folder) / name, _config(name == "moe", args))), **options)
             for name in ("dense", "moe")
         }
-        best = {(name, batch): float("inf") for name in llms for batch in (1, BATCH)}
+        moe_layers = [layer.mlp for layer in llms["moe"].engine.model.model.layers]
+        grouped = [moe.grouped for moe in moe_layers]
+        runs = ("dense", "moe", "moe_each")
+        best = {(name, batch): float("inf") for name in runs for batch in (1, BATCH)}
         for _ in range(args.repeats):
             for batch in (1, BATCH):
-                for name, llm in llms.items():
+                for name in runs:
+                    for moe, calls in zip(moe_layers, grouped):
+                        moe.grouped = None if name == "moe_each" else calls
+                    llm = llms["dense" if name == "dense" else "moe"]
                     best[name, batch] = min(best[name, batch], _decode_step_s(llm, batch))
+        for moe, calls in zip(moe_layers, grouped):
+            moe.grouped = calls
         # One more batch-32 run, untimed, counting the experts each decode step's layers ran (its last
         # NEW_TOKENS steps: one token per sequence each).
         counter = _ExpertCounter(llms["moe"].engine.model)
@@ -154,11 +163,13 @@ def main(argv: list[str] | None = None) -> None:
         step_bytes = _bytes_per_step(llms["moe"].engine.model, touched, PROMPT_LEN + NEW_TOKENS // 2)
         bound_s = step_bytes / (read_gbps * 1e9)
     setting = args.dtype + (f":{args.quantization}" if args.quantization else "")
-    print(f"setting {setting}; {args.num_layers} layers, {args.experts} experts of {args.expert_width}, top-{args.top_k};"
-          f" threads {torch.get_num_threads()}")
+    print(f"setting {setting}; {args.num_layers} layers, {args.experts} experts of {args.expert_width}, "
+          f"top-{args.top_k}; threads {torch.get_num_threads()}")
     for batch in (1, BATCH):
         dense, moe = best["dense", batch] * 1e3, best["moe", batch] * 1e3
-        print(f"batch {batch:>2}: dense twin {dense:7.2f} ms, MoE {moe:7.2f} ms ({moe / dense:.2f}x the dense twin)")
+        each = best["moe_each", batch] * 1e3
+        print(f"batch {batch:>2}: dense twin {dense:7.2f} ms, MoE {moe:7.2f} ms ({moe / dense:.2f}x the dense twin); "
+              f"a call per expert {each:7.2f} ms ({each / moe:.2f}x)")
     print(f"batch {BATCH}: experts touched per MoE layer {touched:.1f} of {args.experts}; the step reads "
           f"{step_bytes / 1e6:.1f} MB at {read_gbps:.1f} GB/s: bound {bound_s * 1e3:.2f} ms; the MoE step is "
           f"{best['moe', BATCH] / bound_s:.2f}x its bound")

@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer's quantized experts in one kernel call: the bits of one call per expert."""
+"""A mixture-of-experts layer's experts (quantized, or float32 in the dense kernel's panels) in one kernel call:
+the bits of one call per expert."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine.layers.linear import GroupedQuantizedGemm, Int4LinearMethod, Int8LinearMethod, PackedLinear
+from pdserve.engine.layers.dense_kernels import load_dense_kernels
+from pdserve.engine.layers.linear import (
+    GroupedDenseGemm,
+    GroupedQuantizedGemm,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    PackedLinear,
+    UnquantizedLinearMethod,
+)
 from pdserve.engine.layers.quant_kernels import load_quant_kernels
 from pdserve.engine.native import supported_variants
 
@@ -53,11 +62,60 @@ def test_layers_of_mixed_methods_shapes_or_biases_are_not_grouped() -> None:
     assert not GroupedQuantizedGemm.serves([PackedLinear([nn.Linear(64, 80, bias=False)])])  # unquantized
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_a_moe_layer_gives_the_same_bits_grouped_and_expert_by_expert(qwen3_moe_checkpoint, quantization: str) -> None:
+def _float32_experts(variant: str, monkeypatch: pytest.MonkeyPatch) -> list[PackedLinear]:
+    from pdserve.engine.layers import linear
+
+    kernels = load_dense_kernels(variant)
+    # Float32 in the dense kernel's panels (the engine's choice on AMD CPUs with AVX-512), from this variant.
+    monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: kernels if dtype == torch.float32 else None)
+    torch.manual_seed(len(variant))
+    return [PackedLinear([nn.Linear(64, 80, bias=False)], UnquantizedLinearMethod()) for _ in COUNTS]
+
+
+@pytest.mark.parametrize("variant", supported_variants())
+def test_one_grouped_float32_call_gives_each_experts_own_bits(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    experts = _float32_experts(variant, monkeypatch)
+    # Each expert keeps its weight only in panels (80 outputs: the last panel of 32 is padded).
+    assert all(expert._dense_gemm is not None and not hasattr(expert, "weight") for expert in experts)
+    assert GroupedDenseGemm.serves(experts) and not GroupedQuantizedGemm.serves(experts)
+    grouped = GroupedDenseGemm(experts)
+    x = torch.randn(sum(COUNTS), 64)
+    offsets = torch.tensor([0, 3, 3, 10, 11, 31], dtype=torch.int64)
+    expected = torch.cat([expert(x[offsets[e] : offsets[e + 1]]) for e, expert in enumerate(experts)])
+    got = grouped(x, offsets)
+    assert got.dtype == torch.float32 and got.shape == (31, 80)
+    assert torch.equal(got, expected)
+    # bf16 rows are multiplied in float32 and rounded once, as each expert's own call does.
+    rows = x.to(torch.bfloat16)
+    assert torch.equal(grouped(rows, offsets), torch.cat(
+        [expert(rows[offsets[e] : offsets[e + 1]]) for e, expert in enumerate(experts)]))
+
+
+def test_float32_experts_without_panels_or_with_biases_are_not_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.engine.layers import linear
+
+    experts = _float32_experts(supported_variants()[-1], monkeypatch)
+    biased = PackedLinear([nn.Linear(64, 80, bias=True)], UnquantizedLinearMethod())
+    assert not GroupedDenseGemm.serves([experts[0], biased])
+    wide = PackedLinear([nn.Linear(64, 96, bias=False)], UnquantizedLinearMethod())
+    assert not GroupedDenseGemm.serves([experts[0], wide])
+    monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: None)
+    plain = PackedLinear([nn.Linear(64, 80, bias=False)])  # the library's GEMM: no panels
+    assert plain._dense_gemm is None and not GroupedDenseGemm.serves([experts[0], plain])
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_a_moe_layer_gives_the_same_bits_grouped_and_expert_by_expert(
+    qwen3_moe_checkpoint, quantization: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.engine.layers import linear
     from pdserve.engine.model_loader import load_hf_config, load_model
     from pdserve.engine.models.llama import MoE
 
+    if quantization is None:
+        # Float32 weights in the dense kernel's panels, as the engine keeps them on AMD CPUs with AVX-512.
+        kernels = load_dense_kernels()
+        monkeypatch.setattr(linear, "_dense_kernels", lambda dtype: kernels if dtype == torch.float32 else None)
     path = qwen3_moe_checkpoint
     model = load_model(path, load_hf_config(path), 256, torch.float32, torch.device("cpu"), quantization, 32)
     moe = model.model.layers[0].mlp

@@ -264,6 +264,29 @@ int64_t pdserve_f32_gemm(float *out, const float *x, const float *weight, const 
     return 0;
 }
 
+/*
+ * Experts side by side (a mixture-of-experts layer), float32: expert e multiplies rows [offsets[e], offsets[e + 1])
+ * of x by its own panels (weights[e], an address, in pdserve_f32_gemm's layout) into the same rows of out, n
+ * outputs a row, no bias. The (expert, panel) units of every expert split over the threads in one parallel
+ * region, so a layer's experts cost one call instead of one each. Each row's results are the bits
+ * pdserve_f32_gemm gives it (a row's sums do not depend on the rows computed with it). Returns 0.
+ */
+int64_t pdserve_f32_grouped_gemm(float *out, const float *x, const int64_t *weights, const int64_t *offsets,
+                                 int64_t num_experts, int64_t n, int64_t k, int64_t threads)
+{
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t unit = 0; unit < num_experts * panels; ++unit) {
+        const int64_t e = unit / panels, p = unit % panels, first = offsets[e], end = offsets[e + 1];
+        const float *panel = (const float *)weights[e] + p * k * PANEL;
+        for (int64_t row0 = first; row0 < end; row0 += F32_ROW_GROUP) {
+            const int count = end - row0 < F32_ROW_GROUP ? (int)(end - row0) : F32_ROW_GROUP;
+            f32_panel_rows_sized(out, panel, x, NULL, n, k, row0, count, p * PANEL);
+        }
+    }
+    return 0;
+}
+
 /* The float32 path of this build: 2 AVX-512, 1 AVX2, 0 portable C (GCC's vectors of whatever the CPU has). */
 int64_t pdserve_f32_path(void)
 {

@@ -27,6 +27,8 @@ extern "C" int pdserve_openmp_team(int threads);
                                     int64_t, int64_t, int64_t);                                                  \
     int64_t pdserve_##v##_f32_gemm(float *, const float *, const float *, const float *, int64_t, int64_t,       \
                                    int64_t, int64_t);                                                            \
+    int64_t pdserve_##v##_f32_grouped_gemm(float *, const float *, const int64_t *, const int64_t *, int64_t,    \
+                                           int64_t, int64_t, int64_t);                                           \
     int64_t pdserve_##v##_int8_gemm(void *, const void *, const uint8_t *, const float *, int64_t, int64_t,      \
                                     int64_t, int64_t, int64_t);                                                  \
     int64_t pdserve_##v##_int8_grouped_gemm(void *, const void *, const int64_t *, const int64_t *,              \
@@ -59,6 +61,7 @@ extern "C" int pdserve_openmp_team(int threads);
             pdserve_##v##_paged_attention_openmp,                                                                \
             pdserve_##v##_bf16_gemm,                                                                             \
             pdserve_##v##_f32_gemm,                                                                              \
+            pdserve_##v##_f32_grouped_gemm,                                                                      \
             pdserve_##v##_int8_gemm,                                                                             \
             pdserve_##v##_int4_gemm,                                                                             \
             pdserve_##v##_int8_grouped_gemm,                                                                     \
@@ -81,6 +84,8 @@ struct Kernels {
     int64_t (*bf16_gemm)(uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t,
                          int64_t, int64_t);
     int64_t (*f32_gemm)(float *, const float *, const float *, const float *, int64_t, int64_t, int64_t, int64_t);
+    int64_t (*f32_grouped_gemm)(float *, const float *, const int64_t *, const int64_t *, int64_t, int64_t, int64_t,
+                                int64_t);
     int64_t (*int8_gemm)(void *, const void *, const uint8_t *, const float *, int64_t, int64_t, int64_t, int64_t,
                          int64_t);
     int64_t (*int4_gemm)(void *, const void *, const uint8_t *, const uint16_t *, const uint16_t *, int64_t,
@@ -161,6 +166,12 @@ int64_t f32_gemm(int64_t v, const at::Tensor &out, const at::Tensor &x, const at
                  const std::optional<at::Tensor> &bias, int64_t rows, int64_t n, int64_t k, int64_t threads) {
     return kernels(v).f32_gemm(ptr<float>(out), ptr<const float>(x), ptr<const float>(weight),
                                ptr<const float>(bias), rows, n, k, threads);
+}
+
+int64_t f32_grouped_gemm(int64_t v, const at::Tensor &out, const at::Tensor &x, const at::Tensor &weights,
+                         const at::Tensor &offsets, int64_t num_experts, int64_t n, int64_t k, int64_t threads) {
+    return kernels(v).f32_grouped_gemm(ptr<float>(out), ptr<const float>(x), ptr<const int64_t>(weights),
+                                       ptr<const int64_t>(offsets), num_experts, n, k, threads);
 }
 
 int64_t int8_gemm(int64_t v, const at::Tensor &out, const at::Tensor &x, const at::Tensor &qweight,
@@ -261,6 +272,9 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("f32_gemm(int variant, Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int rows, int n, int k, "
           "int threads) -> int",
           &f32_gemm);
+    m.def("f32_grouped_gemm(int variant, Tensor(a!) out, Tensor x, Tensor weights, Tensor offsets, int num_experts, "
+          "int n, int k, int threads) -> int",
+          &f32_grouped_gemm);
     m.def("int8_gemm(int variant, Tensor(a!) out, Tensor x, Tensor qweight, Tensor row_scales, int rows, int n, "
           "int k, int is_bf16, int threads) -> int",
           &int8_gemm);

@@ -14,6 +14,7 @@
 #define pdserve_bf16_gemm PDSERVE_JOIN(PDSERVE_VARIANT, bf16_gemm)
 #define pdserve_bf16_path PDSERVE_JOIN(PDSERVE_VARIANT, bf16_path)
 #define pdserve_f32_gemm PDSERVE_JOIN(PDSERVE_VARIANT, f32_gemm)
+#define pdserve_f32_grouped_gemm PDSERVE_JOIN(PDSERVE_VARIANT, f32_grouped_gemm)
 #define pdserve_f32_path PDSERVE_JOIN(PDSERVE_VARIANT, f32_path)
 #define pdserve_fused_decode PDSERVE_JOIN(PDSERVE_VARIANT, fused_decode)
 #define pdserve_fused_decode_struct_sizes PDSERVE_JOIN(PDSERVE_VARIANT, fused_decode_struct_sizes)

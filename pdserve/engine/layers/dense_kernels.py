@@ -63,6 +63,8 @@ class DenseKernels:
             torch.bfloat16: lambda *args: ops.bf16_gemm(variant, *args),
             torch.float32: lambda *args: ops.f32_gemm(variant, *args),
         }
+        # Experts side by side: (out, x, panel addresses, row offsets, experts, n, k, threads), float32.
+        self.f32_grouped: Callable[..., int] = lambda *args: ops.f32_grouped_gemm(variant, *args)
         self.variant = kernels.name
         # Which code the variant runs per dtype; the bf16 "portable" path is a reference, never the engine's.
         self.isa = {
@@ -85,7 +87,9 @@ class DenseKernels:
             )
         if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,) or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous {dtype} of shape ({out_features},)")
-        return BoundDenseGemm(self._functions[dtype], panels, bias, out_features)
+        bound = BoundDenseGemm(self._functions[dtype], panels, bias, out_features)
+        bound.kernels = self
+        return bound
 
 
 class BoundDenseGemm:
@@ -99,6 +103,7 @@ class BoundDenseGemm:
         self.out_features = out_features
         self.in_features = panels.shape[1] * (2 if self.dtype == torch.bfloat16 else 1)
         self._function = function
+        self.kernels: DenseKernels | None = None  # set by DenseKernels.bind: the variant the panels were bound to
         # Small weights stay on one thread, as the quantized kernels' do; the fused decode step reads this too.
         self.parallel = panels.numel() * panels.element_size() >= _PARALLEL_MIN_BYTES
 

@@ -32,6 +32,7 @@ without bf16 units, where oneDNN emulates bf16 at several times float32's cost.
 from __future__ import annotations
 
 import logging
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
@@ -494,6 +495,52 @@ class GroupedQuantizedGemm:
         if self._call(out, source, offsets, threads) != 0:
             raise MemoryError("the quantized kernel could not allocate its int8 activation")
         return _kernel_output(out, x)
+
+
+class GroupedDenseGemm:
+    """One projection of every expert of a mixture-of-experts layer in float32 (``PackedLinear`` layers whose
+    weights are the dense kernel's panels, one shape, no bias: where ``UnquantizedLinearMethod`` keeps float32
+    in panels, AMD CPUs with AVX-512), multiplied in one kernel call: rows ``offsets[e]`` to ``offsets[e + 1]``
+    of x go through expert e, each row's result the bits ``layers[e]`` alone gives it
+    (``pdserve_f32_grouped_gemm``). Any row count."""
+
+    max_rows = sys.maxsize
+
+    def __init__(self, layers: list[PackedLinear]) -> None:
+        gemms = [layer._dense_gemm for layer in layers]
+        assert all(gemm is not None for gemm in gemms)
+        first = gemms[0]
+        assert first is not None and first.kernels is not None
+        self.out_features, self.in_features = first.out_features, first.in_features
+        self._panels = [gemm.panels for gemm in gemms if gemm is not None]  # kept: their addresses are handed over
+        self._weights = _addresses(self._panels)
+        self._num_experts = len(layers)
+        self._call = first.kernels.f32_grouped
+        self._parallel = any(gemm.parallel for gemm in gemms if gemm is not None) or (
+            sum(panels.numel() for panels in self._panels) * 4 >= _PARALLEL_MIN_BYTES
+        )
+
+    @staticmethod
+    def serves(layers: list[PackedLinear]) -> bool:
+        """Whether the layers can be multiplied in one call: float32 panels of one kernel build, one shape, no bias."""
+        gemms = [layer._dense_gemm for layer in layers]
+        first = gemms[0]
+        return first is not None and first.dtype == torch.float32 and first.kernels is not None and all(
+            gemm is not None and gemm.dtype == torch.float32 and gemm.kernels is not None
+            and gemm.kernels.variant == first.kernels.variant
+            and gemm.bias is None and (gemm.out_features, gemm.in_features) == (first.out_features, first.in_features)
+            for gemm in gemms
+        )
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # (rows, in) -> (rows, out)
+        source = x.to(torch.float32).contiguous()
+        if source.shape[1] != self.in_features or offsets.shape != (self._num_experts + 1,):
+            raise ValueError(f"x must be (rows, {self.in_features}) with {self._num_experts + 1} offsets")
+        out = torch.empty((source.shape[0], self.out_features), dtype=torch.float32)
+        threads = torch.get_num_threads() if self._parallel else 1
+        self._call(out, source, self._weights, offsets, self._num_experts, self.out_features, self.in_features,
+                   threads)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _addresses(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:

@@ -26,7 +26,13 @@ from torch import nn
 
 from pdserve.engine.attention.backend import AttentionBackend, LayerMetadata
 from pdserve.engine.layers.fused_ops import FusedOps, load_fused_ops
-from pdserve.engine.layers.linear import GroupedQuantizedGemm, LinearMethod, PackedLinear, UnquantizedLinearMethod
+from pdserve.engine.layers.linear import (
+    GroupedDenseGemm,
+    GroupedQuantizedGemm,
+    LinearMethod,
+    PackedLinear,
+    UnquantizedLinearMethod,
+)
 from pdserve.engine.models.fused_decode import FusedDecoder, build_fused_decoder
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
@@ -205,6 +211,9 @@ class MLP(nn.Module):
         return self.down_proj(hidden.mul_(up))
 
 
+GroupedGemm = GroupedQuantizedGemm | GroupedDenseGemm
+
+
 @dataclass(frozen=True)
 class MoEOptions:
     """A mixture-of-experts layer's shape and routing."""
@@ -263,7 +272,8 @@ class MoE(nn.Module):
         )
         self.act = self.experts[0].act
         self.fused: FusedOps | None = None  # no fused activation: each expert's own (MoE.pack_weights)
-        self.grouped: tuple[GroupedQuantizedGemm, GroupedQuantizedGemm] | None = None  # set by pack_weights
+        # Set by pack_weights: each projection of every expert in one call (gate/up, down).
+        self.grouped: tuple[GroupedGemm, GroupedGemm] | None = None
 
     def mlps(self) -> list[MLP]:
         """Every MLP of the layer: the routed experts, then the shared one where there is one."""
@@ -272,11 +282,14 @@ class MoE(nn.Module):
     def pack_weights(self, method: LinearMethod) -> None:
         for mlp in self.mlps():
             mlp.pack_weights(method)
-        # Quantized experts: each projection of every expert in one kernel call (None: one call per expert).
+        # Each projection of every expert in one kernel call: quantized, or float32 where the weights are the
+        # dense kernel's panels (None: one call per expert).
         gate_ups = [expert.gate_up_proj for expert in self.experts]
         downs = [expert.down_proj for expert in self.experts]
         if GroupedQuantizedGemm.serves(gate_ups) and GroupedQuantizedGemm.serves(downs):
             self.grouped = (GroupedQuantizedGemm(gate_ups), GroupedQuantizedGemm(downs))
+        elif GroupedDenseGemm.serves(gate_ups) and GroupedDenseGemm.serves(downs):
+            self.grouped = (GroupedDenseGemm(gate_ups), GroupedDenseGemm(downs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
         routed = self._routed(x)
