@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from benchmarks.random_checkpoint import write_config_checkpoint
 
 HIDDEN = 2048
 HEADS = 16
@@ -51,12 +51,7 @@ def _configs(num_layers: int) -> dict[str, Any]:
 
 
 def _write(folder: Path, config: Any) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
-    return folder
+    return write_config_checkpoint(folder, config)
 
 
 def measure(path: Path, prompt_len: int, kv_cache_dtype: str) -> dict[str, Any]:

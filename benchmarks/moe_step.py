@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.machine_limits import BANDWIDTH_BUFFER_BYTES, measure_bandwidth_gbps
-from benchmarks.random_checkpoint import SMOLLM2_135M
+from benchmarks.random_checkpoint import SMOLLM2_135M, write_config_checkpoint
 
 PROMPT_LEN = 64
 NEW_TOKENS = 24
@@ -53,13 +53,7 @@ def _config(moe: bool, args: argparse.Namespace) -> Any:
 
 
 def _write(folder: Path, config: Any) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(folder)
-    return folder
+    return write_config_checkpoint(folder, config)
 
 
 def _decode_step_s(llm: Any, batch: int) -> float:

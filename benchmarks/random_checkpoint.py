@@ -39,13 +39,21 @@ SMOLLM2_135M: dict[str, Any] = {
 
 def write_random_checkpoint(out_dir: Path, num_layers: int | None = None, seed: int = 0) -> Path:
     """Write a float32 LlamaForCausalLM of SmolLM2-135M's shape (``num_layers`` layers if given) to ``out_dir``."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     fields = dict(SMOLLM2_135M)
     if num_layers is not None:
         fields["num_hidden_layers"] = num_layers
+    return write_config_checkpoint(out_dir, LlamaConfig(**fields), seed)
+
+
+def write_config_checkpoint(out_dir: Path, config: Any, seed: int = 0) -> Path:
+    """Write a float32 model of ``config`` (a transformers config) with random weights, seeded, to ``out_dir``;
+    its generation config names token 1 BOS and 2 EOS and padding."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out_dir)
     return out_dir

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from benchmarks.random_checkpoint import write_config_checkpoint
 
 VOCAB = 1024
 
@@ -64,12 +64,7 @@ def _configs(max_positions: int) -> dict[str, Any]:
 
 
 def _write(folder: Path, config: Any) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(folder)
-    return folder
+    return write_config_checkpoint(folder, config)
 
 
 def held_bytes(path: Path, tokens: int, paged: bool) -> dict[str, Any]:
