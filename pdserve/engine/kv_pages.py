@@ -335,12 +335,6 @@ class PagedBlockManager(BlockManager):
                 block.window_refs = 0
                 self._settle(block)
 
-    def _touch(self, block_id: int) -> None:
-        block = self._blocks[block_id]
-        block.ref_count += 1
-        block.window_refs += 1
-        self._settle(block)
-
     def _take_page(self) -> int:
         if not self._free_pages:
             page, (block_id, group) = self._reclaimable.popitem(last=False)
