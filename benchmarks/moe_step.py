@@ -13,10 +13,16 @@ active parameters per token. For each, one process, settings alternating within 
 - the MoE step again with each expert in a call of its own (``grouped`` unset: what the grouped kernels save);
 - at batch 32, the step's memory bound: the bytes a step must read (every weight but the unused experts'
   and the embedding rows, plus the batch's KV), over the machine's read rate (``Tensor.sum`` over 512 MB,
-  measured in the same run). The experts a step touches are counted from the routing of the run itself.
+  measured in the same run). The experts a step touches are counted from the routing of the run itself;
+- at batch 32, the step's compute bound: the multiply-adds of its projections (attention, router, every
+  token's ``top_k`` experts, LM head) at the instruction peak of the kernel that runs each of them
+  (``benchmarks.instruction_peaks``, measured in the same run, one core's rate times the threads). Work
+  whose peak is not measured (bf16 products, attention's scores) is left out, so both bounds are lower
+  bounds of the step; the step's bound is the larger.
 
 Targets (the issue of MoE serving): batch-1 step within 1.5x of the dense twin's; batch-32 step within
-1.5x of its memory bound.
+1.5x of its memory bound (out of reach where the compute bound alone is above 1.5x the memory bound: a
+batch of 32 rows makes 16 multiply-adds of every float32 weight byte read, 64 of every int8 one).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import instruction_peaks
 from benchmarks.machine_limits import BANDWIDTH_BUFFER_BYTES, measure_bandwidth_gbps
 from benchmarks.random_checkpoint import SMOLLM2_135M, write_config_checkpoint
 
@@ -114,6 +121,55 @@ def _bytes_per_step(model: Any, experts_touched: float, context: int) -> float:
     return total + kv
 
 
+def _macs_per_step(config: Any, batch: int) -> dict[str, int]:
+    """Multiply-adds of a decode step's projections, by what multiplies them: ``decoder`` (attention, experts,
+    dense MLPs: the model's linear method), ``router`` (a float ``nn.Linear``) and ``head`` (the LM head)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    attention = hidden * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    experts = getattr(config, "num_experts", 0)
+    per_layer = attention + (
+        config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size if experts
+        else 3 * hidden * config.intermediate_size
+    )
+    return {
+        "decoder": batch * config.num_hidden_layers * per_layer,
+        "router": batch * config.num_hidden_layers * hidden * experts,
+        "head": batch * hidden * config.vocab_size,
+    }
+
+
+def _peak_names(quantization: str | None, quantize_lm_head: bool = True) -> dict[str, str]:
+    """The ``instruction_peaks`` loop bounding each kind of ``_macs_per_step``'s work on this CPU, as the engine
+    dispatches it (float32 GEMMs on 256 or 512 bits, INT8/INT4 kernels on VNNI or AVX2)."""
+    from pdserve.engine.layers.quant_kernels import load_quant_kernels
+    from pdserve.engine.native import dispatch_flags
+
+    flags = dispatch_flags()
+    float_peak = "f32 avx512" if "avx512f" in flags else "f32 avx2"
+    kernels = load_quant_kernels()
+    vnni = kernels is not None and kernels.isa == "avx512_vnni"
+    quantized = {"int8": "int8 vnni" if vnni else "int8 avx2", "int4": "int8 vnni" if vnni else "int4 avx2"}
+    decoder = quantized[quantization] if quantization else float_peak
+    return {
+        "decoder": decoder,
+        "router": float_peak,
+        "head": (quantized["int8"] if quantization and quantize_lm_head else float_peak),
+    }
+
+
+def compute_bound_s(macs: dict[str, int], peaks: dict[str, str], rates: dict[str, float],
+                    dtype: str, threads: int) -> float:
+    """Seconds the step's multiply-adds take at least: each kind at its loop's rate (GMAC/s per core) times
+    ``threads``. Float work is counted only in float32 (bf16 products' peak is not measured)."""
+    total = 0.0
+    for kind, count in macs.items():
+        name = peaks[kind]
+        if name not in rates or (name.startswith("f32") and dtype != "float32"):
+            continue
+        total += count / (rates[name] * 1e9 * threads)
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-layers", type=int, default=8)
@@ -156,6 +212,13 @@ def main(argv: list[str] | None = None) -> None:
         _, read_gbps = measure_bandwidth_gbps(BANDWIDTH_BUFFER_BYTES, repeats=20)
         step_bytes = _bytes_per_step(llms["moe"].engine.model, touched, PROMPT_LEN + NEW_TOKENS // 2)
         bound_s = step_bytes / (read_gbps * 1e9)
+        with tempfile.TemporaryDirectory() as peaks_folder:
+            rates = instruction_peaks.measure(instruction_peaks.build(Path(peaks_folder)), repeats=3)
+        macs = _macs_per_step(llms["moe"].engine.model.config, BATCH)
+        peaks = _peak_names(args.quantization)
+        compute_s = compute_bound_s(macs, peaks, rates, args.dtype, torch.get_num_threads())
+        dense_compute_s = compute_bound_s(_macs_per_step(llms["dense"].engine.model.config, BATCH), peaks, rates,
+                                          args.dtype, torch.get_num_threads())
     setting = args.dtype + (f":{args.quantization}" if args.quantization else "")
     print(f"setting {setting}; {args.num_layers} layers, {args.experts} experts of {args.expert_width}, "
           f"top-{args.top_k}; threads {torch.get_num_threads()}")
@@ -167,6 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"batch {BATCH}: experts touched per MoE layer {touched:.1f} of {args.experts}; the step reads "
           f"{step_bytes / 1e6:.1f} MB at {read_gbps:.1f} GB/s: bound {bound_s * 1e3:.2f} ms; the MoE step is "
           f"{best['moe', BATCH] / bound_s:.2f}x its bound")
+    rate_text = ", ".join(f"{kind} {count / 1e9:.3f} G at {peaks[kind]} {rates.get(peaks[kind], 0):.1f}"
+                          for kind, count in macs.items())
+    step_bound = max(bound_s, compute_s)
+    print(f"batch {BATCH}: multiply-adds ({rate_text} GMAC/s per core): compute bound {compute_s * 1e3:.2f} ms "
+          f"({compute_s / bound_s:.2f}x the memory bound); the MoE step is {best['moe', BATCH] / step_bound:.2f}x "
+          f"the larger bound; the dense twin {best['dense', BATCH] / dense_compute_s:.2f}x its compute bound "
+          f"({dense_compute_s * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":

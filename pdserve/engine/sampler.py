@@ -11,6 +11,30 @@ from pdserve.engine.logits_processors import TokenHistory, adjust_logits_
 from pdserve.engine.sampling_params import SamplingParams
 
 
+# Row maxima are taken over chunks of this many entries first (first_argmax).
+_ARGMAX_CHUNK = 256
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, the same index (the first maximum; the first NaN where a row has
+    one) found faster on CPU: torch's CPU argmax is a scalar loop (0.7-1.2 ms over 32 x 49,152 float32 on two
+    cores, where ``amax`` takes 0.04 ms), so each row's maximum is first located among chunk maxima
+    (``amax``), then within its chunk. Other devices and short rows use torch's argmax."""
+    rows, width = x.shape
+    if x.device.type != "cpu" or width < 16 * _ARGMAX_CHUNK or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    full = width - width % _ARGMAX_CHUNK
+    chunk_maxima = x[:, :full].view(rows, full // _ARGMAX_CHUNK, _ARGMAX_CHUNK).amax(dim=-1)
+    if full < width:
+        chunk_maxima = torch.cat([chunk_maxima, x[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    # The first chunk holding the row's maximum (amax keeps a NaN, which argmax ranks first), then its first
+    # maximum; a short last chunk's columns past the row end repeat its last one, which cannot come first.
+    starts = chunk_maxima.argmax(dim=-1) * _ARGMAX_CHUNK  # (rows,)
+    columns = (starts[:, None] + torch.arange(_ARGMAX_CHUNK, device=x.device)).clamp_(max=width - 1)
+    within = x.gather(1, columns).argmax(dim=-1, keepdim=True)
+    return columns.gather(1, within).squeeze(1)
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     """What the sampler decided for one step, one row per sequence, on the logits' device.
@@ -91,7 +115,7 @@ class Sampler:
         all_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # (num_seqs, vocab_size)
         adjust_logits_(logits, params, histories, self.eos_token_ids)
 
-        token_ids = logits.argmax(dim=-1)  # (num_seqs,) greedy choice, overwritten for sampled rows
+        token_ids = first_argmax(logits)  # (num_seqs,) greedy choice, overwritten for sampled rows
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.long, device=device)
@@ -124,7 +148,7 @@ class Sampler:
         if keep is not None:
             weights = weights.masked_fill(~keep, 0.0)
         noise = self._exponential_noise(generators, num_rows, vocab_size, device)
-        return (weights / noise).argmax(dim=-1)
+        return first_argmax(weights / noise)
 
     @staticmethod
     def _top_k_top_p_mask(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:

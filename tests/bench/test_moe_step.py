@@ -1,10 +1,12 @@
-"""benchmarks.moe_step: the dense twin has the MoE's active parameters; the bytes a step must read."""
+"""benchmarks.moe_step: the dense twin has the MoE's active parameters; the bytes and multiply-adds a step must do."""
 
 from __future__ import annotations
 
 import argparse
 
-from benchmarks.moe_step import _bytes_per_step, _config
+import pytest
+
+from benchmarks.moe_step import _bytes_per_step, _config, _macs_per_step, compute_bound_s
 
 
 def _args() -> argparse.Namespace:
@@ -32,3 +34,29 @@ def test_a_step_reads_the_touched_experts_and_the_kv_but_not_the_embedding() -> 
     weights = 2 * (attention + 8 * 576 + 5 * expert) + 576 + head  # 5 of 8 experts touched; the router; final norm
     kv = 2 * 2 * 3 * 64 * 4 * 100 * 32  # K and V, 2 layers, 3 heads of 64, float32, 100 positions, 32 sequences
     assert _bytes_per_step(model, experts_touched=5, context=100) == 4 * weights + kv
+
+
+def test_a_step_multiplies_each_token_by_its_experts_the_attention_and_the_head() -> None:
+    moe, dense = _config(True, _args()), _config(False, _args())
+    attention = 576 * 64 * (2 * 9 + 2 * 3)  # q and o: 9 heads of 64; k and v: 3
+    assert _macs_per_step(moe, 32) == {
+        "decoder": 32 * 2 * (attention + 2 * 3 * 576 * 96),  # 2 layers; each token through 2 experts of 96
+        "router": 32 * 2 * 576 * 8,
+        "head": 32 * 576 * 49152,
+    }
+    assert _macs_per_step(dense, 32) == {
+        "decoder": 32 * 2 * (attention + 3 * 576 * 192), "router": 0, "head": 32 * 576 * 49152,
+    }
+
+
+def test_the_compute_bound_takes_each_kind_at_its_peak_and_leaves_out_unmeasured_float_work() -> None:
+    macs = {"decoder": 10**9, "router": 10**6, "head": 2 * 10**9}
+    peaks = {"decoder": "int8 vnni", "router": "f32 avx512", "head": "int8 vnni"}
+    rates = {"int8 vnni": 200.0, "f32 avx512": 50.0}  # GMAC/s per core
+    assert compute_bound_s(macs, peaks, rates, "float32", 2) == pytest.approx(1e9 / 400e9 + 1e6 / 100e9 + 2e9 / 400e9)
+    # bf16 products have no measured peak (bf16 units outrun float32 FMA): the router drops out of the bound.
+    assert compute_bound_s(macs, peaks, rates, "bfloat16", 2) == pytest.approx(3e9 / 400e9)
+    # A loop this CPU does not run (no rate) bounds nothing.
+    assert compute_bound_s(macs, {**peaks, "head": "int4 avx2"}, rates, "float32", 1) == pytest.approx(
+        1e9 / 200e9 + 1e6 / 50e9
+    )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pdserve.engine.sampler import Sampler, SamplerOutput
+from pdserve.engine.sampler import Sampler, SamplerOutput, first_argmax
 from pdserve.engine.sampling_params import SamplingParams
 
 # Distinct values in no particular order, so that sorting and scattering back
@@ -308,3 +308,21 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token() -> None:
     params = SamplingParams(temperature=1.0, top_p=1e-46)
     draws = [Sampler(seed=s)(logits, [params], [None]).token_ids.item() for s in range(20)]
     assert draws == [1] * 20
+
+
+def test_first_argmax_finds_the_first_maximum_as_torch_argmax_does() -> None:
+    width = 16 * 256 + 100  # past the chunked path's minimum, with a short last chunk
+    x = torch.zeros(6, width)
+    x[0, 5], x[0, 3000] = 2.0, 2.0  # a tie across chunks: the first wins
+    x[1, width - 1] = 1.0  # in the short last chunk, its last column
+    x[2, 300], x[2, 4000] = float("nan"), float("nan")  # the first NaN, as torch ranks it
+    x[2, 10] = 9.0
+    x[3] = float("-inf")  # nothing above -inf: column 0
+    x[4, 4095], x[4, 4096] = 3.0, 3.0  # across the boundary of the full chunks and the short one
+    x[5] = torch.arange(width, dtype=torch.float32).flip(0)  # descending: column 0
+    assert first_argmax(x).tolist() == [5, width - 1, 300, 0, 4095, 0]
+    assert first_argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    generator = torch.Generator().manual_seed(0)
+    for columns in (4096, 4097, 49152, 151936):
+        y = torch.randint(-4, 4, (9, columns), generator=generator).float()  # many ties
+        assert torch.equal(first_argmax(y), y.argmax(dim=-1)), columns

@@ -38,6 +38,7 @@ from pdserve.engine.attention.backend import AttentionBatch, select_backend
 from pdserve.engine.kv_cache import KVCache, bytes_per_block
 from pdserve.engine.kv_handoff import KVLayout
 from pdserve.engine.model_loader import TORCH_DTYPES, load_hf_config, load_model, resolve_model_path
+from pdserve.engine.sampler import first_argmax
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.proposer import Proposer
@@ -251,7 +252,7 @@ class DraftModelProposer(Proposer):
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # (len(chunks), vocab)
         # A greedy guess needs no softmax. Widened first: argmax over bf16 is ~8x slower than over float32
         # on CPU (0.9 against 0.1 ms over 49,152 logits, about 2% of a draft forward), and widening is exact.
-        greedy = logits.float().argmax(dim=-1).tolist()
+        greedy = first_argmax(logits.float().contiguous()).tolist()
         by_input = [0] * len(chunks)
         for i, token in zip(order, greedy):
             by_input[i] = token
