@@ -219,15 +219,15 @@ class KVCache:
         data.index_copy_(2, index, values)
         self.scales[layers].index_copy_(2, index, scales)
 
-    def _pages_of(self, block_ids: Seq[int]) -> np.ndarray:
-        """(len(block_ids), groups) pages of logical blocks (NO_PAGE: freed by a window)."""
+    def pages_of(self, block_ids: Seq[int]) -> np.ndarray:
+        """(len(block_ids), groups) pages of logical blocks (NO_PAGE: freed by a window), of a paged pool."""
         assert self.page_map is not None, "a paged KV pool needs its block manager's page map"
         return self.page_map.pages[np.asarray(list(block_ids), dtype=np.int64)]  # type: ignore[attr-defined]
 
     def _export_pages(self, block_ids: Seq[int], layers: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``export_blocks`` of a paged pool, before heads and packing: each layer read from its group's pages,
         the pages a window freed as zeros."""
-        pages = self._pages_of(block_ids)
+        pages = self.pages_of(block_ids)
         device = self.data.device
         data_out, scale_out = [], []
         for layer in range(*layers.indices(self.num_layers)):
@@ -253,7 +253,7 @@ class KVCache:
             values, scales = unpack_int8(blocks)
         else:
             values, scales = quantize_int8(blocks)
-        pages = self._pages_of(block_ids)
+        pages = self.pages_of(block_ids)
         device = self.data.device
         for offset, layer in enumerate(layers):
             group, slot = self._places[layer]

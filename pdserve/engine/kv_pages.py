@@ -366,3 +366,24 @@ class PagedBlockManager(BlockManager):
         block.ref_count = 1
         block.window_refs = int(sliding)
         return block_id
+
+
+class PageMirror:
+    """Rank 0's page table rows, as another tensor-parallel rank knows them: the rows of the blocks each export
+    or import names arrive with it (``update``); a step needs none (rank 0 sends it in pages). ``pages``
+    reads as ``PagedBlockManager.pages`` does, for ``KVCache``."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.pages = np.full((16, num_groups), NO_PAGE, dtype=np.int64)
+
+    def update(self, block_ids: Seq[int], rows: np.ndarray) -> None:
+        """Blocks ``block_ids`` have pages ``rows`` ((len(block_ids), groups)) now."""
+        ids = np.asarray(list(block_ids), dtype=np.int64)
+        if ids.size == 0:
+            return
+        needed = int(ids.max()) + 1
+        if needed > len(self.pages):
+            grown = np.full((max(needed, 2 * len(self.pages)), self.pages.shape[1]), NO_PAGE, dtype=np.int64)
+            grown[: len(self.pages)] = self.pages
+            self.pages = grown
+        self.pages[ids] = rows

@@ -128,11 +128,11 @@ class LLMEngine:
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
-        # Sliding-window layers free what their window has left behind (engine.kv_pages), on one rank
-        # without a draft model (whose pool shares the block ids) unless disabled; elsewhere every layer
-        # keeps every block.
+        # Sliding-window layers free what their window has left behind (engine.kv_pages; every rank's pool
+        # alike under tensor parallelism) unless disabled, or with a draft model (whose pool shares the block
+        # ids); there every layer keeps every block.
         windows = [layer.self_attn.window for layer in self.model.model.layers]
-        paged = tp == 1 and draft is None and not cache_cfg.disable_hybrid_kv_cache_manager
+        paged = draft is None and not cache_cfg.disable_hybrid_kv_cache_manager
         layout = PageLayout.of(windows) if paged else None
         self.kv_cache = KVCache(
             num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_cache_dtype,
@@ -155,7 +155,7 @@ class LLMEngine:
                              "exceed flash-attn's head sizes; use 'sdpa' (or 'cpu_paged' on CPU)")
         sampler = Sampler(model_cfg.seed, self.eos_token_ids)
         if self.parallel is not None:
-            self.parallel.connect(num_blocks)
+            self.parallel.connect(num_blocks, layout is not None)
             self.parallel.install(self.model)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device, self.parallel)
         # The model's KV heads (all ranks together): what a handoff carries.

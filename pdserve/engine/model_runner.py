@@ -67,7 +67,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.parallel = parallel
         layout = kv_cache.layout
-        self._layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
+        # Each layer's page group, where the pool is paged (engine.kv_pages); () otherwise.
+        self.layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -236,7 +237,7 @@ class ModelRunner:
                 block_tables=[table[:, group].tolist() for table in tables],
                 slot_mapping=torch.from_numpy(group_slots).to(device),
             ))
-        return dataclasses.replace(batch, groups=tuple(groups), layer_groups=self._layer_groups)
+        return dataclasses.replace(batch, groups=tuple(groups), layer_groups=self.layer_groups)
 
 
 def _history(seq: Sequence, proposed: tuple[int, ...]) -> TokenHistory:

@@ -20,6 +20,10 @@ from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 
 MAX_TOKENS = 8
+# Pools of 4-slot blocks that make the preemption test preempt: 12 blocks, or 10 where Gemma 2's window (10
+# positions) frees pages. Mistral's layers all slide, which frees so much that no pool these prompts fit in
+# preempts: there every block is kept (tests/parallel/test_tp_window_pages.py pages it under TP).
+PREEMPTING = {"gemma2": {"num_kv_blocks": 10}, "mistral": {"disable_hybrid_kv_cache_manager": True}}
 
 
 class _Checkpoints(dict):
@@ -74,7 +78,7 @@ def test_tensor_parallel_greedy_matches_transformers_through_batching_prefix_hit
     # The last prompt again, then extended: its cached blocks are a prefix hit.
     extended = [prompts[3] + random_prompts([5], seed=tp + 10)[0], prompts[1] + [9, 10]]
     # 12 blocks of 4 slots for four sequences needing 3 + 5 + 8 + 9: the scheduler must preempt.
-    with _llm(path, tp, num_kv_blocks=12, max_num_batched_tokens=32) as llm:
+    with _llm(path, tp, **{"num_kv_blocks": 12, **PREEMPTING.get(name, {})}, max_num_batched_tokens=32) as llm:
         assert len(llm.engine.parallel.pids) == tp - 1
         first = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.stats().num_preemptions > 0

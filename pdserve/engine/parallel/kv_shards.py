@@ -73,6 +73,8 @@ class ShardedKV:
             group = self.workers.group
             assert group is not None
             group.broadcast(ids)
+            if self.local.layout is not None:  # the blocks' pages: the other ranks' pools are paged alike
+                group.broadcast(torch.from_numpy(self.local.pages_of(block_ids)).contiguous())
             for rank, part in head_sources(self.num_kv_heads, tp, heads):
                 own = kv_heads_of_rank(self.num_kv_heads, tp, rank)
                 local_heads = range(part.start - own.start, part.stop - own.start)
@@ -98,13 +100,18 @@ def follower_export(follower: _Follower, header: torch.Tensor) -> None:
     assert group is not None
     ids = torch.empty(num_ids, dtype=torch.long)
     group.broadcast(ids)
+    kv_cache = follower.runner.kv_cache
+    if kv_cache.layout is not None:
+        pages = torch.empty((num_ids, kv_cache.layout.num_groups), dtype=torch.long)
+        group.broadcast(pages)
+        kv_cache.page_map.update(ids.tolist(), pages.numpy())
     tp, total = follower.spec.world_size, follower.total_kv_heads
     for rank, part in head_sources(total, tp, range(head_start, head_stop)):
         if rank != follower.rank:
             continue
         own = follower.kv_heads
         local_heads = range(part.start - own.start, part.stop - own.start)
-        blocks = follower.runner.kv_cache.export_blocks(ids.tolist(), slice(layer_start, layer_stop), local_heads)
+        blocks = kv_cache.export_blocks(ids.tolist(), slice(layer_start, layer_stop), local_heads)
         group.send(blocks.to(follower.comm_device).contiguous(), 0, _EXPORT_TAG)
 
 
@@ -117,7 +124,9 @@ def import_on_ranks(
     """Land ``fetch`` on every rank (rank 0 from ``fetch.local_blocks``); True when every rank has its heads."""
     # The descriptor and the fetcher (a module-level function, pickled by reference) are small and cross once
     # per request: pickled, not worth a codec.
-    message = pickle.dumps((fetch.handoff, fetch.fetcher, first_block, list(block_ids)))
+    # A paged pool's blocks travel with their pages (the other ranks' pools are paged alike).
+    pages = local.pages_of(block_ids) if local.layout is not None else None
+    message = pickle.dumps((fetch.handoff, fetch.fetcher, first_block, list(block_ids), pages))
     payload = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     with workers.lock:
         workers.command([Command.IMPORT, payload.numel()])
@@ -143,9 +152,11 @@ def follower_import(follower: _Follower, header: torch.Tensor) -> None:
     payload = torch.empty(int(header[1]), dtype=torch.uint8)
     group.broadcast(payload)
     handoff: KVHandoff
-    handoff, fetcher, first_block, block_ids = pickle.loads(payload.numpy().tobytes())
+    handoff, fetcher, first_block, block_ids, pages = pickle.loads(payload.numpy().tobytes())
     failed = 0
     try:
+        if pages is not None:
+            follower.runner.kv_cache.page_map.update(block_ids, pages)
         if block_ids:
             blocks = fetcher(handoff, first_block, follower.kv_heads)
             follower.runner.kv_cache.import_blocks(block_ids, blocks)

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from pdserve.engine.attention.backend import select_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_pages import PageLayout, PageMirror
 from pdserve.engine.model_loader import load_hf_config, load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.group import TensorParallelError, TensorParallelGroup
@@ -126,8 +127,9 @@ class TensorParallelWorkers:
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes]
 
-    def connect(self, num_blocks: int) -> TensorParallelGroup:
-        """Wait until every rank loaded its shard, join the group, and give them the pool size."""
+    def connect(self, num_blocks: int, paged: bool = False) -> TensorParallelGroup:
+        """Wait until every rank loaded its shard, join the group, and give them the pool size and whether its
+        sliding-window layers' blocks are paged (engine.kv_pages)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, (process, pipe) in enumerate(zip(self._processes, self._pipes), start=1):
             while not pipe.poll(0.1):
@@ -142,7 +144,7 @@ class TensorParallelWorkers:
             if status != "ready":
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {message}")
         self.group = TensorParallelGroup(self._store, 0, self.world_size, self.backend, self.timeout_s, self.device)
-        self.group.broadcast(torch.tensor([num_blocks], dtype=torch.long))
+        self.group.broadcast(torch.tensor([num_blocks, int(paged)], dtype=torch.long))
         return self.group
 
     @property
@@ -323,12 +325,17 @@ class _Follower:
         self.group = TensorParallelGroup(
             self._store, self.rank, spec.world_size, spec.backend, config.parallel.collective_timeout_s, self.device
         )
-        num_blocks = torch.zeros(1, dtype=torch.long)
-        self.group.broadcast(num_blocks)
+        pool = torch.zeros(2, dtype=torch.long)
+        self.group.broadcast(pool)
+        num_blocks, paged = pool.tolist()
+        # Rank 0's layout, from the same layers; the pages of the blocks a command names come with it.
+        layout = PageLayout.of([layer.self_attn.window for layer in self.model.model.layers]) if paged else None
         kv_cache = KVCache(
-            self.num_layers, int(num_blocks.item()), config.cache.block_size, self.model.num_kv_heads,
-            self.model.head_dim, spec.kv_cache_dtype, self.device, self.model.kv_parts,
+            self.num_layers, num_blocks, config.cache.block_size, self.model.num_kv_heads,
+            self.model.head_dim, spec.kv_cache_dtype, self.device, self.model.kv_parts, layout,
         )
+        if layout is not None:
+            kv_cache.page_map = PageMirror(layout.num_groups)
         install_all_reduce(self.model, self.group.all_reduce)
         self.runner = ModelRunner(self.model, kv_cache, self.backend, None, self.device)
         header = torch.zeros(HEADER_LEN, dtype=torch.long)
@@ -353,7 +360,7 @@ class _Follower:
         self.group.broadcast(payload)
         inputs = decode_step(
             header, payload, self.spec.config.cache.block_size, self.model.num_heads,
-            self.model.num_kv_heads, self.device,
+            self.model.num_kv_heads, self.device, self.runner.layer_groups,
         )
         hidden = self.runner.forward(inputs)  # (num_tokens, hidden)
         if inputs.logits_rows is not None:
