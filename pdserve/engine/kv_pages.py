@@ -167,8 +167,30 @@ class PagedBlockManager(BlockManager):
         return [block.block_id for block in self._blocks if block.ref_count > 0]
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        block_ids = self._usable(super().get_computed_blocks(seq)[0])
-        return block_ids, len(block_ids) * self.block_size
+        if self.layout.num_sliding_groups < self.layout.num_groups:
+            block_ids = self._usable(super().get_computed_blocks(seq)[0])
+            return block_ids, len(block_ids) * self.block_size
+        return self._window_hit(seq)
+
+    def _window_hit(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest hit where every layer slides (vLLM's sliding-window lookup, from the end): only the
+        blocks the next query's window reads must be cached with their pages; the ones before it are given as
+        ``NO_PAGE`` (``allocate`` makes them blocks without pages, which nothing reads)."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens > 0:
+            return [], 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        found = [self._cached.get(block_hash) for block_hash in seq.block_hashes()[:max_blocks]]
+        # last_missing[i]: the last index before i whose block is not cached with its pages (-1: none).
+        last_missing, missing = [-1], -1
+        for index, block_id in enumerate(found):
+            if block_id is None or not self._has_window_pages(block_id):
+                missing = index
+            last_missing.append(missing)
+        for count in range(len(found), 0, -1):
+            first = self.layout.first_needed_block(count * self.block_size, self.block_size)
+            if last_missing[count] < first:
+                return [NO_PAGE] * first + [int(b) for b in found[first:count]], count * self.block_size  # type: ignore[arg-type]
+        return [], 0
 
     def _usable(self, block_ids: list[int], num_tokens: int | None = None) -> list[int]:
         """The longest prefix of cached ``block_ids`` whose blocks the sliding layers read still have their
@@ -195,6 +217,8 @@ class PagedBlockManager(BlockManager):
         block ``first`` on): they leave what the pool can take."""
         cost = 0
         for index, block_id in enumerate(block_ids):
+            if block_id == NO_PAGE:  # a block without pages (``_window_hit``): nothing to take back
+                continue
             for group in range(self.layout.num_groups):
                 if self.layout.sliding[group] and index < first:
                     continue
@@ -211,6 +235,17 @@ class PagedBlockManager(BlockManager):
         num_computed = len(computed_blocks) * self.block_size
         needed = self._num_new_blocks(seq, num_computed, len(computed_blocks), num_new_tokens)
         return self._fits(needed, computed_blocks, self.layout.first_needed_block(num_computed, self.block_size))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> None:
+        # A hit's leading blocks before its window (``NO_PAGE``, where every layer slides) become blocks without
+        # pages, held by ``seq`` alone; never cached, as the base class counts a hit's blocks as cached already.
+        leading = next((index for index, block_id in enumerate(computed_blocks) if block_id != NO_PAGE),
+                       len(computed_blocks))
+        if leading:
+            if not self.can_allocate(seq, num_new_tokens, computed_blocks):
+                raise RuntimeError(f"not enough free KV pages for sequence {seq.request_id}")
+            computed_blocks = [self._take_pageless_block() for _ in range(leading)] + list(computed_blocks[leading:])
+        super().allocate(seq, num_new_tokens, computed_blocks)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._fits(self._num_new_blocks(seq, seq.num_computed_tokens, len(seq.block_table), num_new_tokens))
@@ -347,6 +382,14 @@ class PagedBlockManager(BlockManager):
                 self._give_up(block)
             return page
         return self._free_pages.pop()
+
+    def _take_pageless_block(self) -> int:
+        """A logical block with no page and no holder yet (``_touch_prefix`` takes it for its sequence)."""
+        assert self.layout.num_sliding_groups == self.layout.num_groups, "only where every layer slides"
+        block_id = self._take_free_block(sliding=False)  # every layer slides: no full-layer page either
+        block = self._blocks[block_id]
+        block.ref_count = block.window_refs = 0
+        return block_id
 
     def _take_free_block(self, sliding: bool = True) -> int:
         """A block with ref count 1 and a page in every group (``sliding`` False: in the full groups only)."""

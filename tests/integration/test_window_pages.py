@@ -117,3 +117,32 @@ def test_an_engine_keeping_every_block_does_not_cache_imported_blocks_the_window
                 final = out
     assert final is not None and final.request_id == request_id and final.num_cached_tokens == 0
     assert final.token_ids == oracle.generate(again, MAX_TOKENS)
+
+
+def test_where_every_layer_slides_a_prefix_hit_survives_its_first_blocks_being_reclaimed(
+    mistral_checkpoint: Path,
+) -> None:
+    """vLLM's sliding-window lookup: only the blocks the next query's window reads must still be cached."""
+    oracle = Oracle(mistral_checkpoint)
+    llm = _llm(mistral_checkpoint, num_kv_blocks=12)  # window 48: 12 pages of 16 positions, one group
+    prompt = random_prompts([150], seed=44)[0]
+    first = llm.generate([prompt], GREEDY)[0]
+    assert first.token_ids == oracle.generate(prompt, MAX_TOKENS)
+    manager = llm.engine.block_manager
+    # 161 positions computed: 10 full blocks cached (pages reclaimable), the partial 11th's page free.
+    assert isinstance(manager, PagedBlockManager)
+    assert (manager.num_reclaimable_pages, manager.num_free_pages) == (10, 2)
+    # An unrelated prompt takes back the pages let go first: those of the prompt's first blocks.
+    other = random_prompts([80], seed=45)[0]
+    assert llm.generate([other], GREEDY)[0].token_ids == oracle.generate(other, MAX_TOKENS)
+    hashes = llm.engine.add_request(prompt + [5], SamplingParams(max_tokens=1))  # its hashes, then aborted
+    seq = llm.engine._requests[hashes]
+    cached = [manager.cached_block_id(block_hash) is not None for block_hash in seq.block_hashes()[:9]]
+    llm.engine.abort_request(hashes)
+    assert cached == [False] * 4 + [True] * 5  # 6 blocks for 92 positions: the 2 free pages, then 4 reclaimed
+    # The prompt again, extended: the next query (position 144) reads positions 97.. , blocks 6-8, still there.
+    again = prompt + random_prompts([10], seed=46)[0]
+    out = llm.generate([again], GREEDY)[0]
+    assert out.num_cached_tokens == 144
+    assert out.token_ids == oracle.generate(again, MAX_TOKENS)
+    assert manager.held_block_ids() == []

@@ -234,3 +234,42 @@ def test_an_import_reuses_cached_blocks_whose_sliding_pages_its_window_does_not_
     manager.free(seq)
     manager.free(b)
     assert manager.held_block_ids() == [] and manager.num_free_blocks == 8
+
+
+def test_where_every_layer_slides_a_hit_needs_only_the_blocks_its_window_reads() -> None:
+    # Two layers sliding by 8: one group, a page is a whole block (Mistral's shape).
+    layout = PageLayout.of([8, 8])
+    assert layout is not None and layout.num_groups == layout.num_sliding_groups == 1
+    manager = PagedBlockManager(num_blocks=6, block_size=BS, layout=layout)
+    a = _seq("a", list(range(24)))
+    _compute(manager, a)
+    manager.free(a)  # blocks 0-5 cached; their pages reclaimable, blocks 0-3 (let go first) first
+    b = _seq("b", [100 + t for t in range(12)])
+    _compute(manager, b)  # takes pages 0-2 back: a's blocks 0-2 leave the cache
+    assert manager.pages[b.block_table].tolist() == [[0], [1], [2]]
+    assert [type(event).__name__ for event in manager.drain_events()] == ["BlockStored"] + ["BlockRemoved"] * 3 + [
+        "BlockStored"
+    ]
+    # a's prompt and 4 tokens more: the next query (position 24) reads positions 17.. , blocks 4 and 5, which
+    # are cached with their pages; the blocks before them need nothing.
+    c = _seq("c", list(range(24)) + [50, 51, 52, 53])
+    computed, num_cached = manager.get_computed_blocks(c)
+    assert (computed, num_cached) == ([NO_PAGE] * 4 + [4, 5], 24)
+    manager.allocate(c, c.num_tokens - num_cached, computed)
+    # Four blocks without pages, a's blocks 4 and 5, and a new block (a's block 3's page, reclaimed).
+    assert c.block_table == [2, 7, 8, 9, 4, 5, 10] and c.num_computed_tokens == 24
+    assert manager.pages[c.block_table].tolist() == [[NO_PAGE]] * 4 + [[4], [5], [3]]
+    c.num_computed_tokens = c.num_tokens
+    manager.cache_computed_blocks(c)
+    manager.trim(c)
+    assert manager.num_pages_held(c) == 2  # position 28 reads 21.. : blocks 5 and 6
+    manager.free(c)
+    manager.free(b)
+    assert manager.held_block_ids() == [] and manager.num_free_pages + manager.num_reclaimable_pages == 6
+    assert {2, 7, 8, 9} <= set(manager._free_ids)  # the pageless blocks went back (never cached)
+    # Once d has taken a's last pages back, the blocks the window reads are gone: no hit at all.
+    d = _seq("d", [200 + t for t in range(20)])
+    _compute(manager, d)
+    assert manager.get_computed_blocks(_seq("e", list(range(24)) + [60]))[1] == 0
+    # A layout with full layers keeps the left-to-right lookup: blocks before the window need their full pages.
+    assert LAYOUT is not None and LAYOUT.num_sliding_groups < LAYOUT.num_groups
