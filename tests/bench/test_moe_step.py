@@ -22,7 +22,7 @@ def test_the_dense_twin_has_the_active_parameters_of_the_moe() -> None:
 
 
 def test_a_step_reads_the_touched_experts_and_the_kv_but_not_the_embedding() -> None:
-    from pdserve.engine.models.llama import Qwen3MoeForCausalLM
+    from pdserve.engine.models.qwen import Qwen3MoeForCausalLM
 
     config = _config(True, _args())
     config.vocab_size = 64

@@ -9,20 +9,13 @@ import pytest
 from pdserve.engine import LLM
 from pdserve.engine.models import SUPPORTED_ARCHITECTURES, model_class
 from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from pdserve.engine.models.llama import (
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    MixtralForCausalLM,
-    MoE,
-    Olmo2ForCausalLM,
-    Phi3ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    Qwen3MoeForCausalLM,
-    sliding_windows,
-)
+from pdserve.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM, MoE, sliding_windows
+from pdserve.engine.models.mistral import MistralForCausalLM
+from pdserve.engine.models.mixtral import MixtralForCausalLM
+from pdserve.engine.models.olmo2 import Olmo2ForCausalLM
+from pdserve.engine.models.phi3 import Phi3ForCausalLM
+from pdserve.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from tests.conftest import _tiny_mistral_config, _tiny_qwen3_config, build_checkpoint
 
 

@@ -5,18 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from pdserve.engine.models.llama import (
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    MixtralForCausalLM,
-    Olmo2ForCausalLM,
-    Phi3ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-    Qwen3MoeForCausalLM,
-)
+from pdserve.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.mistral import MistralForCausalLM
+from pdserve.engine.models.mixtral import MixtralForCausalLM
+from pdserve.engine.models.olmo2 import Olmo2ForCausalLM
+from pdserve.engine.models.phi3 import Phi3ForCausalLM
+from pdserve.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

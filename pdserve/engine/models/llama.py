@@ -1,9 +1,11 @@
-"""Llama-family decoder over a flattened token batch and a paged KV cache, and the families built from it.
+"""The shared decoder over a flattened token batch and a paged KV cache, and Llama (SmolLM) built from it.
 
-The building blocks (attention with optional q/k norms and partial rotary, the
-gated MLP, pre- or post-norm decoder layers) serve Llama, SmolLM, Mistral,
-Qwen2, Qwen3 and OLMo 2; each family is a short class that picks its options
-(``models/__init__.py`` maps a checkpoint's ``architectures`` to them).
+The building blocks (attention with optional q/k norms, windows, soft-caps and
+partial rotary; the gated MLP; one mixture-of-experts layer; pre-, post- or
+sandwich-norm decoder layers) serve every family: each is a short class in a
+file of its own (``mistral.py``, ``qwen.py``, ``gemma.py``, ``phi3.py``,
+``olmo2.py``, ``mixtral.py``, ``deepseek.py``) that picks its ``FamilyOptions``,
+and ``models/__init__.py`` maps a checkpoint's ``architectures`` to them.
 Parameter names match Hugging Face's classes so checkpoints load by name. After loading, ``pack_weights(method)`` fuses the
 projections that share an input (q/k/v, gate/up) into one ``PackedLinear`` each,
 whose linear method (pdserve/engine/layers/linear.py) decides how the matrix is kept
@@ -16,7 +18,6 @@ single dimension: no padding, no batch dimension.
 from __future__ import annotations
 
 from collections.abc import Callable
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -632,156 +633,6 @@ class LlamaForCausalLM(nn.Module):
         if cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
-
-
-class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's layout, every layer with the config's ``sliding_window`` when it sets one."""
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        return FamilyOptions()
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: biases on q/k/v (not on o), usually tied embeddings."""
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        return FamilyOptions(qkv_bias=True)
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3: an RMSNorm over each head of q and k before the rotation, an explicit head_dim, optional
-    q/k/v/o biases (``attention_bias``)."""
-
-    fused_decode_layout = False
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        bias = bool(getattr(config, "attention_bias", False))
-        return FamilyOptions(qkv_bias=bias, o_bias=bias, qk_norm="head")
-
-
-class Olmo2ForCausalLM(LlamaForCausalLM):
-    """OLMo 2: RMSNorm over all heads of q and of k, and norms after each sublayer instead of before."""
-
-    fused_decode_layout = False
-    tensor_parallel_reason = "OLMo 2 normalises q and k over all heads at once, which tensor parallelism splits"
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        bias = bool(getattr(config, "attention_bias", False))
-        return FamilyOptions(qkv_bias=bias, o_bias=bias, qk_norm="all_heads", norm_placement="post")
-
-
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 and Phi-4 mini: Llama's layout, with q/k/v and gate/up fused in the checkpoint (split at load),
-    LongRoPE scaling, a ``partial_rotary_factor`` (Phi-4 mini) and an optional ``sliding_window``."""
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        return FamilyOptions()
-
-    def checkpoint_parts(self, key: str) -> list[tuple[str, tuple[int, int]]] | None:
-        """The parameters a fused checkpoint tensor fills, by rows (model_loader.load_weights)."""
-        prefix, _, name = key.rpartition(".")
-        if prefix.endswith(".self_attn.qkv_proj") and name in ("weight", "bias"):
-            attention = self.model.layers[0].self_attn
-            q = attention.num_heads * attention.head_dim
-            kv = attention.num_kv_heads * attention.head_dim
-            base = prefix.removesuffix("qkv_proj")
-            return [(f"{base}q_proj.{name}", (0, q)), (f"{base}k_proj.{name}", (q, q + kv)),
-                    (f"{base}v_proj.{name}", (q + kv, q + 2 * kv))]
-        if prefix.endswith(".mlp.gate_up_proj") and name in ("weight", "bias"):
-            intermediate = self.config.intermediate_size
-            base = prefix.removesuffix("gate_up_proj")
-            return [(f"{base}gate_proj.{name}", (0, intermediate)),
-                    (f"{base}up_proj.{name}", (intermediate, 2 * intermediate))]
-        return None
-
-
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    """Gemma 2: norms before and after each sublayer, each multiplying by (1 + w); embeddings scaled by
-    sqrt(hidden_size); scores scaled by ``query_pre_attn_scalar`` and soft-capped, logits soft-capped; GeGLU;
-    sliding and global layers in turn."""
-
-    fused_decode_layout = False
-    # Gemma 3 adds per-head q/k norms.
-    gemma_qk_norm: str | None = None
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        if getattr(config, "use_bidirectional_attention", None):
-            raise ValueError("use_bidirectional_attention=True (an encoder's setting) is not served: generation is causal")
-        bias = bool(getattr(config, "attention_bias", False))
-        return FamilyOptions(
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=cls.gemma_qk_norm,
-            norm_placement="sandwich",
-            norm_offset=1.0,
-            embed_scale=True,
-            attention_scale=float(config.query_pre_attn_scalar) ** -0.5,
-            attention_softcap=getattr(config, "attn_logit_softcapping", None),
-            final_softcap=getattr(config, "final_logit_softcapping", None),
-        )
-
-
-class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Gemma 3 (text): Gemma 2's layout with an RMSNorm over each head of q and k, no soft-caps by default, and
-    its own RoPE for the sliding layers (``rope_parameters`` by layer type)."""
-
-    gemma_qk_norm = "head"
-
-
-class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral: every layer's MLP is ``num_local_experts`` experts, ``num_experts_per_tok`` of them per token,
-    their routing weights renormalised (in float32); the checkpoint's ``block_sparse_moe.experts.N.w1/w3/w2``
-    load as each expert's gate/up/down."""
-
-    _EXPERT_RENAMES = ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        moe = MoEOptions(
-            num_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.intermediate_size,
-            normalise=True,
-            weights_in_model_dtype=False,
-        )
-        return FamilyOptions(moe=moe, moe_layers=tuple(range(config.num_hidden_layers)))
-
-    def checkpoint_parts(self, key: str) -> list[tuple[str, None]] | None:
-        if ".block_sparse_moe." not in key:
-            return None
-        name = key.replace(".block_sparse_moe.", ".mlp.", 1)
-        for old, new in self._EXPERT_RENAMES:
-            name = name.replace(old, new)
-        return [(name, None)]
-
-
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3-MoE: Qwen3's attention; experts of ``moe_intermediate_size`` in every ``decoder_sparse_step``-th
-    layer not in ``mlp_only_layers``, ``num_experts_per_tok`` per token, renormalised where
-    ``norm_topk_prob``."""
-
-    @classmethod
-    def family_options(cls, config: Any) -> FamilyOptions:
-        dense = set(getattr(config, "mlp_only_layers", None) or ())
-        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-        layers = tuple(
-            i for i in range(config.num_hidden_layers)
-            if i not in dense and config.num_experts > 0 and (i + 1) % step == 0
-        )
-        moe = MoEOptions(
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            normalise=bool(config.norm_topk_prob),
-            weights_in_model_dtype=True,
-        )
-        return dataclasses.replace(super().family_options(config), moe=moe, moe_layers=layers)
 
 
 def sliding_windows(config: Any) -> list[int | None]:
