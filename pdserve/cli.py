@@ -112,7 +112,8 @@ def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None
     parser.add_argument("--redis-url", default=None, help="Redis for the worker registry and prefix index (default: none)")
     parser.add_argument("--redis-prefix", default="pdserve", help="namespace of every Redis key")
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024)
-    parser.add_argument("--ready-file", default=None, help="write host:port here once serving")
+    parser.add_argument("--ready-file", default=None,
+                        help="write host:port here once serving (and a line `metrics PORT` where metrics are served)")
     parser.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on SIGTERM: refuse new calls, let running ones finish for this long, then exit")
     parser.add_argument("--log-level", default="INFO")

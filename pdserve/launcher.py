@@ -148,7 +148,8 @@ class LocalCluster:
         """Another gateway over this cluster's workers, on a free port, with ``extra_args`` added to the
         first one's flags (e.g. ``--no-kv-push``, for a side-by-side comparison); its endpoint. Stopped
         with the cluster."""
-        command = [*self._commands["gateway"], "--port", "0", "--ready-file", str(self._ready_file(name)), *extra_args]
+        command = [*self._commands["gateway"], "--port", "0", "--ready-file", str(self._ready_file(name)),
+                   *(["--metrics-port", "0"] if "gateway" in self.metrics_ports else []), *extra_args]
         self._spawn(name, command)
         return self._wait_ready(name)
 
@@ -210,11 +211,14 @@ class LocalCluster:
         ready = self._ready_file(name)
         if not ready.exists():
             return False
-        address = ready.read_text().strip()
+        address, metrics_port = parse_ready(ready.read_text())
         self.addresses[name] = address
-        # A restart binds the port the first start got, so the gateway's --prefill/--decode stay true.
+        # A restart binds the ports the first start got, so the gateway's --prefill/--decode stay true.
         command = self._commands[name]
         command[command.index("--port") + 1] = address.rsplit(":", 1)[1]
+        if metrics_port is not None and name in self.metrics_ports:
+            self.metrics_ports[name] = metrics_port
+            command[len(command) - 1 - command[::-1].index("--metrics-port") + 1] = str(metrics_port)
         return True
 
     def is_serving(self, name: str, timeout_s: float = 1.0) -> bool:
@@ -246,9 +250,9 @@ class LocalCluster:
         base = self.config.metrics_port
         if base is None:
             return
-        # Chosen here even when base is 0, so a restarted process serves metrics where it did.
-        ports = [_free_port(self.config.host) for _ in names] if base == 0 else [base + i for i in range(len(names))]
-        self.metrics_ports = dict(zip(names, ports))
+        # Base 0: each process binds an ephemeral port itself and names it in its ready file (a port chosen
+        # here and bound there could be taken in between); is_ready pins it, so a restart serves where it did.
+        self.metrics_ports = {name: 0 if base == 0 else base + i for i, name in enumerate(names)}
 
     def _metrics_args(self, name: str) -> list[str]:
         return ["--metrics-port", str(self.metrics_ports[name])] if name in self.metrics_ports else []
@@ -379,10 +383,12 @@ def _cause(log_text: str) -> str:
     return lines[-1] if lines else "(its log is empty)"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def parse_ready(text: str) -> tuple[str, int | None]:
+    """A ready file's contents (``serve.write_ready``): the gRPC host:port, and the metrics port where the
+    process serves metrics (a second line ``metrics PORT``)."""
+    lines = text.strip().splitlines()
+    metrics = [int(line.split()[1]) for line in lines[1:] if line.startswith("metrics ")]
+    return lines[0].strip(), (metrics[0] if metrics else None)
 
 
 def _option_values(args: tuple[str, ...], flag: str) -> list[str]:

@@ -60,10 +60,12 @@ def _setup_logging(args: argparse.Namespace) -> None:
     configure_logging(args.log_level, args.log_format)
 
 
-def _write_ready(path: str | None, address: str) -> None:
+def write_ready(path: str | None, address: str, metrics_port: int | None = None) -> None:
+    """The ready file: the gRPC host:port, then ``metrics PORT`` where metrics are served (the bound port,
+    so ``--metrics-port 0`` can be told); ``launcher.parse_ready`` reads it."""
     if path:
         tmp = Path(f"{path}.tmp")
-        tmp.write_text(address)
+        tmp.write_text(address + ("" if metrics_port is None else f"\nmetrics {metrics_port}"))
         os.replace(tmp, path)  # the launcher never reads a half-written file
 
 
@@ -92,7 +94,8 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
                 await server.stop()
             raise
         host = getattr(server, "advertise_host", args.host)
-        _write_ready(args.ready_file, f"{host}:{port}")
+        metrics = getattr(server, "metrics_endpoint", None)
+        write_ready(args.ready_file, f"{host}:{port}", metrics.port if metrics is not None else None)
         # A worker whose engine died can only refuse work: exit, so that a supervisor starts a fresh one.
         if await run_until_signal(server.stop, getattr(server, "engine_dead", None)):
             return 0

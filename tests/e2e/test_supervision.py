@@ -222,6 +222,12 @@ async def _epoch(up: Up, name: str) -> int:
     return (await load(up.addresses[name], name.split("-")[0])).epoch
 
 
+def _scrape(up: Up, name: str) -> str:
+    with urllib.request.urlopen(up.metrics[name], timeout=5) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
 def test_every_process_serves_metrics_on_the_port_its_startup_line_lists(up: Up) -> None:
     assert sorted(up.metrics) == sorted(["gateway", *WORKERS])
     ports = [int(url.rsplit(":", 1)[1].split("/")[0]) for url in up.metrics.values()]
@@ -352,6 +358,7 @@ async def test_a_worker_whose_engine_died_exits_and_is_restarted(up: Up, model: 
     up.wait_for(r"^decode-1 exited with status 3 \(its engine thread died\); restarting it in ", 10)
     up.wait_for(r"^decode-1 is back on ", 90)
     await _all_exact(up, model, seed=130)
+    assert "pdserve_engine_requests_running" in _scrape(up, "decode-1")  # on the port its first start bound
 
 
 @pytest.mark.asyncio
@@ -372,6 +379,7 @@ async def test_a_killed_gateway_comes_back_on_its_port(up: Up, model: torch.nn.M
     up.wait_for(r"^gateway exited with status -9 \(SIGKILL\); restarting it in ", 10)
     up.wait_for(r"^gateway is back on ", 90)
     await _all_exact(up, model, seed=150)  # the same endpoint as before
+    assert "pdserve_requests_total" in _scrape(up, "gateway")  # and the same metrics port
 
 # Last of the shared cluster's tests: it ends `pdserve up`.
 def test_a_crash_loop_is_given_up_on_with_one_error_and_a_non_zero_exit(up: Up, model_copy: Path) -> None:
