@@ -49,6 +49,12 @@ def test_one_grouped_call_gives_each_experts_own_bits(variant: str, method_name:
     got = grouped(x, offsets)
     assert got.dtype == dtype and got.shape == (31, 80)
     assert torch.equal(got, expected)
+    # Only the experts with rows share out the work: empty ones first and last, and none at all.
+    for ends in ([0, 0, 9, 9], [0, 0, 0, 0]):
+        offsets = torch.tensor([0, *ends, ends[-1]], dtype=torch.int64)
+        rows = x[: ends[-1]]
+        expected = torch.cat([expert(rows[offsets[e] : offsets[e + 1]]) for e, expert in enumerate(experts)])
+        assert torch.equal(grouped(rows, offsets), expected)
 
 
 def test_layers_of_mixed_methods_shapes_or_biases_are_not_grouped() -> None:

@@ -269,21 +269,34 @@ int64_t pdserve_f32_gemm(float *out, const float *x, const float *weight, const 
  * of x by its own panels (weights[e], an address, in pdserve_f32_gemm's layout) into the same rows of out, n
  * outputs a row, no bias. The (expert, panel) units of every expert split over the threads in one parallel
  * region, so a layer's experts cost one call instead of one each. Each row's results are the bits
- * pdserve_f32_gemm gives it (a row's sums do not depend on the rows computed with it). Returns 0.
+ * pdserve_f32_gemm gives it (a row's sums do not depend on the rows computed with it). Returns 0, or -1 when
+ * out of memory.
  */
 int64_t pdserve_f32_grouped_gemm(float *out, const float *x, const int64_t *weights, const int64_t *offsets,
                                  int64_t num_experts, int64_t n, int64_t k, int64_t threads)
 {
+    /* Only the experts that have rows share out the (expert, panel) units: equal shares are equal work. */
+    int64_t *active = malloc(sizeof(int64_t) * (size_t)(num_experts > 0 ? num_experts : 1));
+    if (active == NULL) {
+        return -1;
+    }
+    int64_t num_active = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        if (offsets[e + 1] > offsets[e]) {
+            active[num_active++] = e;
+        }
+    }
     const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t unit = 0; unit < num_experts * panels; ++unit) {
-        const int64_t e = unit / panels, p = unit % panels, first = offsets[e], end = offsets[e + 1];
+    for (int64_t unit = 0; unit < num_active * panels; ++unit) {
+        const int64_t e = active[unit / panels], p = unit % panels, first = offsets[e], end = offsets[e + 1];
         const float *panel = (const float *)weights[e] + p * k * PANEL;
         for (int64_t row0 = first; row0 < end; row0 += F32_ROW_GROUP) {
             const int count = end - row0 < F32_ROW_GROUP ? (int)(end - row0) : F32_ROW_GROUP;
             f32_panel_rows_sized(out, panel, x, NULL, n, k, row0, count, p * PANEL);
         }
     }
+    free(active);
     return 0;
 }
 

@@ -616,11 +616,25 @@ int64_t pdserve_int4_gemm(void *out, const void *x, const uint8_t *qweight, cons
     return 0;
 }
 
+/* The experts that have rows (offsets[e] < offsets[e + 1]), in order, into active (num_experts entries);
+ * returns how many. The parallel loops below run over these alone, so that the threads' equal shares of
+ * (expert, tile) units are equal shares of work, wherever the routed experts fall among all of them. */
+static int64_t active_experts(const int64_t *offsets, int64_t num_experts, int64_t *active)
+{
+    int64_t count = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        if (offsets[e + 1] > offsets[e]) {
+            active[count++] = e;
+        }
+    }
+    return count;
+}
+
 /*
  * Experts side by side (a mixture-of-experts layer): expert e multiplies rows [offsets[e], offsets[e + 1]) of
  * x by its own weight into the same rows of out, n outputs a row. The activation is quantized once for all
- * rows, and the (expert, tile) units of every expert split over the threads in one parallel region, so a
- * layer's experts cost one call instead of one each. Each row's results are the bits pdserve_int8_gemm /
+ * rows, and the (expert, tile) units of every expert with rows split over the threads in one parallel region,
+ * so a layer's experts cost one call instead of one each. Each row's results are the bits pdserve_int8_gemm /
  * pdserve_int4_gemm give for it (every row is quantized alone; a tile's sums do not depend on its partners).
  * weights[e], row_scales[e] (INT8) or scales[e], minimums[e] (INT4): addresses of expert e's tensors in the
  * layouts above; offsets: num_experts + 1 non-decreasing row indices from 0. Returns 0, or -1 when out of memory.
@@ -634,19 +648,23 @@ int64_t pdserve_int8_grouped_gemm(void *out, const void *x, const int64_t *weigh
         free_rows(&quantized);
         return -1;
     }
+    int64_t *active = malloc(sizeof(int64_t) * (size_t)(num_experts > 0 ? num_experts : 1));
+    if (active == NULL) {
+        free_rows(&quantized);
+        return -1;
+    }
+    const int64_t num_active = active_experts(offsets, num_experts, active);
     const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / QBLOCK;
     const size_t element = is_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t unit = 0; unit < num_experts * tiles; ++unit) {
-        const int64_t e = unit / tiles, t = unit % tiles, first = offsets[e], count = offsets[e + 1] - first;
-        if (count <= 0) {
-            continue;
-        }
+    for (int64_t unit = 0; unit < num_active * tiles; ++unit) {
+        const int64_t e = active[unit / tiles], t = unit % tiles, first = offsets[e], count = offsets[e + 1] - first;
         const QuantizedRows rows = {quantized.xq + first * k, quantized.d + first * blocks,
                                     quantized.sums + first * blocks};
         int8_one_tile((char *)out + (size_t)(first * n) * element, (int)is_bf16, (const uint8_t *)weights[e],
                       (const float *)row_scales[e], &rows, count, n, k, t);
     }
+    free(active);
     free_rows(&quantized);
     return 0;
 }
@@ -660,14 +678,17 @@ int64_t pdserve_int4_grouped_gemm(void *out, const void *x, const int64_t *weigh
         free_rows(&quantized);
         return -1;
     }
+    int64_t *active = malloc(sizeof(int64_t) * (size_t)(num_experts > 0 ? num_experts : 1));
+    if (active == NULL) {
+        free_rows(&quantized);
+        return -1;
+    }
+    const int64_t num_active = active_experts(offsets, num_experts, active);
     const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / QBLOCK, groups = k / group_size;
     const size_t element = is_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t unit = 0; unit < num_experts * tiles; ++unit) {
-        const int64_t e = unit / tiles, t = unit % tiles, first = offsets[e], count = offsets[e + 1] - first;
-        if (count <= 0) {
-            continue;
-        }
+    for (int64_t unit = 0; unit < num_active * tiles; ++unit) {
+        const int64_t e = active[unit / tiles], t = unit % tiles, first = offsets[e], count = offsets[e + 1] - first;
         const QuantizedRows rows = {quantized.xq + first * k, quantized.d + first * blocks,
                                     quantized.sums + first * blocks};
         void *expert_out = (char *)out + (size_t)(first * n) * element;
@@ -683,6 +704,7 @@ int64_t pdserve_int4_grouped_gemm(void *out, const void *x, const int64_t *weigh
             }
         }
     }
+    free(active);
     free_rows(&quantized);
     return 0;
 }

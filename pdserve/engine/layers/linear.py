@@ -538,8 +538,9 @@ class GroupedDenseGemm:
             raise ValueError(f"x must be (rows, {self.in_features}) with {self._num_experts + 1} offsets")
         out = torch.empty((source.shape[0], self.out_features), dtype=torch.float32)
         threads = torch.get_num_threads() if self._parallel else 1
-        self._call(out, source, self._weights, offsets, self._num_experts, self.out_features, self.in_features,
-                   threads)
+        if self._call(out, source, self._weights, offsets, self._num_experts, self.out_features, self.in_features,
+                      threads) != 0:
+            raise MemoryError("the float32 grouped kernel could not allocate its list of experts")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
