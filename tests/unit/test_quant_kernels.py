@@ -245,3 +245,32 @@ def test_int8_tiles_taken_in_pairs_give_the_bits_of_one_tile_at_a_time() -> None
                                     for r in range(rows)])
             assert torch.equal(paired, one_by_one), (out_features, rows)
             _check(paired, *_int8_reference(x, q, scales))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_outputs_as_wide_as_an_lm_head_written_past_the_cache_give_the_same_bits(threads: int) -> None:
+    # From 16,384 outputs a row and 4 rows (quant_gemv.c's STREAM_MIN_N, STREAM_MIN_ROWS) the VNNI variant
+    # writes float32 results with non-temporal stores, each thread fencing its own: every row must read back
+    # what it gives alone (one row is written through the cache). 1,025 tiles: the paired pass and the odd
+    # last tile; 16,384 outputs: the paired pass alone.
+    torch.manual_seed(7)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for out_features in (16400, 16384):
+            q8, scales8 = _int8_case(out_features, 64)
+            q4, scale4, minimum4 = _int4_case(out_features, 64, 32)
+            int8_tiles, int4_tiles = qk.pack_int8(q8), qk.pack_int4(q4)
+            scales4, minimums4 = qk.pack_rows(scale4), qk.pack_rows(minimum4)
+            for rows in (4, 33):
+                x = torch.randn(rows, 64)
+                int8 = KERNELS.int8_gemm(x, int8_tiles, scales8, out_features)
+                int4 = KERNELS.int4_gemm(x, int4_tiles, scales4, minimums4, 32, out_features)
+                assert torch.equal(int8, torch.cat([KERNELS.int8_gemm(x[r : r + 1], int8_tiles, scales8, out_features)
+                                                    for r in range(rows)]))
+                assert torch.equal(int4, torch.cat([KERNELS.int4_gemm(x[r : r + 1], int4_tiles, scales4, minimums4,
+                                                                      32, out_features) for r in range(rows)]))
+                _check(int8, *_int8_reference(x, q8, scales8))
+                _check(int4, *_int4_reference(x, q4, scale4, minimum4, 32))
+    finally:
+        torch.set_num_threads(previous)
