@@ -215,10 +215,10 @@ class LocalCluster:
         self.addresses[name] = address
         # A restart binds the ports the first start got, so the gateway's --prefill/--decode stay true.
         command = self._commands[name]
-        command[command.index("--port") + 1] = address.rsplit(":", 1)[1]
+        _set_option(command, "--port", address.rsplit(":", 1)[1])
         if metrics_port is not None and name in self.metrics_ports:
             self.metrics_ports[name] = metrics_port
-            command[len(command) - 1 - command[::-1].index("--metrics-port") + 1] = str(metrics_port)
+            _set_option(command, "--metrics-port", str(metrics_port))
         return True
 
     def is_serving(self, name: str, timeout_s: float = 1.0) -> bool:
@@ -389,6 +389,13 @@ def parse_ready(text: str) -> tuple[str, int | None]:
     lines = text.strip().splitlines()
     metrics = [int(line.split()[1]) for line in lines[1:] if line.startswith("metrics ")]
     return lines[0].strip(), (metrics[0] if metrics else None)
+
+
+def _set_option(command: list[str], flag: str, value: str) -> None:
+    """Sets the value of ``flag``'s last ``--flag VALUE`` in ``command``: the one argparse keeps (an extra
+    gateway's command repeats its first gateway's flags before its own)."""
+    at = len(command) - 1 - command[::-1].index(flag)
+    command[at + 1] = value
 
 
 def _option_values(args: tuple[str, ...], flag: str) -> list[str]:

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "experts.h"
 #include "vector.h"
 
 #define PANEL 32
@@ -275,16 +276,10 @@ int64_t pdserve_f32_gemm(float *out, const float *x, const float *weight, const 
 int64_t pdserve_f32_grouped_gemm(float *out, const float *x, const int64_t *weights, const int64_t *offsets,
                                  int64_t num_experts, int64_t n, int64_t k, int64_t threads)
 {
-    /* Only the experts that have rows share out the (expert, panel) units: equal shares are equal work. */
-    int64_t *active = malloc(sizeof(int64_t) * (size_t)(num_experts > 0 ? num_experts : 1));
+    int64_t num_active;
+    int64_t *active = active_experts(offsets, num_experts, &num_active);
     if (active == NULL) {
         return -1;
-    }
-    int64_t num_active = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-        if (offsets[e + 1] > offsets[e]) {
-            active[num_active++] = e;
-        }
     }
     const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

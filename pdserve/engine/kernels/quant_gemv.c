@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "experts.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -681,20 +683,6 @@ int64_t pdserve_int4_gemm(void *out, const void *x, const uint8_t *qweight, cons
     return 0;
 }
 
-/* The experts that have rows (offsets[e] < offsets[e + 1]), in order, into active (num_experts entries);
- * returns how many. The parallel loops below run over these alone, so that the threads' equal shares of
- * (expert, tile) units are equal shares of work, wherever the routed experts fall among all of them. */
-static int64_t active_experts(const int64_t *offsets, int64_t num_experts, int64_t *active)
-{
-    int64_t count = 0;
-    for (int64_t e = 0; e < num_experts; ++e) {
-        if (offsets[e + 1] > offsets[e]) {
-            active[count++] = e;
-        }
-    }
-    return count;
-}
-
 /*
  * Experts side by side (a mixture-of-experts layer): expert e multiplies rows [offsets[e], offsets[e + 1]) of
  * x by its own weight into the same rows of out, n outputs a row. The activation is quantized once for all
@@ -713,12 +701,12 @@ int64_t pdserve_int8_grouped_gemm(void *out, const void *x, const int64_t *weigh
         free_rows(&quantized);
         return -1;
     }
-    int64_t *active = malloc(sizeof(int64_t) * (size_t)(num_experts > 0 ? num_experts : 1));
+    int64_t num_active;
+    int64_t *active = active_experts(offsets, num_experts, &num_active);
     if (active == NULL) {
         free_rows(&quantized);
         return -1;
     }
-    const int64_t num_active = active_experts(offsets, num_experts, active);
     const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / QBLOCK;
     const size_t element = is_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -743,12 +731,12 @@ int64_t pdserve_int4_grouped_gemm(void *out, const void *x, const int64_t *weigh
         free_rows(&quantized);
         return -1;
     }
-    int64_t *active = malloc(sizeof(int64_t) * (size_t)(num_experts > 0 ? num_experts : 1));
+    int64_t num_active;
+    int64_t *active = active_experts(offsets, num_experts, &num_active);
     if (active == NULL) {
         free_rows(&quantized);
         return -1;
     }
-    const int64_t num_active = active_experts(offsets, num_experts, active);
     const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / QBLOCK, groups = k / group_size;
     const size_t element = is_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
