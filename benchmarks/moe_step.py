@@ -19,11 +19,17 @@ active parameters per token. For each, one process, settings alternating within 
   token's ``top_k`` experts, LM head) at the instruction peak of the kernel that runs each of them
   (``benchmarks.instruction_peaks``, measured in the same run, one core's rate times the threads). Work
   whose peak is not measured (bf16 products, attention's scores) is left out, so both bounds are lower
-  bounds of the step; the step's bound is the larger.
+  bounds of the step; the step's bound is the larger;
+- at batch 32, the step's phase roofline: attention's projections, its KV, the router, the experts and the
+  LM head one after another, each at the larger of its bytes at the read rate and its multiply-adds at its
+  peak (phases wait on each other, so one's spare bandwidth cannot serve another's arithmetic); and the read
+  rate above which 1.5x the memory bound is below that roofline (the "crossover").
 
 Targets (the issue of MoE serving): batch-1 step within 1.5x of the dense twin's; batch-32 step within
-1.5x of its memory bound (out of reach where the compute bound alone is above 1.5x the memory bound: a
-batch of 32 rows makes 16 multiply-adds of every float32 weight byte read, 64 of every int8 one).
+1.5x of its memory bound. Out of reach where the phase roofline alone is above 1.5x the memory bound,
+which happens on any run whose read rate is above the crossover: a batch of 32 rows makes 16 multiply-adds
+of every float32 weight byte read, 64 of every int8 one, and the LM head's and attention's arithmetic does
+not shrink when the memory gets faster.
 """
 
 from __future__ import annotations
@@ -103,6 +109,11 @@ class _ExpertCounter:
         moe.forward = counting
 
 
+def _kv_element_size(model: Any) -> int:
+    """Bytes of one cached key or value element: the KV cache holds the model's activation dtype."""
+    return model.model.norm.weight.element_size()
+
+
 def _bytes_per_step(model: Any, experts_touched: float, context: int) -> float:
     """Weights a batch-32 decode step reads (the unused experts' and the embedding's excluded) plus its KV."""
     from pdserve.engine.models.llama import MoE
@@ -118,7 +129,7 @@ def _bytes_per_step(model: Any, experts_touched: float, context: int) -> float:
             per_expert += sum(b.numel() * b.element_size() for b in layer.mlp.experts[0].buffers())
             total -= per_expert * (len(layer.mlp.experts) - experts_touched)
     attn = model.model.layers[0].self_attn
-    kv = 2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim * 4 * context * BATCH
+    kv = 2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim * _kv_element_size(model) * context * BATCH
     return total + kv
 
 
@@ -137,6 +148,89 @@ def _macs_per_step(config: Any, batch: int) -> dict[str, int]:
         "router": batch * config.num_hidden_layers * hidden * experts,
         "head": batch * hidden * config.vocab_size,
     }
+
+
+def _phase_bytes(model: Any, experts_touched: float, context: int) -> dict[str, float]:
+    """``_bytes_per_step``'s bytes by the phase of the step that reads them: ``attention`` (its projections and
+    norms), ``kv`` (the batch's keys and values), ``router``, ``experts`` (the touched ones'), ``head`` (the LM head)
+    and ``other`` (the decoder's norms)."""
+    import re
+
+    from pdserve.engine.models.llama import MoE
+
+    phases = dict.fromkeys(("attention", "kv", "router", "experts", "head", "other"), 0.0)
+    expert_name = re.compile(r"\.mlp\.(experts\.\d+|gate_up_proj|down_proj|gate_proj|up_proj)\.")
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name or "rotary" in name:
+            continue
+        size = tensor.numel() * tensor.element_size()
+        if name.startswith("lm_head"):
+            phases["head"] += size
+        elif ".self_attn." in name:
+            phases["attention"] += size
+        elif ".mlp.gate." in name:
+            phases["router"] += size
+        elif expert_name.search(name):
+            phases["experts"] += size
+        else:
+            phases["other"] += size
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            per_expert = sum(p.numel() * p.element_size() for p in layer.mlp.experts[0].parameters())
+            per_expert += sum(b.numel() * b.element_size() for b in layer.mlp.experts[0].buffers())
+            phases["experts"] -= per_expert * (len(layer.mlp.experts) - experts_touched)
+    attn = model.model.layers[0].self_attn
+    phases["kv"] = (2 * len(model.model.layers) * attn.num_kv_heads * attn.head_dim * _kv_element_size(model)
+                    * context * BATCH)
+    return phases
+
+
+def phase_compute_s(config: Any, context: int, peaks: dict[str, str], rates: dict[str, float], dtype: str,
+                    threads: int) -> dict[str, float]:
+    """Each phase's multiply-adds at its kernel's peak, as ``compute_bound_s`` counts them, plus attention's scores
+    and weighted values (the ``kv`` phase) at the float32 peak (float32 only); norms, rotary, routing, sampling
+    and scheduling are left out."""
+    hidden, head_dim, layers = config.hidden_size, config.head_dim, config.num_hidden_layers
+    experts = getattr(config, "num_experts", 0)
+    macs = {
+        "attention": BATCH * layers * hidden * head_dim * (2 * config.num_attention_heads
+                                                           + 2 * config.num_key_value_heads),
+        "kv": BATCH * layers * config.num_attention_heads * head_dim * 2 * context,
+        "router": BATCH * layers * hidden * experts,
+        "experts": BATCH * layers * (config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size
+                                     if experts else 3 * hidden * config.intermediate_size),
+        "head": BATCH * hidden * config.vocab_size,
+    }
+    kinds = {"attention": "decoder", "kv": "router", "router": "router", "experts": "decoder", "head": "head"}
+    return {phase: compute_bound_s({kinds[phase]: count}, peaks, rates, dtype, threads)
+            for phase, count in macs.items()}
+
+
+def phase_roofline_s(phase_bytes: dict[str, float], compute_s: dict[str, float], read_gbps: float) -> float:
+    """The step's phases one after another, each at the larger of its bytes at ``read_gbps`` and its multiply-adds
+    at its peak: a layer's experts wait for its attention, the head for the last layer, so one phase's spare
+    bandwidth or spare arithmetic cannot serve another's. A lower bound of the step, at least
+    ``max(memory bound, compute bound)``."""
+    return sum(max(size / (read_gbps * 1e9), compute_s.get(phase, 0.0)) for phase, size in phase_bytes.items())
+
+
+def crossover_gbps(phase_bytes: dict[str, float], compute_s: dict[str, float], factor: float = 1.5) -> float:
+    """The read rate above which ``factor`` times the memory bound is below the phase roofline: a run measuring a
+    faster rate sets a target no step can meet. ``factor * bytes = sum(max(bytes_i, compute_i * rate))`` has one
+    root (the right side grows with the rate), found by bisection."""
+    total = sum(phase_bytes.values())
+
+    def excess(rate: float) -> float:
+        return sum(max(size, compute_s.get(phase, 0.0) * rate * 1e9) for phase, size in phase_bytes.items()) \
+            - factor * total
+
+    low, high = 1e-3, 1e6
+    if excess(high) < 0:
+        return float("inf")
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) < 0 else (low, middle)
+    return high
 
 
 def _peak_names(quantization: str | None, quantize_lm_head: bool = True) -> dict[str, str]:
@@ -219,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
             rates = instruction_peaks.measure(instruction_peaks.build(Path(peaks_folder)), repeats=3)
         macs = _macs_per_step(llms["moe"].engine.model.config, BATCH)
         peaks = _peak_names(args.quantization)
+        phase_bytes = _phase_bytes(llms["moe"].engine.model, touched, PROMPT_LEN + NEW_TOKENS // 2)
+        phase_compute = phase_compute_s(llms["moe"].engine.model.config, PROMPT_LEN + NEW_TOKENS // 2, peaks, rates,
+                                        args.dtype, torch.get_num_threads())
         compute_s = compute_bound_s(macs, peaks, rates, args.dtype, torch.get_num_threads())
         dense_compute_s = compute_bound_s(_macs_per_step(llms["dense"].engine.model.config, BATCH), peaks, rates,
                                           args.dtype, torch.get_num_threads())
@@ -240,7 +337,17 @@ def main(argv: list[str] | None = None) -> None:
           f"({compute_s / bound_s:.2f}x the memory bound); the MoE step is {best['moe', BATCH] / step_bound:.2f}x "
           f"the larger bound; the dense twin {best['dense', BATCH] / dense_compute_s:.2f}x its compute bound "
           f"({dense_compute_s * 1e3:.2f} ms)")
-
+    roofline_s = phase_roofline_s(phase_bytes, phase_compute, read_gbps)
+    phase_text = ", ".join(
+        f"{phase} {max(size / (read_gbps * 1e9), phase_compute.get(phase, 0.0)) * 1e3:.2f}"
+        for phase, size in phase_bytes.items()
+    )
+    target_s = 1.5 * bound_s
+    print(f"batch {BATCH}: phases at the larger of their bytes and multiply-adds ({phase_text} ms): roofline "
+          f"{roofline_s * 1e3:.2f} ms ({roofline_s / bound_s:.2f}x the memory bound); the 1.5x target "
+          f"({target_s * 1e3:.2f} ms) asks for {roofline_s / target_s:.0%} of the roofline's rate over the whole "
+          f"step, the MoE step runs at {roofline_s / best['moe', BATCH]:.0%}; at a read rate above "
+          f"{crossover_gbps(phase_bytes, phase_compute):.1f} GB/s the target is below the roofline")
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,16 @@ import argparse
 
 import pytest
 
-from benchmarks.moe_step import _bytes_per_step, _config, _macs_per_step, compute_bound_s
+from benchmarks.moe_step import (
+    _bytes_per_step,
+    _config,
+    _macs_per_step,
+    _phase_bytes,
+    compute_bound_s,
+    crossover_gbps,
+    phase_compute_s,
+    phase_roofline_s,
+)
 
 
 def _args() -> argparse.Namespace:
@@ -34,6 +43,15 @@ def test_a_step_reads_the_touched_experts_and_the_kv_but_not_the_embedding() -> 
     weights = 2 * (attention + 8 * 576 + 5 * expert) + 576 + head  # 5 of 8 experts touched; the router; final norm
     kv = 2 * 2 * 3 * 64 * 4 * 100 * 32  # K and V, 2 layers, 3 heads of 64, float32, 100 positions, 32 sequences
     assert _bytes_per_step(model, experts_touched=5, context=100) == 4 * weights + kv
+    # The same bytes, by the phase that reads them.
+    assert _phase_bytes(model, experts_touched=5, context=100) == {
+        "attention": 4 * 2 * attention - 4 * 2 * 2 * 576,  # the layer norms are not attention's
+        "kv": kv,
+        "router": 4 * 2 * 8 * 576,
+        "experts": 4 * 2 * 5 * expert,
+        "head": 4 * head,
+        "other": 4 * (2 * 2 * 576 + 576),  # each layer's two norms and the final one
+    }
 
 
 def test_a_step_multiplies_each_token_by_its_experts_the_attention_and_the_head() -> None:
@@ -60,3 +78,29 @@ def test_the_compute_bound_takes_each_kind_at_its_peak_and_leaves_out_unmeasured
     assert compute_bound_s(macs, {**peaks, "head": "int4 avx2"}, rates, "float32", 1) == pytest.approx(
         1e9 / 200e9 + 1e6 / 50e9
     )
+
+
+def test_the_phase_roofline_takes_each_phase_at_its_larger_bound_and_the_crossover_solves_for_the_rate() -> None:
+    config = _config(True, _args())
+    rates = {"int8 vnni": 200.0, "f32 avx512": 50.0}
+    peaks = {"decoder": "int8 vnni", "router": "f32 avx512", "head": "int8 vnni"}
+    compute = phase_compute_s(config, 100, peaks, rates, "float32", 2)
+    attention = 576 * 64 * (2 * 9 + 2 * 3)
+    assert compute == pytest.approx({
+        "attention": 32 * 2 * attention / 400e9,
+        "kv": 32 * 2 * 9 * 64 * 2 * 100 / 100e9,  # scores and weighted values: 9 query heads, 100 positions
+        "router": 32 * 2 * 576 * 8 / 100e9,
+        "experts": 32 * 2 * 2 * 3 * 576 * 96 / 400e9,
+        "head": 32 * 576 * 49152 / 400e9,
+    })
+    # bf16 steps: the float32-peak phases drop out, as in compute_bound_s.
+    assert phase_compute_s(config, 100, peaks, rates, "bfloat16", 2)["kv"] == 0.0
+    phase_bytes = {"experts": 8e6, "head": 1e6, "other": 1e6}
+    phase_compute = {"experts": 1e-4, "head": 2e-3}
+    # At 10 GB/s: experts 0.8 ms of bytes (over 0.1 of arithmetic), the head 2 ms of arithmetic, other 0.1 ms.
+    assert phase_roofline_s(phase_bytes, phase_compute, 10.0) == pytest.approx(0.8e-3 + 2e-3 + 0.1e-3)
+    # 1.5x the memory bound (15 MB) equals the roofline where 9 MB + 2e-3 s * rate = 15 MB: 3 GB/s.
+    assert crossover_gbps(phase_bytes, phase_compute) == pytest.approx(3.0)
+    assert phase_roofline_s(phase_bytes, phase_compute, 3.0) == pytest.approx(1.5 * 10e6 / 3e9)
+    # Only memory-bound phases: no rate makes the target unreachable.
+    assert crossover_gbps(phase_bytes, {}) == float("inf")
