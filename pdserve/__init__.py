@@ -8,7 +8,7 @@ runtime), ``pdserve.gateway`` (the public gRPC and OpenAI HTTP endpoint),
 
 The offline API is importable as vLLM's is::
 
-    from pdserve import LLM, SamplingParams
+    from pdserve import LLM, SamplingParams, StructuredOutputsParams
 
 Its names are loaded lazily, on first use: ``import pdserve`` (or
 ``import pdserve.gateway``) loads no torch.
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pdserve.engine.outputs import RequestOutput
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.engine.structured_output import StructuredOutputsParams
 
 # Public name -> the module that defines it.
 _LAZY = {
@@ -40,11 +41,12 @@ _LAZY = {
     "SchedulerConfig": "pdserve.engine.config",
     "ParallelConfig": "pdserve.engine.config",
     "SpeculativeConfig": "pdserve.engine.spec_decode.config",
+    "StructuredOutputsParams": "pdserve.engine.structured_output",
 }
 
 __all__ = [
     "AsyncEngine", "CacheConfig", "EngineConfig", "LLM", "LLMEngine", "ModelConfig", "ParallelConfig",
-    "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
+    "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsParams",
 ]
 assert sorted(__all__) == sorted(_LAZY)
 

@@ -13,14 +13,16 @@ if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.outputs import RequestOutput
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.structured_output import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 _LAZY = {
     "LLM": "pdserve.engine.llm",
     "LLMEngine": "pdserve.engine.llm_engine",
     "RequestOutput": "pdserve.engine.outputs",
     "SamplingParams": "pdserve.engine.sampling_params",
+    "StructuredOutputsParams": "pdserve.engine.structured_output",
 }
 
 

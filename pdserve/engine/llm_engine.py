@@ -7,6 +7,7 @@ The engine is single-threaded and knows nothing of asyncio or gRPC; the offline
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -41,6 +42,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
 from pdserve.engine.step_trace import StepTrace
+from pdserve.engine.structured_output import GrammarCompiler, RequestGrammar, build_tokenizer, check_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,10 @@ class LLMEngine:
             self.parallel.connect(num_blocks, layout is not None)
             self.parallel.install(self.model)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device, self.parallel)
+        # Structured output: grammars compiled off the engine thread, once per distinct spec (None: no tokenizer).
+        self.grammar_compiler = GrammarCompiler(self._grammar_tokenizer) if self.tokenizer is not None else None
+        # Requests whose grammar is still compiling: they join the scheduler's queue when it is done.
+        self._compiling: list[Sequence] = []
         # The model's KV heads (all ranks together): what a handoff carries.
         self.kv_layout = KVLayout(
             num_layers=num_layers,
@@ -201,7 +207,14 @@ class LLMEngine:
             self.parallel.check_alive()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        """Stop the other tensor-parallel ranks (nothing to do with one rank) and the grammar threads;
+        idempotent."""
+        compiler = getattr(self, "grammar_compiler", None)
+        if compiler is not None:
+            compiler.shutdown()
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.shutdown()
         parallel, self.parallel = self.parallel, None
         if parallel is not None:
             parallel.shutdown()
@@ -236,8 +249,44 @@ class LLMEngine:
         seq = self.new_sequence(request_id, token_ids, params)
         seq.kv_hold = hold_kv
         self.register(seq)
-        self.scheduler.add(seq)
+        if seq.grammar is not None and not seq.grammar.is_ready:
+            # Queued once its grammar is compiled (_admit_compiled): it holds up nothing meanwhile.
+            self._compiling.append(seq)
+        else:
+            self.scheduler.add(seq)
         return request_id
+
+    def _grammar_tokenizer(self) -> object:
+        return build_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar finished compiling; end (abort) those whose compile failed.
+        With nothing else to run, waits a little for a compile rather than spin."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_work():
+            concurrent.futures.wait([seq.grammar.compiled for seq in self._compiling if seq.grammar is not None],
+                                    timeout=0.005, return_when=concurrent.futures.FIRST_COMPLETED)
+        outputs = []
+        still = []
+        for seq in self._compiling:
+            assert seq.grammar is not None
+            if not seq.grammar.is_ready:
+                still.append(seq)
+                continue
+            if seq.grammar.matcher(seq.output_token_ids) is None:
+                logger.error("request %s aborted: %s", seq.request_id, seq.grammar.error)
+                outputs.append(self._end(seq, "abort"))
+                continue
+            self.scheduler.add(seq)
+        self._compiling = still
+        return outputs
+
+    def _end(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` outside a step (freeing its blocks) and forget it; its final output."""
+        self.scheduler.finish(seq, reason)
+        self._requests.pop(seq.request_id, None)
+        return self._output(seq, self._detokenizers.pop(seq.request_id, None))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish ``request_id`` with reason "abort" and free its blocks now (held ones too); None if unknown."""
@@ -248,6 +297,8 @@ class LLMEngine:
             return None
         self.kv_pusher.end(request_id, complete=False)
         self.kv_connector.request_finished(request_id)
+        if seq in self._compiling:
+            self._compiling.remove(seq)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
 
@@ -262,7 +313,7 @@ class LLMEngine:
         return EngineStats(
             # A request whose KV is on its way holds its blocks and runs at the next step after it lands.
             num_running=len(scheduler.running) + len(scheduler.receiving),
-            num_waiting=scheduler.num_waiting,
+            num_waiting=scheduler.num_waiting + len(self._compiling),
             num_queued_tokens=scheduler.num_queued_tokens,
             num_free_blocks=manager.num_free_blocks,
             num_total_blocks=manager.num_blocks,
@@ -293,7 +344,7 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether ``step()`` may do anything now: false while every request only waits for remote KV."""
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def next_step_has_room_for_prompts(self) -> bool:
         """Whether prompts wait here and the next step could take more: see ``Scheduler``'s."""
@@ -307,9 +358,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that got a token (or finished) in it."""
+        admitted = self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return admitted
         traced = self.step_trace.begin() if self.step_trace is not None else None
         spec = self.spec_decoder
         started = spec.step_started() if spec else 0.0
@@ -327,7 +379,7 @@ class LLMEngine:
         if traced is not None:
             assert self.step_trace is not None
             self.step_trace.end(traced, len(scheduler_output.scheduled), scheduler_output.num_batched_tokens)
-        return outputs
+        return admitted + outputs
 
     def _update(
         self, result: StepResult, generator_states: dict[str, torch.Tensor], spec: SpecDecoder | None
@@ -361,6 +413,11 @@ class LLMEngine:
                     top = tuple(zip(top_ids[row][:n], top_lps[row][:n])) if top_ids is not None else ()
                     seq.logprobs.append(TokenLogprobs(token_id, logprobs[row], top))
                 reason = self._finish_reason(seq, token_id, detokenizer)
+                if seq.grammar is not None and reason is None and seq.grammar.advance(token_id):
+                    # The grammar is complete (only the end could follow), or it failed (logged, aborted).
+                    reason = "stop" if seq.grammar.error is None else "abort"
+                    if seq.grammar.error is not None:
+                        logger.error("request %s aborted: %s", seq.request_id, seq.grammar.error)
                 if reason is not None:
                     break
             first_row += 1 + len(proposal)
@@ -465,6 +522,10 @@ class LLMEngine:
                 raise ValueError(f"logit_bias key {token_id} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none")
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured_outputs needs a tokenizer, and this checkpoint has none")
+            check_grammar(params.structured_outputs)  # GrammarError (a ValueError) naming the field
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
@@ -497,8 +558,14 @@ class LLMEngine:
         return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator, block_hashes)
 
     def register(self, seq: Sequence) -> None:
-        """Track ``seq`` as one of this engine's requests (its text detokenized from the tokens it has)."""
+        """Track ``seq`` as one of this engine's requests (its text detokenized from the tokens it has); a
+        grammar it asks for starts compiling."""
         self._requests[seq.request_id] = seq
+        spec = seq.params.structured_outputs
+        if spec is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured_outputs needs a tokenizer, and this checkpoint has none")
+            seq.grammar = RequestGrammar(spec, self.grammar_compiler.submit(spec))
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer)
             if seq.output_token_ids:  # a request prefilled elsewhere comes with its first token

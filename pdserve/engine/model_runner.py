@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch, LayerMetadata
+from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.logits_processors import TokenHistory
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -69,6 +71,12 @@ class ModelRunner:
         layout = kv_cache.layout
         # Each layer's page group, where the pool is paged (engine.kv_pages); () otherwise.
         self.layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
+        # Structured output's token masks, filled while the forward runs (made on the first constrained step).
+        self._grammar_masks: GrammarMasks | None = None
+
+    def shutdown(self) -> None:
+        if self._grammar_masks is not None:
+            self._grammar_masks.shutdown()
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -76,6 +84,7 @@ class ModelRunner:
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
         input_ids, positions, batch, sample_rows = self._prepare(items)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        masks = self._start_masks(items)
         logits = None  # (num_sampled_rows, vocab)
         if self.parallel is None:
             hidden = self.forward(StepInputs(input_ids, positions, batch))
@@ -96,6 +105,9 @@ class ModelRunner:
             return StepResult((), None, prompt_logprobs)
         if logits is None:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if masks is not None:
+            assert self._grammar_masks is not None
+            self._grammar_masks.apply(logits, masks)
         # A sequence verifying a proposal has one row per position: each samples
         # exactly as plain decoding would once the proposed tokens before it are in.
         row_items = [item for item in sampling for _ in range(item.num_sampled_rows)]
@@ -112,6 +124,26 @@ class ModelRunner:
         return StepResult(
             tuple(item.seq for item in sampling), sampled, prompt_logprobs, tuple(i.spec_token_ids for i in sampling)
         )
+
+    def _start_masks(self, items: list[ScheduledSequence]) -> Future[tuple[list[int], torch.Tensor]] | None:
+        """Start filling the token masks of the step's constrained sampled rows (None: no such row)."""
+        matchers = []
+        row = 0
+        for item in items:
+            if not item.samples:
+                continue
+            grammar = item.seq.grammar
+            if grammar is not None:
+                # One row: a constrained request does not speculate.
+                matcher = grammar.matcher(item.seq.output_token_ids)
+                if matcher is not None:  # else the request ends when its token comes back (grammar.error)
+                    matchers.append((row, matcher))
+            row += item.num_sampled_rows
+        if not matchers:
+            return None
+        if self._grammar_masks is None:
+            self._grammar_masks = GrammarMasks(int(self.model.config.vocab_size))
+        return self._grammar_masks.start(matchers)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:  # (num_tokens, hidden)
         """The model over one step's tokens on this rank's shard (every rank runs this)."""

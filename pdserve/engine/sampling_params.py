@@ -7,6 +7,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured_output import StructuredOutputsParams
+
 
 _GREEDY_BELOW = 1e-5
 # vLLM's (and OpenAI's) ranges.
@@ -43,6 +45,11 @@ class SamplingParams:
     ``use_speculation=False`` keeps this request out of the engine's
     speculative decoding (when the engine has a ``speculative_config``): it then
     decodes one token per step. Its tokens are the same either way; only speed differs.
+
+    ``structured_outputs`` (vLLM's name) holds the output to a JSON schema, a regex, a list of choices or a
+    grammar (``engine.structured_output``): every token is sampled among those the grammar allows, after
+    the logit adjustments above and before ``logprobs`` are taken (vLLM's order), and the request ends with
+    "stop" when the grammar is complete. Such a request does not speculate.
     """
 
     max_tokens: int = 16
@@ -61,6 +68,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     prompt_logprobs: int | None = None
     use_speculation: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -112,6 +120,10 @@ class SamplingParams:
             raise ValueError(f"use_speculation must be a bool, got {self.use_speculation!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams or None, got {type(self.structured_outputs).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:

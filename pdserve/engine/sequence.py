@@ -10,6 +10,7 @@ from pdserve.engine.hashing import BlockHash, hash_block
 from pdserve.engine.kv_handoff import KVHoldParams, KVReservation
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -75,6 +76,8 @@ class Sequence:
         # The draft's last proposal, whose KV it wrote in this sequence's own blocks
         # (engine.spec_decode.draft_model.DraftProposal); None when there is none.
         self.draft_proposal: object | None = None
+        # Structured output: the request's grammar state (set by the engine when it registers the request).
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

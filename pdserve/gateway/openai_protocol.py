@@ -14,15 +14,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.structured_output import GrammarError, StructuredOutputsParams, check_grammar
 from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.service_common.structured_outputs import structured_outputs_to_proto
 
 DEFAULT_MAX_N = 16
+# vLLM's older names of structured_outputs' kinds, still accepted.
+GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# What vLLM's structured_outputs object may hold that pdserve reads (structural_tag is refused by the engine).
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                           "disable_any_whitespace")
 
 # vLLM's extensions that pdserve honours, on both endpoints.
-VLLM_KEYS = frozenset({"top_k", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos", "prompt_logprobs"})
+VLLM_KEYS = frozenset({
+    "top_k", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos", "prompt_logprobs",
+    "structured_outputs", *GUIDED_KEYS,
+})
 _SHARED_KEYS = frozenset({
     "model", "n", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens", "seed", "stop",
-    "stream", "stream_options", "temperature", "top_p", "user",
+    "stream", "stream_options", "temperature", "top_p", "user", "response_format",
 }) | VLLM_KEYS
 COMPLETION_KEYS = _SHARED_KEYS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_KEYS = _SHARED_KEYS | {
@@ -60,7 +70,6 @@ NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "store": (lambda v: v is False, "false", "pdserve does not store completions"),
     "suffix": (lambda v: v == "", '""', "pdserve does not insert text (no fill-in-the-middle)"),
     "modalities": (lambda v: v == ["text"], '["text"]', "pdserve answers in text only"),
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}', "pdserve has no structured output"),
     "tools": (lambda v: v == [], "[]", "pdserve does not call tools"),
     "functions": (lambda v: v == [], "[]", "pdserve does not call functions"),
     "tool_choice": (lambda v: v == "none", '"none"', "pdserve does not call tools"),
@@ -285,6 +294,84 @@ def _sampling_params(
     if logprobs is not None:
         _set(params, "logprobs", logprobs)
     params.ignore_eos = bool(_optional(body, "ignore_eos", bool))  # vLLM's extension
+    spec = structured_outputs(body)
+    if spec is not None:
+        params.structured_outputs.CopyFrom(structured_outputs_to_proto(spec))
+
+
+def structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
+    """What the body asks the output to match: OpenAI's ``response_format``, vLLM's ``structured_outputs``
+    object or one of its older ``guided_*`` fields (at most one of them); checked with the grammar engine, so
+    a spec that does not compile is a 400 naming its field. None: free text."""
+    asked = []
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        asked.append("response_format")
+    asked += [key for key in ("structured_outputs", *GUIDED_KEYS) if body.get(key) is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise InvalidRequest(f"set one of {', '.join(asked)}: each constrains the output on its own", asked[1])
+    key = asked[0]
+    try:
+        if key == "response_format":
+            spec = _response_format(response_format)
+        elif key == "structured_outputs":
+            spec = _structured_outputs_object(body[key])
+        else:
+            value = body[key]
+            if key == "guided_choice" and isinstance(value, list):
+                value = tuple(value)
+            if key == "guided_json" and isinstance(value, dict):
+                spec = StructuredOutputsParams(json=value, field_name=key)
+            else:
+                spec = StructuredOutputsParams(**{GUIDED_KEYS[key]: value}, field_name=key)
+        check_grammar(spec)
+    except GrammarError as error:
+        message = str(error)
+        raise InvalidRequest(message, message.split(" ", 1)[0].rstrip(":")) from None
+    return spec
+
+
+def _response_format(value: Any) -> StructuredOutputsParams:
+    if not isinstance(value, dict):
+        raise InvalidRequest("response_format must be an object", "response_format")
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, field_name="response_format")
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema must be an object holding name and schema",
+                                 "response_format.json_schema")
+        _typed("response_format.json_schema.name", schema.get("name"), str)
+        for key in schema:
+            if key not in ("name", "schema", "strict", "description"):
+                raise InvalidRequest(f"response_format.json_schema.{key} is not supported (name, schema, strict, "
+                                     "description are)", f"response_format.json_schema.{key}")
+        _optional(schema, "strict", bool, "response_format.json_schema.strict")
+        _optional(schema, "description", str, "response_format.json_schema.description")
+        if not isinstance(schema.get("schema"), dict):
+            raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                                 "response_format.json_schema.schema")
+        return StructuredOutputsParams(json=schema["schema"], field_name="response_format.json_schema.schema")
+    raise InvalidRequest(f"response_format.type must be one of text, json_object, json_schema; got {_short(kind)}",
+                         "response_format.type")
+
+
+def _structured_outputs_object(value: Any) -> StructuredOutputsParams:
+    if not isinstance(value, dict):
+        raise InvalidRequest("structured_outputs must be an object", "structured_outputs")
+    for key in value:
+        if key not in STRUCTURED_OUTPUTS_KEYS:
+            raise InvalidRequest(f"structured_outputs.{key} is not supported (this server reads "
+                                 f"{', '.join(STRUCTURED_OUTPUTS_KEYS)})", f"structured_outputs.{key}")
+    fields = {key: item for key, item in value.items() if item is not None}
+    if isinstance(fields.get("choice"), list):
+        fields["choice"] = tuple(fields["choice"])
+    kinds = [key for key in fields if key != "disable_any_whitespace"]
+    field_name = f"structured_outputs.{kinds[0]}" if len(kinds) == 1 else "structured_outputs"
+    return StructuredOutputsParams(**fields, field_name=field_name)
 
 
 def _logit_bias(bias: Any, params: generation_pb2.SamplingParams) -> None:

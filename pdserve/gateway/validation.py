@@ -14,7 +14,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from pdserve.engine.structured_output import check_grammar
 from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.service_common.structured_outputs import structured_outputs_from_proto
 
 # The API's default for an unset max_tokens (generation.proto, as vLLM's SamplingParams).
 DEFAULT_MAX_TOKENS = 16
@@ -136,6 +138,9 @@ def _check_sampling_params(params: generation_pb2.SamplingParams, limits: Reques
             f"sampling_params.stop_token_ids holds {len(params.stop_token_ids)} ids; "
             f"the limit is {limits.max_stop_token_ids}"
         )
+    if params.HasField("structured_outputs"):
+        # GrammarError, a ValueError naming the field (sampling_params.structured_outputs.json ...).
+        check_grammar(structured_outputs_from_proto(params.structured_outputs))
 
 
 def _check_model_fit(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.service_common.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 from pdserve.protos.pdserve.v1 import generation_pb2
 
 # The message's `optional` scalars, named as in SamplingParams; unset keeps the engine's default.
@@ -39,6 +40,8 @@ def sampling_params_from_proto(message: generation_pb2.SamplingParams) -> Sampli
     for name in _OPTIONAL_FIELDS:
         if message.HasField(name):
             kwargs[name] = getattr(message, name)
+    if message.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(message.structured_outputs)
     return SamplingParams(
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
@@ -60,6 +63,8 @@ def sampling_params_to_proto(params: SamplingParams) -> generation_pb2.SamplingP
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)
+    if params.structured_outputs is not None:
+        message.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return message
 
 

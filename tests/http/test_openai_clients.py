@@ -377,14 +377,14 @@ async def test_parameters_are_honoured_or_refused_by_name_never_ignored(chat_che
             modalities=["text"], parallel_tool_calls=False, prompt_cache_key="k", safety_identifier="s")
         assert no_ops.choices[0].message.content == plain.choices[0].message.content
         refused: list[tuple[dict[str, Any], str]] = [
-            (dict(response_format={"type": "json_object"}), "response_format"),
+            (dict(response_format={"type": "xml"}), "response_format.type"),
             (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
             (dict(tool_choice="auto"), "tool_choice"),
             (dict(reasoning_effort="low"), "reasoning_effort"),
             (dict(modalities=["text", "audio"]), "modalities"),
             (dict(store=True), "store"),
             (dict(extra_body={"min_p": 0.1}), "min_p"),
-            (dict(extra_body={"guided_json": {}}), "guided_json"),
+            (dict(extra_body={"guided_json": {"type": "strin"}}), "guided_json"),
         ]
         for args, param in refused:
             with pytest.raises(openai.BadRequestError) as caught:

@@ -142,13 +142,13 @@ def test_unknown_keys_are_refused_by_name() -> None:
 
 ACCEPTED = [
     ("user", "u-1"), ("safety_identifier", "s"), ("prompt_cache_key", "k"), ("metadata", {"a": "b"}),
-    ("store", False), ("modalities", ["text"]), ("response_format", {"type": "text"}), ("tools", []),
+    ("store", False), ("modalities", ["text"]), ("tools", []),
     ("functions", []), ("tool_choice", "none"), ("function_call", "none"), ("parallel_tool_calls", True),
     ("service_tier", "auto"), ("service_tier", "default"), ("prompt_cache_retention", "in_memory"), ("audio", None),
 ]
 REFUSED = [
     ("user", 5), ("metadata", {"a": 1}), ("store", True), ("modalities", ["text", "audio"]),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("functions", [{"name": "f"}]), ("tool_choice", "auto"), ("function_call", "auto"), ("parallel_tool_calls", 1),
     ("service_tier", "flex"), ("prompt_cache_retention", "24h"), ("audio", {"voice": "alloy", "format": "mp3"}),
     ("moderation", {}), ("prediction", {"type": "content", "content": "x"}), ("prompt_cache_options", {}),
@@ -192,3 +192,31 @@ def test_suffix_and_type_and_range_errors_name_the_field() -> None:
     _refused(lambda b: parse_chat(b, RecordingTokenizer()), _chat(max_tokens=3, max_completion_tokens=4),
              "max_tokens", "not both")
     _refused(lambda b: parse_chat(b, RecordingTokenizer()), _chat(model=3), "model", "must be a string")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, generation_pb2.StructuredOutput(json_object=True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
+                                                                      "strict": True}}},
+         generation_pb2.StructuredOutput(json='{"type": "object"}')),
+        ({"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": False}},
+         generation_pb2.StructuredOutput(regex="[0-9]+", disable_any_whitespace=False)),
+        ({"guided_choice": ["a", "b"]}, generation_pb2.StructuredOutput(choice=generation_pb2.Choices(choices=["a", "b"]))),
+        ({"guided_json": {"type": "array"}}, generation_pb2.StructuredOutput(json='{"type": "array"}')),
+        ({"guided_grammar": 'start: "x"'}, generation_pb2.StructuredOutput(grammar='start: "x"')),
+    ],
+)
+def test_response_format_structured_outputs_and_guided_fields_become_the_requests_structured_output(
+    extra: dict[str, Any], expected: generation_pb2.StructuredOutput | None
+) -> None:
+    for parsed in (parse_chat(_chat(**extra), RecordingTokenizer()), parse_completion({"prompt": "x", **extra})):
+        params = parsed.generate.sampling_params
+        if expected is None:
+            assert not params.HasField("structured_outputs")
+            continue
+        if not expected.HasField("disable_any_whitespace"):
+            expected.disable_any_whitespace = True
+        assert params.structured_outputs == expected

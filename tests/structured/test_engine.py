@@ -1,0 +1,264 @@
+"""Structured output in the engine: greedy float32 output equals transformers' generate with the same grammar's
+mask applied, token for token, through batching, chunked prefill, preemption, prefix hits and the KV handoff;
+bounded schemas end within their bound; bad specs are refused naming the field."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.grammar_masks import GrammarMasks
+from pdserve.engine.structured_output import (
+    MAX_WHITESPACE_RUN,
+    GrammarCompiler,
+    GrammarError,
+    StructuredOutputsParams,
+    check_grammar,
+)
+from tests.conftest import VOCAB_SIZE, random_prompts
+from tests.support.handoff import handoff_tokens
+
+# The name of at most 8 characters, a bounded integer, a boolean, a choice: every field bounded.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"},
+        "team": {"enum": ["red", "blue"]},
+    },
+    "required": ["name", "age", "admin", "team"],
+    "additionalProperties": False,
+}
+SPECS = [
+    StructuredOutputsParams(json=PERSON),
+    StructuredOutputsParams(regex=r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)"),
+    StructuredOutputsParams(choice=("alpha", "beta", "gamma")),
+    StructuredOutputsParams(grammar='start: "(" expr ")"\nexpr: NUMBER ("+" NUMBER)*\nNUMBER: /[0-9]{1,3}/'),
+    StructuredOutputsParams(json_object=True),
+    None,  # an unconstrained row in the same batch
+]
+MAX_TOKENS = 48
+
+
+class MaskedOracle:
+    """transformers' greedy generate with a grammar's mask (llguidance's matcher, built here) applied to the
+    scores of each step: the reference of a constrained greedy request. Tokens up to the one that completes the
+    grammar (then the engine ends the request), else ``max_tokens``."""
+
+    def __init__(self, path: Path, eos_token_ids: set[int]) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from pdserve.engine.structured_output import build_tokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        self.compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, eos_token_ids))
+        self.eos_token_ids = eos_token_ids
+
+    def generate(self, prompt: list[int], spec: StructuredOutputsParams | None, max_tokens: int) -> list[int]:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        matcher = self.compiler.compile(spec) if spec is not None else None
+
+        class Masked(LogitsProcessor):  # type: ignore[misc]
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                if matcher is None:
+                    return scores
+                if input_ids.shape[1] > len(prompt):
+                    assert matcher.consume_token(int(input_ids[0, -1]))
+                words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+                allowed = GrammarMasks.allowed(torch.from_numpy(words.copy())[None], scores.shape[1])
+                return scores.masked_fill(~allowed, float("-inf"))
+
+        input_ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, do_sample=False,
+                pad_token_id=0, logits_processor=LogitsProcessorList([Masked()]),
+            )
+        tokens = out[0, len(prompt):].tolist()
+        if spec is None:
+            return tokens
+        # Where the engine stops: the token that completes the grammar (checked with a fresh matcher).
+        check = self.compiler.compile(spec)
+        for index, token in enumerate(tokens):
+            if token in self.eos_token_ids:
+                return tokens[: index + 1]
+            assert check.consume_token(token)
+            if check.is_stopped():
+                return tokens[: index + 1]
+        return tokens
+
+
+@pytest.fixture(scope="module")
+def masked_oracle(chat_llama: Path) -> MaskedOracle:
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=16)
+    return MaskedOracle(chat_llama, set(llm.engine.eos_token_ids))
+
+
+def _params(spec: StructuredOutputsParams | None, **overrides: Any) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": MAX_TOKENS, "temperature": 0.0, "structured_outputs": spec, **overrides})
+
+
+def _check_output(out: Any, spec: StructuredOutputsParams | None, expected: list[int]) -> None:
+    assert out.token_ids == expected
+    if spec is None:
+        return
+    assert out.finish_reason == ("stop" if len(expected) < MAX_TOKENS else out.finish_reason)
+    if spec.kind == "json" and out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), json.loads(spec.json or "{}"))
+
+
+def _run(llm: LLM, prompts: list[list[int]], specs: list[StructuredOutputsParams | None],
+         oracle: MaskedOracle) -> list[Any]:
+    outputs = llm.generate(prompts, [_params(spec) for spec in specs])
+    for prompt, spec, out in zip(prompts, specs, outputs):
+        _check_output(out, spec, oracle.generate(prompt, spec, MAX_TOKENS))
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    return outputs
+
+
+def test_a_batch_of_grammars_and_a_free_row_each_equal_transformers_with_the_mask(
+    chat_llama: Path, masked_oracle: MaskedOracle
+) -> None:
+    prompts = random_prompts([3, 17, 40, 9, 25, 30], seed=31)
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+    outputs = _run(llm, prompts, SPECS, masked_oracle)
+    # Every grammar completed: each request ended with "stop", none ran out of tokens.
+    assert [out.finish_reason for out in outputs[:5]] == ["stop"] * 5
+    assert outputs[2].text in ("alpha", "beta", "gamma")
+    assert isinstance(json.loads(outputs[4].text), dict)
+
+
+def test_chunked_prefill_preemption_and_prefix_hits_keep_the_constrained_tokens(
+    chat_llama: Path, masked_oracle: MaskedOracle
+) -> None:
+    # (seed 32 puts two allowed tokens within 4e-6 of each other at one step: rounding decides; 43 does not.)
+    prompts = random_prompts([120, 95, 70, 150, 60, 33], seed=43)
+    # 16 blocks of 16 tokens for 528 prompt tokens plus their outputs: sequences are preempted and recomputed;
+    # 32-token chunks; prefix caching on.
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=16, block_size=16, max_num_batched_tokens=32)
+    _run(llm, prompts, SPECS, masked_oracle)
+    assert llm.engine.scheduler.num_preemptions > 0
+    # Prefix hits: the same prompts twice on a pool that keeps them; the grammars are compiled once.
+    cached = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=96, block_size=16)
+    _run(cached, prompts, SPECS, masked_oracle)
+    compiled = cached.engine.grammar_compiler.num_compiled  # type: ignore[union-attr]
+    assert compiled == 5
+    again = _run(cached, prompts, SPECS, masked_oracle)
+    assert [out.num_cached_tokens for out in again] == [len(prompt) // 16 * 16 for prompt in prompts]
+    assert cached.engine.grammar_compiler.num_compiled == compiled  # type: ignore[union-attr]
+
+
+def test_the_handoff_continues_the_grammar_from_the_first_token(chat_llama: Path, masked_oracle: MaskedOracle) -> None:
+    prompts = random_prompts([20, 47], seed=33)
+    prefill = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64).engine
+    decode = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64).engine
+    for spec in SPECS[:4]:
+        outputs = handoff_tokens(prefill, decode, prompts, _params(spec))
+        for i, prompt in enumerate(prompts):
+            assert list(outputs.values())[i] == masked_oracle.generate(prompt, spec, MAX_TOKENS), spec.kind
+
+
+def test_seeded_sampling_under_a_grammar_is_reproducible_and_valid(chat_llama: Path) -> None:
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+    prompt = random_prompts([12], seed=34)[0]
+    params = _params(SPECS[0], temperature=1.0, seed=5, max_tokens=200)
+    first, second = llm.generate([prompt, prompt], [params, params])
+    assert first.token_ids == second.token_ids and first.finish_reason == "stop"
+    jsonschema.validate(json.loads(first.text), PERSON)
+
+
+def _longest_person_bytes(whitespace: int) -> int:
+    """The most bytes a PERSON document can take: 8 characters of name, each at most a 6-byte \\uXXXX escape;
+    a 3-digit age; "false"; "blue"; ``whitespace`` characters in each of the gaps between JSON tokens."""
+    compact = '{"name":"' + "\\u0000" * 8 + '","age":120,"admin":false,"team":"blue"}'
+    gaps = 2 + 4 * 2 + 3  # around the braces, each key's colon, the separating commas
+    return len(compact.encode()) + whitespace * gaps
+
+
+@pytest.mark.parametrize("free_layout", [False, True])
+def test_a_bounded_schema_always_completes_within_its_bound(chat_llama: Path, free_layout: bool) -> None:
+    """Sampled at a high temperature (a small random model likes to ramble), every request completes:
+    each token holds at least one byte, and the document has at most ``_longest_person_bytes`` of them."""
+    bound = _longest_person_bytes(MAX_WHITESPACE_RUN if free_layout else 0)
+    spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=not free_layout)
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=128)
+    prompts = random_prompts([10] * 8, seed=35)
+    outputs = llm.generate(prompts, [_params(spec, temperature=1.5, seed=i, max_tokens=bound + 1)
+                                     for i in range(len(prompts))])
+    for out in outputs:
+        assert out.finish_reason == "stop" and len(out.token_ids) <= bound
+        document = json.loads(out.text)
+        jsonschema.validate(document, PERSON)
+        if not free_layout:
+            assert out.text == json.dumps(document, separators=(",", ":"), ensure_ascii=False) or "\\" in out.text
+        assert " " * (MAX_WHITESPACE_RUN + 1) not in out.text
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (dict(regex="a(("), "structured_outputs.regex"),
+        (dict(grammar="start: missing"), "structured_outputs.grammar"),
+        (dict(json='{"type": "object", "properties": {"a": {"type": "strin"}}}'), "structured_outputs.json"),
+        (dict(json="{not json"), "structured_outputs.json"),
+        (dict(choice=()), "structured_outputs.choice"),
+        (dict(structural_tag="{}"), "structured_outputs.structural_tag"),
+        (dict(regex="a", choice=("b",)), "structured_outputs"),
+    ],
+)
+def test_bad_specs_are_refused_naming_the_field(chat_llama: Path, spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(GrammarError) as caught:
+        check_grammar(StructuredOutputsParams(**spec))
+    assert str(caught.value).startswith(field)
+
+
+def test_the_engine_refuses_a_bad_spec_and_keeps_serving(chat_llama: Path, llama_checkpoint: Path) -> None:
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex does not compile"):
+        llm.generate([[5, 6, 7]], _params(StructuredOutputsParams(regex="a((")))
+    (out,) = llm.generate([[5, 6, 7]], _params(StructuredOutputsParams(choice=("yes", "no"))))
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    # A checkpoint without a tokenizer cannot map a grammar to tokens.
+    bare = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
+        bare.generate([[5, 6, 7]], _params(StructuredOutputsParams(choice=("yes",))))
+
+
+def test_the_mask_sets_exactly_the_disallowed_logits_to_minus_infinity() -> None:
+    words = torch.zeros((2, 3), dtype=torch.int32)  # 70 tokens: 3 words of 32 bits, the last one partly used
+    words[0, 0] = 0b1011  # tokens 0, 1, 3
+    words[0, 2] = 1 << 5  # token 69
+    words[1, 1] = -(2**31)  # token 63: the word's top bit
+
+    class Fixed:
+        """A matcher whose mask is a fixed row of ``words``."""
+
+        def __init__(self, row: int) -> None:
+            self.row = row
+
+        def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+            assert size == 12
+            ctypes.memmove(pointer, words[self.row].numpy().tobytes(), size)
+
+    masks = GrammarMasks(70)
+    logits = torch.arange(3 * 70, dtype=torch.float32).view(3, 70)
+    original = logits.clone()
+    masks.apply(logits, masks.start([(0, Fixed(0)), (2, Fixed(1))]))
+    minus = float("-inf")
+    assert [i for i in range(70) if logits[0, i] != minus] == [0, 1, 3, 69]
+    assert torch.equal(logits[1], original[1])  # an unconstrained row is untouched
+    assert [i for i in range(70) if logits[2, i] != minus] == [63]
+    assert logits[0, 3] == original[0, 3] and logits[0, 69] == original[0, 69] and logits[2, 63] == original[2, 63]
+    masks.shutdown()
