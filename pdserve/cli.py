@@ -195,6 +195,16 @@ def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
                        "TimeoutStartSec); raise it on a heavily loaded machine")
 
 
+def _tool_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.gateway.tool_parsers import PARSERS
+
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto" on the HTTP API: tool calls found in the answer with '
+                             "--tool-call-parser (required and named tool choices need neither flag)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="the format the model writes tool calls in, for tool_choice \"auto\"")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
     gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
                          help="largest HTTP request body; larger ones are answered 413 unread")
+    _tool_arguments(gateway)
     gateway.set_defaults(func=run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -292,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")
     up.add_argument("--max-n", type=int, default=None, help="largest n the HTTP API accepts (default: the gateway's, 16)")
+    _tool_arguments(up)
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     up.add_argument("--redis-prefix", default="pdserve")
     up.add_argument("--kv-transport", default="grpc", choices=TRANSPORTS)

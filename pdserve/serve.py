@@ -202,4 +202,15 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    max_logprobs=args.max_logprobs, max_inflight_requests=args.max_inflight_requests,
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
                                    http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
-                                   http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push), args)
+                                   http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push,
+                                   tool_call_parser=tool_call_parser_from_args(args)), args)
+
+
+def tool_call_parser_from_args(args: argparse.Namespace) -> str | None:
+    """The parser of ``tool_choice: "auto"``, as vLLM takes it: ``--enable-auto-tool-choice`` with a
+    ``--tool-call-parser``; ``ValueError`` when one comes without the other."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs a --tool-call-parser (hermes, llama3_json, mistral)")
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        raise ValueError("--tool-call-parser is used for tool_choice \"auto\": add --enable-auto-tool-choice")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None

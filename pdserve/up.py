@@ -57,6 +57,7 @@ def run_up(args: argparse.Namespace) -> int:
     import signal
 
     from pdserve.launcher import ClusterConfig, LocalCluster, StartupError
+    from pdserve.serve import tool_call_parser_from_args
     from pdserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
     logging.basicConfig(level="INFO", format="%(message)s")
@@ -73,6 +74,7 @@ def run_up(args: argparse.Namespace) -> int:
         colocated_workers=args.colocated_workers, routing=args.routing, disaggregation=args.disaggregation,
         max_tpot_increase=args.max_tpot_increase,
         http_port=args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,
+        tool_call_parser=tool_call_parser_from_args(args),
     )
     stop = False
 

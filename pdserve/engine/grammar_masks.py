@@ -21,16 +21,35 @@ class GrammarMasks:
         self._words = (vocab_size + 31) // 32
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-mask")
 
-    def start(self, matchers: Sequence[tuple[int, Any]]) -> Future[tuple[list[int], torch.Tensor]]:
-        """``matchers``: (row, matcher) pairs. The future's result: the rows and their (rows, words) masks."""
+    def start(self, matchers: Sequence[tuple[int, Any, Sequence[int]]]) -> Future[tuple[list[int], torch.Tensor]]:
+        """``matchers``: (first row, matcher, proposed tokens) triples. The future's result: the rows and their
+        (rows, words) masks: a sequence verifying ``k`` proposed tokens has ``1 + k`` rows (``fill``)."""
         return self._executor.submit(self.fill, matchers)
 
-    def fill(self, matchers: Sequence[tuple[int, Any]]) -> tuple[list[int], torch.Tensor]:
-        masks = torch.zeros((len(matchers), self._words), dtype=torch.int32)
+    def fill(self, matchers: Sequence[tuple[int, Any, Sequence[int]]]) -> tuple[list[int], torch.Tensor]:
+        """Each matcher's mask at its row; with proposed tokens, row ``first + j`` gets the mask after the first
+        ``j`` of them (the matcher advances through them, then rolls back to where it was). Past a proposed token
+        the grammar refuses, the rows repeat the last mask: the target's masked sample there cannot equal the
+        refused token, so nothing after it is accepted."""
+        rows = [first + j for first, _, proposed in matchers for j in range(1 + len(proposed))]
+        masks = torch.zeros((len(rows), self._words), dtype=torch.int32)
         stride = self._words * 4
-        for index, (_, matcher) in enumerate(matchers):
-            matcher.unsafe_compute_mask_ptr(masks.data_ptr() + index * stride, stride)
-        return [row for row, _ in matchers], masks
+        index = 0
+        for _, matcher, proposed in matchers:
+            consumed = 0
+            allowed = True  # every proposed token so far was
+            for j in range(1 + len(proposed)):
+                if allowed:
+                    matcher.unsafe_compute_mask_ptr(masks.data_ptr() + index * stride, stride)
+                    if j < len(proposed):
+                        allowed = matcher.try_consume_tokens([proposed[j]]) == 1
+                        consumed += allowed
+                else:
+                    masks[index] = masks[index - 1]
+                index += 1
+            if consumed:
+                matcher.rollback(consumed)
+        return rows, masks
 
     @staticmethod
     def allowed(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:

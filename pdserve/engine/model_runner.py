@@ -134,10 +134,10 @@ class ModelRunner:
                 continue
             grammar = item.seq.grammar
             if grammar is not None:
-                # One row: a constrained request does not speculate.
                 matcher = grammar.matcher(item.seq.output_token_ids)
                 if matcher is not None:  # else the request ends when its token comes back (grammar.error)
-                    matchers.append((row, matcher))
+                    # A verifying sequence's rows: the mask after each proposed token in turn.
+                    matchers.append((row, matcher, item.spec_token_ids))
             row += item.num_sampled_rows
         if not matchers:
             return None

@@ -9,6 +9,8 @@ is answered 400 naming the key, so no parameter is ever silently ignored.
 
 from __future__ import annotations
 
+import json
+import re
 import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -70,11 +72,8 @@ NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "store": (lambda v: v is False, "false", "pdserve does not store completions"),
     "suffix": (lambda v: v == "", '""', "pdserve does not insert text (no fill-in-the-middle)"),
     "modalities": (lambda v: v == ["text"], '["text"]', "pdserve answers in text only"),
-    "tools": (lambda v: v == [], "[]", "pdserve does not call tools"),
-    "functions": (lambda v: v == [], "[]", "pdserve does not call functions"),
-    "tool_choice": (lambda v: v == "none", '"none"', "pdserve does not call tools"),
-    "function_call": (lambda v: v == "none", '"none"', "pdserve does not call functions"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "a boolean", "without tools it has no effect"),
+    "functions": (lambda v: v == [], "[]", "functions is OpenAI's deprecated name: use tools"),
+    "function_call": (lambda v: v == "none", '"none"', "function_call is OpenAI's deprecated name: use tool_choice"),
     "service_tier": (lambda v: v in ("auto", "default"), '"auto" or "default"', "pdserve has one tier"),
     "prompt_cache_retention": (lambda v: v == "in_memory", '"in_memory"', "pdserve's cache lives in worker memory"),
     # Accepted only as null: each would change the output or promise what pdserve does not do.
@@ -86,6 +85,17 @@ NO_OP_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "verbosity": (lambda v: False, "null", "pdserve does not steer verbosity"),
     "web_search_options": (lambda v: False, "null", "pdserve does not search the web"),
 }
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools: ``choice`` is "none", "auto" (the parser finds calls in free text), "required"
+    (a JSON array of calls, enforced by structured output) or "named" (``name``'s arguments, enforced too)."""
+
+    choice: str
+    names: tuple[str, ...]
+    name: str | None = None
+    parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ class ParsedRequest:
     logprobs_count: int  # alternatives per token in the answer's logprobs
     echo: bool = False  # completions: the prompt is prepended to each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (returned as its own field)
+    tools: ToolRequest | None = None  # chat with tools: how the answer's tool calls are found
 
     def choice_requests(self) -> list[generation_pb2.GenerateRequest]:
         """One request per choice: choice i samples with seed + i; only choice 0 computes prompt logprobs.
@@ -155,15 +166,23 @@ def parse_completion(body: Mapping[str, Any], max_n: int = DEFAULT_MAX_N) -> Par
     return ParsedRequest(request, n, *_stream_flags(body), logprobs is not None, logprobs or 0, echo, prompt_logprobs)
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
-    """``POST /v1/chat/completions``: the messages through the tokenizer's chat template."""
+def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX_N,
+               auto_tool_choice: bool = False) -> ParsedRequest:
+    """``POST /v1/chat/completions``: the messages (and tools) through the tokenizer's chat template.
+    ``auto_tool_choice``: the gateway parses tool calls out of free text (``--enable-auto-tool-choice`` with a
+    ``--tool-call-parser``), so ``tool_choice: "auto"`` is served."""
     _check_keys(body, CHAT_KEYS)
     messages = chat_messages(body.get("messages"))
     if tokenizer is None:
         raise InvalidRequest("chat needs the model's tokenizer, and this gateway has none; use /v1/completions "
                              "with token ids", "messages")
+    tools, tool_request = _tools(body, auto_tool_choice)
+    if tools and not _template_renders_tools(tokenizer):
+        raise InvalidRequest("the model's chat template does not render tools (it never reads `tools`); send "
+                             "the request without them", "tools")
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                **({"tools": tools} if tools else {}))
     except Exception as error:  # noqa: BLE001 - a template's own error, reported to the caller
         raise InvalidRequest(f"messages do not fit the model's chat template: {error}", "messages") from error
     token_ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
@@ -178,8 +197,109 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = request.sampling_params
     _sampling_params(body, params, max_tokens, (top_logprobs or 0) if wants_logprobs else None)
+    if tool_request is not None and tool_request.choice in ("required", "named"):
+        if params.HasField("structured_outputs"):
+            raise InvalidRequest(f"tool_choice {_short(body.get('tool_choice'))} constrains the answer to tool calls "
+                                 "and cannot be combined with response_format or structured_outputs", "tool_choice")
+        schema = _tool_call_schema(tools, tool_request)
+        spec = StructuredOutputsParams(json=schema, field_name="tools")
+        try:
+            check_grammar(spec)
+        except GrammarError as error:
+            raise InvalidRequest(f"the tools' parameters do not compile as JSON schemas: {error}", "tools") from None
+        params.structured_outputs.CopyFrom(structured_outputs_to_proto(spec))
     prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
-    return ParsedRequest(request, n, *_stream_flags(body), wants_logprobs, top_logprobs or 0, False, prompt_logprobs)
+    return ParsedRequest(request, n, *_stream_flags(body), wants_logprobs, top_logprobs or 0, False, prompt_logprobs,
+                         tool_request)
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def _tools(body: Mapping[str, Any], auto_tool_choice: bool) -> tuple[list[dict[str, Any]], ToolRequest | None]:
+    """The request's tools as the chat template reads them, and how its answer's calls are found."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if tools is not None and not isinstance(tools, list):
+            raise InvalidRequest("tools must be a list of tool objects", "tools")
+        if choice not in (None, "none"):
+            raise InvalidRequest(f"tool_choice {_short(choice)} needs tools", "tool_choice")
+        return [], None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be a list of tool objects", "tools")
+    rendered, names = [], []
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidRequest(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
+        for key in tool:
+            if key not in ("type", "function"):
+                raise InvalidRequest(f"{where}.{key} is not supported", f"{where}.{key}")
+        function = tool["function"]
+        for key in function:
+            if key not in _FUNCTION_KEYS:
+                raise InvalidRequest(f"{where}.function.{key} is not supported ({', '.join(_FUNCTION_KEYS)} are)",
+                                     f"{where}.function.{key}")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequest(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {_short(name)}",
+                                 f"{where}.function.name")
+        if name in names:
+            raise InvalidRequest(f"{where}.function.name {name!r} names another tool too", f"{where}.function.name")
+        _optional(function, "description", str, f"{where}.function.description")
+        _optional(function, "strict", bool, f"{where}.function.strict")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object",
+                                 f"{where}.function.parameters")
+        names.append(name)
+        rendered.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    parallel = _optional(body, "parallel_tool_calls", bool)
+    parallel = True if parallel is None else parallel
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                 '"function": {"name": ...}}', "tool_choice")
+        if function["name"] not in names:
+            raise InvalidRequest(f"tool_choice names {function['name']!r}, which is not among the tools "
+                                 f"({', '.join(names)})", "tool_choice")
+        return rendered, ToolRequest("named", tuple(names), function["name"], parallel)
+    if choice not in ("none", "auto", "required"):
+        raise InvalidRequest(f'tool_choice must be "none", "auto", "required" or a named function, got {_short(choice)}',
+                             "tool_choice")
+    if choice == "auto" and not auto_tool_choice:
+        raise InvalidRequest('tool_choice "auto" (the default with tools) needs the server started with '
+                             "--enable-auto-tool-choice and a --tool-call-parser; or ask for \"required\", "
+                             "a named function, or \"none\"", "tool_choice")
+    return rendered, ToolRequest(choice, tuple(names), None, parallel)
+
+
+def _tool_call_schema(tools: list[dict[str, Any]], request: ToolRequest) -> dict[str, Any]:
+    """What structured output holds the answer to: the named function's arguments, or a list of calls (at
+    least one; exactly one without parallel_tool_calls), each ``{"name": ..., "parameters": {...}}`` (vLLM's)."""
+    parameters = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object"} for tool in tools}
+    if request.choice == "named":
+        assert request.name is not None
+        return parameters[request.name]
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, schema in parameters.items()]
+    array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not request.parallel:
+        array["maxItems"] = 1
+    return array
+
+
+def _template_renders_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(str(value) for value in template.values())
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
 
 
 def _check_keys(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -196,13 +316,15 @@ def _check_keys(body: Mapping[str, Any], known: frozenset[str]) -> None:
 
 # Message roles and the role the chat template sees: OpenAI's "developer" is
 # its newer name for "system" (vLLM renders it as system too).
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_MESSAGE_KEYS = ("role", "content", "name")
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_KEYS = {"system": ("role", "content", "name"), "user": ("role", "content", "name"),
+                 "assistant": ("role", "content", "name", "tool_calls"), "tool": ("role", "content", "tool_call_id")}
 _PART_KEYS = ("type", "prompt_cache_breakpoint")  # a cache breakpoint is a hint: pdserve caches every full block
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI's messages as a chat template reads them: text content, system/user/assistant roles.
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI's messages as a chat template reads them: text content; system, user, assistant (with its
+    ``tool_calls``, their arguments as objects, as vLLM hands them to templates) and tool roles.
 
     Content given as a list of text parts is joined with newlines (as vLLM
     does for templates that take a string).
@@ -213,20 +335,53 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         role = message.get("role")
-        if role in ("tool", "function"):
-            raise InvalidRequest(f"{where}.role {role!r} answers a tool call, and this server does not call tools",
-                                 f"{where}.role")
+        if role == "function":
+            raise InvalidRequest(f"{where}.role 'function' is OpenAI's deprecated name: use 'tool'", f"{where}.role")
         if role not in _ROLES:
             raise InvalidRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {_short(role)}",
                                  f"{where}.role")
+        role = _ROLES[role]
         for key in message:
-            if key not in _MESSAGE_KEYS:
-                raise InvalidRequest(f"{where}.{key} is not supported: messages hold role, content and name "
-                                     "(this server does not call tools)", f"{where}.{key}")
-        entry = {"role": _ROLES[role], "content": _message_text(message.get("content"), where, role)}
+            if key not in _MESSAGE_KEYS[role]:
+                raise InvalidRequest(f"{where}.{key} is not supported in a {role} message (it holds "
+                                     f"{', '.join(_MESSAGE_KEYS[role])})", f"{where}.{key}")
+        content = message.get("content")
+        calls = message.get("tool_calls")
+        entry: dict[str, Any] = {"role": role}
+        if role == "assistant" and calls is not None:
+            entry["content"] = "" if content is None else _message_text(content, where, role)
+            entry["tool_calls"] = _message_tool_calls(calls, f"{where}.tool_calls")
+        else:
+            entry["content"] = _message_text(content, where, role)
         name = message.get("name")
         if name is not None:
             entry["name"] = _typed(f"{where}.name", name, str)
+        if role == "tool":
+            entry["tool_call_id"] = _typed(f"{where}.tool_call_id", message.get("tool_call_id"), str)
+        rendered.append(entry)
+    return rendered
+
+
+def _message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where} must be a list of tool calls", where)
+    rendered = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise InvalidRequest(f'{at} must be {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}',
+                                 at)
+        name = _typed(f"{at}.function.name", function.get("name"), str)
+        arguments = _typed(f"{at}.function.arguments", function.get("arguments", "{}"), str)
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            raise InvalidRequest(f"{at}.function.arguments must be a JSON object's text", f"{at}.function.arguments") \
+                from None
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": decoded}}
+        if call.get("id") is not None:
+            entry["id"] = _typed(f"{at}.id", call["id"], str)
         rendered.append(entry)
     return rendered
 

@@ -6,11 +6,13 @@ No I/O, so the shapes are testable without a server: the HTTP layer feeds a
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
 
 from pdserve.gateway.openai_protocol import ParsedRequest
+from pdserve.gateway.tool_parsers import ToolCall, ToolCallStream, ToolParser, new_call_id
 from pdserve.protos.pdserve.v1 import generation_pb2
 
 FINISH_REASONS = {
@@ -232,6 +234,18 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, model: str, decoder: Decoder, parsed: ParsedRequest, tool_parser: ToolParser | None = None
+                 ) -> None:
+        super().__init__(model, decoder, parsed)
+        self.tool_mode = parsed.tools.choice if parsed.tools is not None else "none"
+        if self.tool_mode == "auto" and tool_parser is None:
+            raise ValueError('tool_choice "auto" needs a tool parser')
+        self.tool_parser = tool_parser
+        self._held = [""] * parsed.n  # "required": each choice's text, parsed at its end
+        self._streams = [ToolCallStream(tool_parser) for _ in range(parsed.n)] if self.tool_mode == "auto" else []
+        self._call_ids = [new_call_id() for _ in range(parsed.n)]  # "named": each choice's one call
+        self._named_started = [False] * parsed.n  # "named", streamed: the call's head was sent
+
     def opening(self, index: int) -> list[dict[str, Any]]:
         # OpenAI's first chunk of a choice names the role; the content follows.
         first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -249,6 +263,83 @@ class ChatFormat(ResponseFormat):
         self.started[index] = True
         logprobs = (chat_logprobs(list(response.logprobs), self.decoder, self.parsed.logprobs_count)
                     if self.parsed.logprobs else None)
-        key, message = ("delta", {"content": response.text}) if delta else (
-            "message", {"role": "assistant", "content": response.text})
-        return {"index": index, key: message, "logprobs": logprobs, "finish_reason": finish_reason(response)}
+        reason = finish_reason(response)
+        if self.tool_mode == "none":
+            key, message = ("delta", {"content": response.text}) if delta else (
+                "message", {"role": "assistant", "content": response.text})
+            return {"index": index, key: message, "logprobs": logprobs, "finish_reason": reason}
+        if delta:
+            message, called = self._tool_delta(index, response.text, reason is not None)
+            key = "delta"
+        else:
+            content, calls = self._calls(index, response.text, reason)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                ids = [self._call_ids[index]] if self.tool_mode == "named" else [new_call_id() for _ in calls]
+                message["tool_calls"] = [call.to_json(call_id) for call, call_id in zip(calls, ids)]
+            called, key = bool(calls), "message"
+        if called and reason == "stop":
+            reason = "tool_calls"
+        return {"index": index, key: message, "logprobs": logprobs, "finish_reason": reason}
+
+    def _calls(self, index: int, text: str, reason: str | None) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer's content and tool calls, by the request's tool choice."""
+        tools = self.parsed.tools
+        assert tools is not None
+        if self.tool_mode == "named":
+            assert tools.name is not None
+            return None, [ToolCall(tools.name, text)]
+        if self.tool_mode == "required":
+            calls = _listed_calls(text)
+            return (None, calls) if calls else (text, [])
+        assert self.tool_parser is not None
+        return self.tool_parser.extract(text)
+
+    def _tool_delta(self, index: int, text: str, last: bool) -> tuple[dict[str, Any], bool]:
+        """One streamed response of a choice with tools: its delta, and whether the choice called a tool."""
+        if self.tool_mode == "named":
+            assert self.parsed.tools is not None and self.parsed.tools.name is not None
+            piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if not self._named_started[index]:
+                self._named_started[index] = True  # the call's head goes once, with the first piece
+                piece = {"index": 0, "id": self._call_ids[index], "type": "function",
+                         "function": {"name": self.parsed.tools.name, "arguments": text}}
+            return {"content": None, "tool_calls": [piece]}, True
+        if self.tool_mode == "required":
+            self._held[index] += text
+            if not last:
+                return {"content": ""}, False
+            calls = _listed_calls(self._held[index])
+            if not calls:
+                return {"content": self._held[index]}, False
+            return {"content": None, "tool_calls": _call_deltas(calls)}, True
+        stream = self._streams[index]
+        content = stream.feed(text)
+        if not last:
+            return {"content": content}, False
+        rest, calls = stream.finish()
+        message: dict[str, Any] = {"content": content + rest}
+        if calls:
+            message["tool_calls"] = _call_deltas(calls)
+        return message, bool(calls)
+
+
+def _listed_calls(text: str) -> list[ToolCall]:
+    """``tool_choice: "required"``'s answer: a JSON list of ``{"name": ..., "parameters": {...}}``; [] if the text
+    is not one (a choice cut short by max_tokens)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        calls.append(ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+    return calls
+
+
+def _call_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"index": position, **call.to_json(new_call_id())} for position, call in enumerate(calls)]

@@ -102,9 +102,11 @@ def test_content_parts_and_developer_messages_reach_the_template_as_text() -> No
 
 
 @pytest.mark.parametrize("messages, param, text", [
-    ([{"role": "wizard", "content": "hi"}], "messages[0].role", "must be one of system, developer, user, assistant"),
-    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "x"}], "messages[1].role",
-     "does not call tools"),
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role", "must be one of system, developer, user, assistant, tool"),
+    ([{"role": "user", "content": "hi"}, {"role": "function", "content": "42"}], "messages[1].role",
+     "deprecated name: use 'tool'"),
+    ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id", "must be a string, got None"),
+    ([{"role": "user", "content": "hi", "tool_call_id": "x"}], "messages[0].tool_call_id", "not supported in a user"),
     ([{"content": "hi"}], "messages[0].role", "got None"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}],
@@ -121,7 +123,9 @@ def test_content_parts_and_developer_messages_reach_the_template_as_text() -> No
      "not supported"),
     ([{"role": "user", "content": []}], "messages[0].content", "non-empty list"),
     ([{"role": "user", "content": None}], "messages[0].content", "string or a non-empty list"),
-    ([{"role": "assistant", "content": "x", "tool_calls": []}], "messages[0].tool_calls", "not supported"),
+    ([{"role": "assistant", "content": "x", "tool_calls": {}}], "messages[0].tool_calls", "must be a list"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}],
+     "messages[0].tool_calls[0].function.arguments", "JSON object's text"),
     ([{"role": "user", "content": "x", "name": 3}], "messages[0].name", "must be a string"),
     ([], "messages", "non-empty list"),
 ])
@@ -142,14 +146,13 @@ def test_unknown_keys_are_refused_by_name() -> None:
 
 ACCEPTED = [
     ("user", "u-1"), ("safety_identifier", "s"), ("prompt_cache_key", "k"), ("metadata", {"a": "b"}),
-    ("store", False), ("modalities", ["text"]), ("tools", []),
-    ("functions", []), ("tool_choice", "none"), ("function_call", "none"), ("parallel_tool_calls", True),
+    ("store", False), ("modalities", ["text"]),
+    ("functions", []), ("function_call", "none"),
     ("service_tier", "auto"), ("service_tier", "default"), ("prompt_cache_retention", "in_memory"), ("audio", None),
 ]
 REFUSED = [
     ("user", 5), ("metadata", {"a": 1}), ("store", True), ("modalities", ["text", "audio"]),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("functions", [{"name": "f"}]), ("tool_choice", "auto"), ("function_call", "auto"), ("parallel_tool_calls", 1),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("service_tier", "flex"), ("prompt_cache_retention", "24h"), ("audio", {"voice": "alloy", "format": "mp3"}),
     ("moderation", {}), ("prediction", {"type": "content", "content": "x"}), ("prompt_cache_options", {}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),

@@ -255,10 +255,68 @@ def test_the_mask_sets_exactly_the_disallowed_logits_to_minus_infinity() -> None
     masks = GrammarMasks(70)
     logits = torch.arange(3 * 70, dtype=torch.float32).view(3, 70)
     original = logits.clone()
-    masks.apply(logits, masks.start([(0, Fixed(0)), (2, Fixed(1))]))
+    masks.apply(logits, masks.start([(0, Fixed(0), ()), (2, Fixed(1), ())]))
     minus = float("-inf")
     assert [i for i in range(70) if logits[0, i] != minus] == [0, 1, 3, 69]
     assert torch.equal(logits[1], original[1])  # an unconstrained row is untouched
     assert [i for i in range(70) if logits[2, i] != minus] == [63]
     assert logits[0, 3] == original[0, 3] and logits[0, 69] == original[0, 69] and logits[2, 63] == original[2, 63]
+    masks.shutdown()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_speculative_decoding_verifies_proposals_under_the_grammar(chat_llama: Path,
+                                                                   masked_oracle: MaskedOracle) -> None:
+    """n-gram proposals taken from a prompt that holds JSON like the output's: each proposed position gets the
+    mask after the proposed tokens before it; greedy output equals transformers' with the mask."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    text = '{"name":"ab","age":12,"admin":true,"team":"red"} {"name":"cd","age":3,"admin":false,"team":"blue"}'
+    example = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts = [example + random_prompts([n], seed=36 + n)[0] + example for n in (3, 11, 20)]
+    specs = [SPECS[0], StructuredOutputsParams(json_object=True), SPECS[0]]
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=128,
+              speculative_config={**NGRAM, "disable_by_batch_size": 8})
+    outputs = llm.generate(prompts, [_params(spec) for spec in specs])
+    for prompt, spec, out in zip(prompts, specs, outputs):
+        _check_output(out, spec, masked_oracle.generate(prompt, spec, MAX_TOKENS))
+    stats = [out.spec_decode_stats for out in outputs]
+    assert sum(s.num_draft_tokens for s in stats) > 0 and sum(s.num_accepted_tokens for s in stats) > 0
+
+
+def test_the_masks_of_a_verifying_sequence_follow_its_proposed_tokens_and_the_matcher_rolls_back(
+    chat_llama: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.structured_output import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, {7}))
+    spec = StructuredOutputsParams(regex="ab(c|d)e")
+    a, b, c, d, x = (tokenizer.convert_tokens_to_ids(t) for t in "abcdx")
+    reference = compiler.compile(spec)
+
+    def mask_after(tokens: list[int]) -> list[int]:
+        matcher = reference.deep_copy()
+        for token in tokens:
+            assert matcher.consume_token(token)
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+        return np.flatnonzero(GrammarMasks.allowed(torch.from_numpy(words.copy())[None], VOCAB_SIZE)[0]).tolist()
+
+    masks = GrammarMasks(VOCAB_SIZE)
+    matcher = compiler.compile(spec)
+    # Row 0: before any proposed token; rows 1, 2: after "a", after "a b"; "x" is refused, so row 3 repeats row 2.
+    rows, words = masks.fill([(0, matcher, (a, b, x, c))])
+    allowed = GrammarMasks.allowed(words, VOCAB_SIZE)
+    assert rows == [0, 1, 2, 3, 4]
+    assert [np.flatnonzero(allowed[i]).tolist() for i in range(5)] == [
+        mask_after([]), mask_after([a]), mask_after([a, b]), mask_after([a, b]), mask_after([a, b])
+    ]
+    assert set(mask_after([a, b])) == {c, d}
+    # The matcher is where it was: "a" is still the only start.
+    assert matcher.consume_token(a) and not matcher.consume_token(x)
     masks.shutdown()

@@ -114,8 +114,6 @@ class SpecDecoder:
         compute; never past max_tokens (the run adds one token after the accepted ones) or max_model_len."""
         if (
             not seq.params.use_speculation
-            # Proposals are not checked against a grammar yet: constrained requests decode a token at a time.
-            or seq.grammar is not None
             or seq.status is not SequenceStatus.RUNNING
             or seq.num_computed_tokens != seq.num_tokens - 1
         ):

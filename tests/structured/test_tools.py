@@ -1,0 +1,225 @@
+"""Tool calls through the official openai client: named and required tool choices enforced by structured
+output, "auto" found by the gateway's --tool-call-parser, streamed and not; histories with tool calls; the 400s."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from pdserve.gateway.openai_protocol import InvalidRequest, parse_chat
+from pdserve.gateway.tokenizer import load_tokenizer
+from tests.support.cluster import ClusterOptions, InProcessCluster
+
+# A Hermes-style template: the tools in a system turn, calls as <tool_call> blocks, tool results as "tool" turns.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                  "maximum": 14}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "unit": "C"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tools_llama(chat_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-llama-tools")
+    for path in chat_llama.iterdir():
+        shutil.copy(path, directory / path.name)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@asynccontextmanager
+async def _served(checkpoint: Path, **gateway_args: Any) -> AsyncIterator[openai.AsyncOpenAI]:
+    options = ClusterOptions(num_kv_blocks=128, http=True, tokenizer=load_tokenizer(str(checkpoint)),
+                             gateway_args=gateway_args)
+    async with InProcessCluster(checkpoint, options) as cluster:
+        assert cluster.gateway is not None
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.gateway.http_port}/v1", api_key="unused",
+                                      max_retries=0) as client:
+            yield client
+        await cluster.wait_idle()
+
+
+def _check_calls(calls: Any, names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+async def _streamed(client: openai.AsyncOpenAI, **args: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """A streamed chat's content, its tool calls put together from their pieces (by index), its finish reason."""
+    stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True, **args)
+    content, calls, reason = "", {}, None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for piece in delta.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += piece.id or ""
+            call["name"] += (piece.function.name or "") if piece.function else ""
+            call["arguments"] += (piece.function.arguments or "") if piece.function else ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content, calls, reason
+
+
+@pytest.mark.asyncio
+async def test_a_named_tool_choice_always_calls_it_with_valid_arguments(tools_llama: Path) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with _served(tools_llama) as client:
+        reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=named,  # type: ignore[arg-type]
+                                                     max_tokens=80, temperature=1.0, seed=4)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        _check_calls(choice.message.tool_calls, {"get_weather"})
+        content, calls, reason = await _streamed(client, tools=TOOLS, tool_choice=named, max_tokens=80,
+                                                 temperature=1.0, seed=4)
+        assert (content, reason) == ("", "tool_calls") and list(calls) == [0]
+        assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("chatcmpl-tool-")
+        assert calls[0]["arguments"] == choice.message.tool_calls[0].function.arguments  # type: ignore[index]
+
+
+@pytest.mark.asyncio
+async def test_required_calls_listed_tools_one_without_parallel_calls(tools_llama: Path) -> None:
+    async with _served(tools_llama) as client:
+        for seed in range(3):
+            reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS,  # type: ignore[arg-type]
+                                                         tool_choice="required", parallel_tool_calls=False,
+                                                         max_tokens=120, temperature=1.0, seed=seed)
+            assert reply.choices[0].finish_reason == "tool_calls"
+            calls = reply.choices[0].message.tool_calls
+            assert calls is not None and len(calls) == 1
+            _check_calls(calls, {"get_weather", "get_time"})
+        content, streamed, reason = await _streamed(client, tools=TOOLS, tool_choice="required", max_tokens=200,
+                                                    temperature=1.0, seed=9)
+        assert content == "" and reason == "tool_calls" and list(streamed) == list(range(len(streamed)))
+        for call in streamed.values():
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+@pytest.mark.asyncio
+async def test_auto_finds_hermes_calls_in_the_answer_and_leaves_plain_answers_alone(tools_llama: Path) -> None:
+    # The tiny random model writes no tool call of its own: a regex makes it write one in Hermes' format.
+    calling = {"structured_outputs": {"regex": r"Let me check\. " + HERMES_CALL}}
+    async with _served(tools_llama, tool_call_parser="hermes") as client:
+        reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=200,  # type: ignore[arg-type]
+                                                     temperature=0.0, extra_body=calling)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+        _check_calls(choice.message.tool_calls, {"get_weather"})
+        content, calls, reason = await _streamed(client, tools=TOOLS, max_tokens=200, temperature=0.0,
+                                                 extra_body=calling)
+        assert (content, reason) == ("Let me check. ", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            ("get_weather", choice.message.tool_calls[0].function.arguments)]  # type: ignore[index]
+        plain = {"structured_outputs": {"regex": "[a-z]{2,6} <[a-z]{2,6}> [a-z]{2,6}"}}
+        reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="auto",  # type: ignore[arg-type]
+                                                     max_tokens=40, temperature=0.0, extra_body=plain)
+        assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.tool_calls is None
+        content, calls, reason = await _streamed(client, tools=TOOLS, max_tokens=40, temperature=0.0, extra_body=plain)
+        assert (content, calls, reason) == (reply.choices[0].message.content, {}, "stop")
+
+
+@pytest.mark.asyncio
+async def test_a_history_with_calls_and_results_is_served(tools_llama: Path) -> None:
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "18 degrees, sunny"},
+    ]
+    async with _served(tools_llama) as client:
+        reply = await client.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                                     max_tokens=6, temperature=0.0)
+        assert reply.choices[0].message.tool_calls is None and reply.usage is not None
+        without = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                                       max_tokens=6, temperature=0.0)
+        assert without.usage is not None and reply.usage.prompt_tokens > without.usage.prompt_tokens
+
+
+def test_the_template_gets_the_tools_and_the_history_with_arguments_as_objects(tools_llama: Path) -> None:
+    tokenizer = load_tokenizer(str(tools_llama))
+    calls: list[dict[str, Any]] = []
+    original = tokenizer.apply_chat_template
+
+    def recording(messages: Any, **kwargs: Any) -> Any:
+        calls.append({"messages": messages, **kwargs})
+        return original(messages, **kwargs)
+
+    tokenizer.apply_chat_template = recording
+    body = {"model": "m", "tools": TOOLS, "tool_choice": "required", "messages": [
+        *MESSAGES, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "get_time", "arguments": '{"zone": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "14:00"}]}
+    parsed = parse_chat(body, tokenizer)
+    (call,) = calls
+    assert call["tools"] == TOOLS
+    assert call["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_time", "arguments": {"zone": 2}}, "id": "c"}]}
+    assert call["messages"][2] == {"role": "tool", "content": "14:00", "tool_call_id": "c"}
+    assert parsed.tools is not None and parsed.tools.choice == "required"
+    schema = json.loads(parsed.generate.sampling_params.structured_outputs.json)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [item["properties"]["name"] for item in schema["items"]["anyOf"]] == [{"const": "get_weather"},
+                                                                                {"const": "get_time"}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "text"),
+    [
+        (dict(tool_choice={"type": "function", "function": {"name": "book_flight"}}), "tool_choice",
+         "not among the tools"),
+        (dict(tool_choice="auto"), "tool_choice", "--enable-auto-tool-choice"),
+        (dict(), "tool_choice", "--enable-auto-tool-choice"),  # "auto" is the default with tools
+        (dict(tool_choice="sometimes"), "tool_choice", "tool_choice must be"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name"}}], tool_choice="required"),
+         "tools[0].function.name", "letters, digits"),
+        (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "tools[1].function.name", "names another tool"),
+        (dict(tools=[{"type": "retrieval"}], tool_choice="required"), "tools[0]", '"type": "function"'),
+        (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice", "cannot be combined"),
+        (dict(tools=None, tool_choice="required"), "tool_choice", "needs tools"),
+    ],
+)
+def test_bad_tool_requests_are_refused_naming_the_field(tools_llama: Path, extra: dict[str, Any], param: str,
+                                                        text: str) -> None:
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, **extra}
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat(body, load_tokenizer(str(tools_llama)))
+    assert caught.value.param == param and text in str(caught.value)
+
+
+def test_a_template_that_cannot_render_tools_is_refused(chat_llama: Path) -> None:
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat(body, load_tokenizer(str(chat_llama)))
+    assert caught.value.param == "tools" and "does not render tools" in str(caught.value)
