@@ -102,7 +102,7 @@ class Cluster:
 def start_cluster(name: str, extra: list[str], redis_prefix: str, num_kv_blocks: int, workdir: Path) -> Cluster:
     grpc_port, http_port = _free_port(), _free_port()
     log_path = workdir / f"up-{name}.log"
-    command = [sys.executable, "-m", "pdserve", "up", "--dtype", "float32", "--port", str(grpc_port),
+    command = [sys.executable, "-m", "pdserve", "up", "--no-http", "--dtype", "float32", "--port", str(grpc_port),
                "--http-port", str(http_port), "--num-kv-blocks", str(num_kv_blocks), "--redis-prefix", redis_prefix,
                "--metrics-port", "0", *SUPERVISION, *extra]
     with open(log_path, "wb") as log:

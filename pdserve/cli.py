@@ -19,7 +19,7 @@ from pdserve.security_flags import (
     client_tls_from_args,
 )
 from pdserve.serve import add_speculative_config_argument, engine_config, run_colocated, run_decode, run_gateway, run_prefill
-from pdserve.up import DEFAULT_BATCH_WINDOW_MS, DEFAULT_KV_HANDOFF_TIMEOUT_S, run_up
+from pdserve.up import DEFAULT_BATCH_WINDOW_MS, DEFAULT_HTTP_PORT, DEFAULT_KV_HANDOFF_TIMEOUT_S, run_up
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
@@ -301,7 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the gateway's --max-tpot-increase: auto's stall budget for local prefills (default 0.1)")
     up.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     up.add_argument("--port", type=int, default=50051)
-    up.add_argument("--http-port", type=int, default=None, help="the gateway's OpenAI-compatible HTTP API (default: off)")
+    up.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                    help=f"the gateway's OpenAI-compatible HTTP API, on --host (default {DEFAULT_HTTP_PORT}, as "
+                         "`vllm serve`; 0: any free port)")
+    up.add_argument("--no-http", action="store_true", help="serve gRPC only: no OpenAI-compatible HTTP API")
     up.add_argument("--max-n", type=int, default=None, help="largest n the HTTP API accepts (default: the gateway's, 16)")
     _tool_arguments(up)
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")

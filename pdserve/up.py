@@ -12,6 +12,8 @@ import sys
 DEFAULT_BATCH_WINDOW_MS = 30.0
 # A worker's --kv-handoff-timeout (and up's) when not given: EngineConfig.kv_handoff_timeout_s's default.
 DEFAULT_KV_HANDOFF_TIMEOUT_S = 30.0
+# The OpenAI-compatible HTTP API's port in `pdserve up` (vLLM's `vllm serve` default); --no-http turns it off.
+DEFAULT_HTTP_PORT = 8000
 
 
 def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -73,7 +75,7 @@ def run_up(args: argparse.Namespace) -> int:
         decode_args=up_decode_args(args), prefill_args=up_prefill_args(args),
         colocated_workers=args.colocated_workers, routing=args.routing, disaggregation=args.disaggregation,
         max_tpot_increase=args.max_tpot_increase,
-        http_port=args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,
+        http_port=None if args.no_http else args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,
         tool_call_parser=tool_call_parser_from_args(args),
     )
     stop = False
@@ -111,8 +113,10 @@ def startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - Lo
               else f"{args.prefill_workers} prefill, {args.decode_workers} decode")
     line = (f"pdserve is serving {args.model or 'the default model'} on {cluster.endpoint} "
             f"({layout}{_tp_note(args)}, transport {args.kv_transport}); try: pdserve generate 'Hello' --target {cluster.endpoint}")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    if not args.no_http and args.http_port:
+        line += f"; OpenAI API: http{'s' if getattr(args, 'tls_cert', None) else ''}://{host}:{args.http_port}/v1"
     if cluster.metrics_ports:
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())
         line += f"; metrics: {listed}"
     return line

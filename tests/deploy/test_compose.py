@@ -193,8 +193,10 @@ def test_only_the_gateway_publishes_a_port_on_loopback_by_default(
         publishing = sorted(name for name, service in services.items() if service.get("ports"))
         assert publishing == ["gateway"]
     gateway = compose["services"]["gateway"]
-    assert gateway["ports"] == [{"target": 50051, "published": "50051", "host_ip": "127.0.0.1", "protocol": "tcp"}]
+    assert gateway["ports"] == [{"target": 50051, "published": "50051", "host_ip": "127.0.0.1", "protocol": "tcp"},
+                                {"target": 8000, "published": "8000", "host_ip": "127.0.0.1", "protocol": "tcp"}]
     assert _parse_pdserve(_command(gateway))["port"] == 50051
+    assert _parse_pdserve(_command(gateway))["http_port"] == 8000
 
 
 @pytest.mark.parametrize("service_name", PDSERVE_SERVICES)

@@ -156,7 +156,7 @@ def up(model_copy: Path, faults: Path, tmp_path_factory: pytest.TempPathFactory)
         pytest.skip("redis-server is not installed")
     # A port where nothing answers: `pdserve up` starts (and supervises) its own Redis there.
     # Each test restarts a child at most once: two restarts in the window are allowed, a third exit gives up.
-    args = ["--model", str(model_copy), "--dtype", "float32", "--port", "0", "--prefill-workers", "2",
+    args = ["--model", str(model_copy), "--dtype", "float32", "--port", "0", "--no-http", "--prefill-workers", "2",
             "--decode-workers", "2", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0", "--redis-prefix", PREFIX,
             "--num-kv-blocks", "256", "--metrics-port", "0", "--restart-delay", "1", "--unhealthy-after", "3",
             "--max-restarts", "2", "--restart-window", "600"]
@@ -415,6 +415,8 @@ def test_up_on_a_taken_port_fails_with_one_line_naming_the_flag(flag: str, messa
         taken.listen()
         port = taken.getsockname()[1]
         args = ["up", "--port", "0", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0", flag, str(port)]
+        if flag != "--http-port":
+            args.append("--no-http")
         result = _run(args)
     assert result.returncode == 1
     assert result.stderr == f"pdserve: error: port {port} on 127.0.0.1 ({message}\n"
@@ -456,7 +458,8 @@ def test_the_port_check_names_the_process_whose_metrics_port_is_taken() -> None:
 
 def test_up_with_a_bad_model_fails_with_the_workers_one_line_reason(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
-    result = _run(["up", "--port", "0", "--model", str(missing), "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"])
+    result = _run(["up", "--port", "0", "--no-http", "--model", str(missing),
+                   "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"])
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
     assert result.stderr.startswith(f"pdserve: error: prefill-0 exited with status 2 before serving: Model '{missing}' "
