@@ -23,13 +23,13 @@ KUBERNETES_DIR = REPO / "deploy" / "kubernetes"
 TOOLS_BIN = REPO / ".venv-tools" / "bin"
 OVERLAYS = ("cpu", "nvidia-gpu")
 COMPONENTS = ("openai-http", "autoscaling", "nccl-kv-transfer")
-# What each rendered variant is made of: every overlay alone, and with every component that fits it
-# (NCCL is for GPUs).
+# What each rendered variant is made of: every overlay alone (each lists openai-http itself), and with every
+# other component that fits it (NCCL is for GPUs).
 VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cpu": ("cpu", ()),
     "nvidia-gpu": ("nvidia-gpu", ()),
-    "cpu+http+autoscaling": ("cpu", ("openai-http", "autoscaling")),
-    "nvidia-gpu+http+autoscaling+nccl": ("nvidia-gpu", ("openai-http", "autoscaling", "nccl-kv-transfer")),
+    "cpu+autoscaling": ("cpu", ("autoscaling",)),
+    "nvidia-gpu+autoscaling+nccl": ("nvidia-gpu", ("autoscaling", "nccl-kv-transfer")),
 }
 
 

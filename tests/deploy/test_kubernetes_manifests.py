@@ -136,7 +136,7 @@ def test_every_pdserve_command_parses_with_the_cli_and_serves_from_the_pod_addre
         _, gateway = _parsed(rendered, rendered.component("gateway"))
         assert gateway.kv_transport == ("torch_dist" if "nccl" in rendered.name else "grpc")
         assert gateway.auth_token_file
-        assert gateway.http_port == (8000 if "http" in rendered.name else None)
+        assert gateway.http_port == 8000  # the overlays serve the OpenAI API by default
 
 
 def test_the_grace_period_covers_the_drain_and_the_pre_stop_wait(variants: dict[str, Rendered]) -> None:
@@ -200,7 +200,7 @@ def test_every_service_selects_one_deployment_and_targets_ports_its_pods_open(va
         redis = rendered.named("Service", "pdserve-redis")
         assert redis["spec"]["ports"][0]["port"] == 6379
         gateway = rendered.named("Service", "pdserve-gateway")
-        assert [p["name"] for p in gateway["spec"]["ports"]] == (["grpc", "http"] if "http" in rendered.name else ["grpc"])
+        assert [p["name"] for p in gateway["spec"]["ports"]] == ["grpc", "http"]
 
 
 def test_every_pod_runs_non_root_on_a_read_only_root_with_limits(variants: dict[str, Rendered]) -> None:
