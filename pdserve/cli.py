@@ -196,6 +196,7 @@ def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _tool_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
     from pdserve.gateway.tool_parsers import PARSERS
 
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -203,6 +204,9 @@ def _tool_arguments(parser: argparse.ArgumentParser) -> None:
                              "--tool-call-parser (required and named tool choices need neither flag)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="the format the model writes tool calls in, for tool_choice \"auto\"")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="chat answers split into reasoning_content (the <think>...</think> part) and content; "
+                             "structured output then holds the answer only")
 
 
 def build_parser() -> argparse.ArgumentParser:

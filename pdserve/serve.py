@@ -203,7 +203,8 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    max_inflight_tokens=args.max_inflight_tokens, client_tls=client_tls,
                                    http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
                                    http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push,
-                                   tool_call_parser=tool_call_parser_from_args(args)), args)
+                                   tool_call_parser=tool_call_parser_from_args(args),
+                                   reasoning_parser=args.reasoning_parser), args)
 
 
 def tool_call_parser_from_args(args: argparse.Namespace) -> str | None:

@@ -274,7 +274,7 @@ class LLMEngine:
             if not seq.grammar.is_ready:
                 still.append(seq)
                 continue
-            if seq.grammar.matcher(seq.output_token_ids) is None:
+            if seq.grammar.matcher(seq.output_token_ids) is None and seq.grammar.error is not None:
                 logger.error("request %s aborted: %s", seq.request_id, seq.grammar.error)
                 outputs.append(self._end(seq, "abort"))
                 continue
@@ -565,7 +565,10 @@ class LLMEngine:
         if spec is not None:
             if self.grammar_compiler is None:
                 raise ValueError("structured_outputs needs a tokenizer, and this checkpoint has none")
-            seq.grammar = RequestGrammar(spec, self.grammar_compiler.submit(spec))
+            activation = ()
+            if spec.reasoning_end is not None:
+                activation = tuple(self.tokenizer(spec.reasoning_end, add_special_tokens=False)["input_ids"])
+            seq.grammar = RequestGrammar(spec, self.grammar_compiler.submit(spec), activation)
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer)
             if seq.output_token_ids:  # a request prefilled elsewhere comes with its first token

@@ -63,6 +63,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = True
+    # Reasoning models: the grammar holds the output only after this text (its tokens, as the model's tokenizer
+    # writes them, e.g. "</think>"); the thinking before it is free. None: from the first token.
+    reasoning_end: str | None = None
     # The request field that holds the spec's value, for error messages ("response_format.json_schema.schema",
     # "guided_regex"...); empty: "structured_outputs.<kind>".
     field_name: str = field(default="", compare=False)
@@ -98,6 +101,8 @@ class StructuredOutputsParams:
                                "choice, grammar, json_object)")
         if kind == "json_object" and value is not True:
             raise GrammarError(f"{where} must be true, got {value!r}")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
+            raise GrammarError(f"reasoning_end must be a non-empty string or None, got {self.reasoning_end!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise GrammarError(f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
 
@@ -243,12 +248,15 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's grammar state: the compile's future, then its matcher, advanced token by token.
 
+    With ``activation`` (the token ids of the spec's ``reasoning_end``), the grammar holds only the tokens after
+    the first place the output holds them: until then ``matcher`` is None and the row samples freely.
     A compile that failed, or an output token the grammar refuses, leaves ``error`` set: the engine then
     ends the request ("abort") instead of generating unconstrained."""
 
-    def __init__(self, params: StructuredOutputsParams, compiled: Future[Any]) -> None:
+    def __init__(self, params: StructuredOutputsParams, compiled: Future[Any], activation: tuple[int, ...] = ()) -> None:
         self.params = params
         self.compiled = compiled
+        self.activation = activation
         self._matcher: Any = None
         self.error: str | None = None
 
@@ -258,15 +266,19 @@ class RequestGrammar:
         return self._matcher is not None or self.error is not None or self.compiled.done()
 
     def matcher(self, output_token_ids: list[int]) -> Any:
-        """The matcher, in the state after ``output_token_ids`` (consumed on first use; waits for the compile
-        if it is still running); None once ``error`` is set."""
+        """The matcher, in the state after the output tokens it holds (consumed on first use; waits for the
+        compile if it is still running); None while the grammar is not active yet, or once ``error`` is set."""
         if self._matcher is None and self.error is None:
+            start = self._start(output_token_ids)
+            if start is None:
+                return None
             try:
                 matcher = self.compiled.result()
             except Exception as error:  # noqa: BLE001 - kept and reported as the request's end
                 self.error = f"{self.params.where} did not compile: {error}"
                 return None
-            for index, token_id in enumerate(output_token_ids):
+            for index in range(start, len(output_token_ids)):
+                token_id = output_token_ids[index]
                 if not matcher.consume_token(token_id):
                     self.error = (f"output token {index} (id {token_id}) breaks {self.params.where}: "
                                   f"{matcher.get_error()}")
@@ -274,12 +286,23 @@ class RequestGrammar:
             self._matcher = matcher
         return self._matcher
 
+    def _start(self, output_token_ids: list[int]) -> int | None:
+        """Where the grammar's tokens begin in the output: 0, or after the first ``activation``; None: not yet."""
+        marker = list(self.activation)
+        if not marker:
+            return 0
+        for index in range(len(output_token_ids) - len(marker) + 1):
+            if output_token_ids[index : index + len(marker)] == marker:
+                return index + len(marker)
+        return None
+
     def advance(self, token_id: int) -> bool:
         """Consume the sampled ``token_id``; whether the request must end: the grammar is complete (nothing
-        but the end may follow), or it refused the token (``error`` set; the mask allows none such)."""
+        but the end may follow), or it refused the token (``error`` set; the mask allows none such). Before the
+        grammar is active (the step's ``matcher`` was None) the token is free, and consumed when it activates."""
         matcher = self._matcher
         if matcher is None:
-            return True
+            return self.error is not None
         if not matcher.consume_token(token_id):
             self.error = f"token id {token_id} breaks {self.params.where}: {matcher.get_error()}"
             return True

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N, InvalidRequest, ParsedRequest, parse_chat, parse_completion
 from pdserve.gateway.openai_responses import ChatFormat, CompletionFormat, Decoder, ResponseFormat, now
+from pdserve.gateway.reasoning_parsers import ReasoningParser
 from pdserve.gateway.tool_parsers import ToolParser
 from pdserve.protos.pdserve.v1 import generation_pb2
 
@@ -85,6 +86,7 @@ class OpenAIHttpApi:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,  # larger bodies are answered 413 unread
         ssl_context: ssl.SSLContext | None = None,  # HTTPS with it; None: plain HTTP
         tool_parser: ToolParser | None = None,  # chat's tool_choice "auto" finds calls with it; None: refused
+        reasoning_parser: ReasoningParser | None = None,  # chat: the thinking as reasoning_content; None: off
     ) -> None:
         if max_n < 1 or max_body_bytes < 1:
             raise ValueError("max_n and max_body_bytes must be >= 1")
@@ -93,7 +95,7 @@ class OpenAIHttpApi:
         self.auth_token, self.grace_s, self.request_timeout_s = auth_token, grace_s, request_timeout_s
         self.max_n, self.max_body_bytes = max_n, max_body_bytes
         self.ssl_context = ssl_context
-        self.tool_parser = tool_parser
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.draining = False
         self._decoder = Decoder(tokenizer)
         self._runner: web.AppRunner | None = None
@@ -192,8 +194,9 @@ class OpenAIHttpApi:
         return await self._generate(request, parsed, form)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_chat(await _json_body(request), self.tokenizer, self.max_n, self.tool_parser is not None)
-        form = ChatFormat(self._model_name(), self._decoder, parsed, self.tool_parser)
+        parsed = parse_chat(await _json_body(request), self.tokenizer, self.max_n, self.tool_parser is not None,
+                            self.reasoning_parser)
+        form = ChatFormat(self._model_name(), self._decoder, parsed, self.tool_parser, self.reasoning_parser)
         return await self._generate(request, parsed, form)
 
     # --- generation ---

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.structured_output import GrammarError, StructuredOutputsParams, check_grammar
+from pdserve.gateway.reasoning_parsers import END as REASONING_END
+from pdserve.gateway.reasoning_parsers import ReasoningParser
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.service_common.structured_outputs import structured_outputs_to_proto
 
@@ -115,6 +117,8 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt is prepended to each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (returned as its own field)
     tools: ToolRequest | None = None  # chat with tools: how the answer's tool calls are found
+    # Chat with a --reasoning-parser: whether the output begins inside the thinking (None: no parser).
+    starts_thinking: bool | None = None
 
     def choice_requests(self) -> list[generation_pb2.GenerateRequest]:
         """One request per choice: choice i samples with seed + i; only choice 0 computes prompt logprobs.
@@ -167,7 +171,7 @@ def parse_completion(body: Mapping[str, Any], max_n: int = DEFAULT_MAX_N) -> Par
 
 
 def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX_N,
-               auto_tool_choice: bool = False) -> ParsedRequest:
+               auto_tool_choice: bool = False, reasoning: ReasoningParser | None = None) -> ParsedRequest:
     """``POST /v1/chat/completions``: the messages (and tools) through the tokenizer's chat template.
     ``auto_tool_choice``: the gateway parses tool calls out of free text (``--enable-auto-tool-choice`` with a
     ``--tool-call-parser``), so ``tool_choice: "auto"`` is served."""
@@ -208,9 +212,16 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX
         except GrammarError as error:
             raise InvalidRequest(f"the tools' parameters do not compile as JSON schemas: {error}", "tools") from None
         params.structured_outputs.CopyFrom(structured_outputs_to_proto(spec))
+    starts_thinking = None
+    if reasoning is not None:
+        # Whether the template opened the thinking for the model (DeepSeek-R1 always thinks first).
+        starts_thinking = reasoning.thinks_from_start(tokenizer.decode(list(token_ids[-64:])))
+        if starts_thinking and params.HasField("structured_outputs"):
+            # The grammar holds the answer only: it starts after the thinking ends.
+            params.structured_outputs.reasoning_end = REASONING_END
     prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
     return ParsedRequest(request, n, *_stream_flags(body), wants_logprobs, top_logprobs or 0, False, prompt_logprobs,
-                         tool_request)
+                         tool_request, starts_thinking)
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from pdserve.gateway.openai_protocol import ParsedRequest
+from pdserve.gateway.reasoning_parsers import ReasoningParser, ReasoningStream
 from pdserve.gateway.tool_parsers import ToolCall, ToolCallStream, ToolParser, new_call_id
 from pdserve.protos.pdserve.v1 import generation_pb2
 
@@ -234,9 +235,13 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     prefix, object_name, chunk_object_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, decoder: Decoder, parsed: ParsedRequest, tool_parser: ToolParser | None = None
-                 ) -> None:
+    def __init__(self, model: str, decoder: Decoder, parsed: ParsedRequest, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(model, decoder, parsed)
+        # The thinking apart from the answer (--reasoning-parser), each choice streamed through its own splitter.
+        self.reasoning = reasoning_parser
+        self._reasoning_streams = ([ReasoningStream(reasoning_parser, parsed.starts_thinking)
+                                    for _ in range(parsed.n)] if reasoning_parser is not None else [])
         self.tool_mode = parsed.tools.choice if parsed.tools is not None else "none"
         if self.tool_mode == "auto" and tool_parser is None:
             raise ValueError('tool_choice "auto" needs a tool parser')
@@ -264,22 +269,36 @@ class ChatFormat(ResponseFormat):
         logprobs = (chat_logprobs(list(response.logprobs), self.decoder, self.parsed.logprobs_count)
                     if self.parsed.logprobs else None)
         reason = finish_reason(response)
+        text, thinking = response.text, None
+        if self.reasoning is not None:
+            if delta:
+                stream = self._reasoning_streams[index]
+                thinking, text = stream.feed(text)
+                if reason is not None:
+                    more_thinking, more_text = stream.finish()
+                    thinking, text = thinking + more_thinking, text + more_text
+            else:
+                thinking, answer = self.reasoning.split(text, self.parsed.starts_thinking)
+                text = answer or ""
         if self.tool_mode == "none":
-            key, message = ("delta", {"content": response.text}) if delta else (
-                "message", {"role": "assistant", "content": response.text})
-            return {"index": index, key: message, "logprobs": logprobs, "finish_reason": reason}
-        if delta:
-            message, called = self._tool_delta(index, response.text, reason is not None)
+            key, message = ("delta", {"content": text}) if delta else (
+                "message", {"role": "assistant", "content": text})
+        elif delta:
+            message, called = self._tool_delta(index, text, reason is not None)
             key = "delta"
+            if called and reason == "stop":
+                reason = "tool_calls"
         else:
-            content, calls = self._calls(index, response.text, reason)
+            content, calls = self._calls(index, text, reason)
             message = {"role": "assistant", "content": content}
             if calls:
                 ids = [self._call_ids[index]] if self.tool_mode == "named" else [new_call_id() for _ in calls]
                 message["tool_calls"] = [call.to_json(call_id) for call, call_id in zip(calls, ids)]
-            called, key = bool(calls), "message"
-        if called and reason == "stop":
-            reason = "tool_calls"
+                if reason == "stop":
+                    reason = "tool_calls"
+            key = "message"
+        if self.reasoning is not None and (thinking or not delta):
+            message["reasoning_content"] = thinking or None
         return {"index": index, key: message, "logprobs": logprobs, "finish_reason": reason}
 
     def _calls(self, index: int, text: str, reason: str | None) -> tuple[str | None, list[ToolCall]]:
@@ -299,6 +318,8 @@ class ChatFormat(ResponseFormat):
         """One streamed response of a choice with tools: its delta, and whether the choice called a tool."""
         if self.tool_mode == "named":
             assert self.parsed.tools is not None and self.parsed.tools.name is not None
+            if not text and not self._named_started[index]:
+                return {"content": None}, last  # still thinking: the call has not begun
             piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if not self._named_started[index]:
                 self._named_started[index] = True  # the call's head goes once, with the first piece

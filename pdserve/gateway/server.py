@@ -17,6 +17,7 @@ from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.disaggregation import DisaggregationPolicy
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
+from pdserve.gateway.reasoning_parsers import reasoning_parser as build_reasoning_parser
 from pdserve.gateway.tool_parsers import tool_parser
 from pdserve.gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from pdserve.gateway.workers import WorkerHandle, WorkerPool
@@ -413,10 +414,12 @@ class GatewayServer:
         max_tpot_increase: float = 0.1,  # auto: local prefills' stall budget on a decode worker's streams
         kv_push: bool = True,  # push KV to the decode worker while the prefill runs (grpc, shm); False: pull
         tool_call_parser: str | None = None,  # HTTP chat: tool_choice "auto" parses calls in this format; None: off
+        reasoning_parser: str | None = None,  # HTTP chat: the thinking apart, in reasoning_content; None: off
     ) -> None:
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         # Built here so that an unknown parser name fails the gateway before anything listens.
         self.tool_parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
+        self.reasoning_parser = build_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
         self.http_api: OpenAIHttpApi | None = None
         # The HTTP port serves TLS exactly when the gRPC port does, with its certificate and client CA;
         # built here so that a bad file fails the gateway before anything listens.
@@ -455,7 +458,8 @@ class GatewayServer:
             self.http_api = OpenAIHttpApi(self.servicer, config.host, self.http_port, None, self.servicer.tokenizer,
                                           auth_token=config.auth_token, grace_s=config.grace_s,
                                           max_n=self.http_max_n, max_body_bytes=self.http_max_body_bytes,
-                                          ssl_context=self.http_ssl_context, tool_parser=self.tool_parser)
+                                          ssl_context=self.http_ssl_context, tool_parser=self.tool_parser,
+                                          reasoning_parser=self.reasoning_parser)
             self.http_port = await self.http_api.start()
         return port
 

@@ -14,6 +14,8 @@ def structured_outputs_from_proto(
     kwargs: dict[str, object] = {"field_name": f"{prefix}.{kind}" if kind else prefix}
     if message.HasField("disable_any_whitespace"):
         kwargs["disable_any_whitespace"] = message.disable_any_whitespace
+    if message.reasoning_end:
+        kwargs["reasoning_end"] = message.reasoning_end
     if kind == "choice":
         kwargs["choice"] = tuple(message.choice.choices)
     elif kind is not None:
@@ -22,7 +24,8 @@ def structured_outputs_from_proto(
 
 
 def structured_outputs_to_proto(params: StructuredOutputsParams) -> generation_pb2.StructuredOutput:
-    message = generation_pb2.StructuredOutput(disable_any_whitespace=params.disable_any_whitespace)
+    message = generation_pb2.StructuredOutput(disable_any_whitespace=params.disable_any_whitespace,
+                                              reasoning_end=params.reasoning_end or "")
     kind = params.kind
     if kind == "choice":
         message.choice.choices.extend(params.choice or ())
