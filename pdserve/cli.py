@@ -196,6 +196,7 @@ def _add_supervision_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _tool_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.engine.structured_output import DEFAULT_CHECK_TIMEOUT_S
     from pdserve.gateway.reasoning_parsers import PARSERS as REASONING_PARSERS
     from pdserve.gateway.tool_parsers import PARSERS
 
@@ -204,6 +205,9 @@ def _tool_arguments(parser: argparse.ArgumentParser) -> None:
                              "--tool-call-parser (required and named tool choices need neither flag)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="the format the model writes tool calls in, for tool_choice \"auto\"")
+    parser.add_argument("--structured-outputs-timeout", type=_positive_float, default=DEFAULT_CHECK_TIMEOUT_S,
+                        help="seconds a request's JSON schema, regex or grammar may take to compile before it is "
+                             f"refused (400, INVALID_ARGUMENT; default {DEFAULT_CHECK_TIMEOUT_S:g})")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="chat answers split into reasoning_content (the <think>...</think> part) and content; "
                              "structured output then holds the answer only")

@@ -43,6 +43,7 @@ class ClusterConfig:
     http_max_n: int | None = None  # the most choices one HTTP request may ask for; None: the gateway's default
     tool_call_parser: str | None = None  # the gateway's tool_choice "auto" parser; None: off
     reasoning_parser: str | None = None  # the gateway's --reasoning-parser; None: off
+    structured_outputs_timeout_s: float | None = None  # the gateway's --structured-outputs-timeout; None: its default
     redis_url: str | None = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "pdserve"
     kv_transport: str = "grpc"
@@ -142,6 +143,8 @@ class LocalCluster:
             gateway_args += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
         if config.reasoning_parser is not None:
             gateway_args += ["--reasoning-parser", config.reasoning_parser]
+        if config.structured_outputs_timeout_s is not None:
+            gateway_args += ["--structured-outputs-timeout", repr(config.structured_outputs_timeout_s)]
         for address in self.prefill_addresses:
             gateway_args += ["--prefill", address]
         for address in self.decode_addresses:

@@ -174,6 +174,7 @@ def run_colocated(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    from pdserve.engine.structured_output import set_check_timeout
     from pdserve.gateway.server import GatewayServer
     from pdserve.gateway.tokenizer import load_tokenizer
     from pdserve.service_common.server import ServerConfig
@@ -186,6 +187,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                                  auth_token=auth_token_from_args(args), health_port=args.health_port)
     client_tls = client_tls_from_args(args)
     tokenizer = load_tokenizer(args.model)
+    set_check_timeout(args.structured_outputs_timeout)
 
     class _Gateway(GatewayServer):
         advertise_host = args.host

@@ -25,6 +25,7 @@ bounded then always completes in a bounded number of tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import threading
@@ -38,6 +39,9 @@ from typing import Any
 MAX_WHITESPACE_RUN = 4
 # Compiled grammars kept per engine (least recently used out).
 GRAMMAR_CACHE_SIZE = 256
+# How long ``check_grammar`` waits for a spec to compile before refusing it (the gateway's
+# --structured-outputs-timeout sets it for its process).
+DEFAULT_CHECK_TIMEOUT_S = 10.0
 # The kinds a request may ask for, in vLLM's StructuredOutputsParams' names.
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -154,11 +158,28 @@ def grammar_of(params: StructuredOutputsParams) -> str:
     raise AssertionError(kind)  # __post_init__ admits no other kind
 
 
+_check_timeout_s = DEFAULT_CHECK_TIMEOUT_S
+_checker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-grammar-check")
+
+
+def set_check_timeout(seconds: float) -> None:
+    """How long ``check_grammar`` waits for a compile, for this process; ``ValueError`` unless > 0."""
+    global _check_timeout_s
+    if not seconds > 0:
+        raise ValueError(f"the structured-output compile timeout must be > 0 seconds, got {seconds!r}")
+    _check_timeout_s = seconds
+
+
 def check_grammar(params: StructuredOutputsParams) -> str:
     """The grammar text of ``params`` once llguidance accepts it; ``GrammarError`` naming the field with
-    llguidance's reason otherwise. Needs no tokenizer: the gateway checks requests with it. The verdicts of
-    the last ``GRAMMAR_CACHE_SIZE`` distinct specs are kept."""
-    grammar, error = _checked(params.key)
+    llguidance's reason otherwise, or when it takes longer than the check timeout (``set_check_timeout``) to
+    compile. Needs no tokenizer: the gateway checks requests with it. The verdicts of the last
+    ``GRAMMAR_CACHE_SIZE`` distinct specs are kept."""
+    pending = _checker.submit(_checked, params.key)
+    try:
+        grammar, error = pending.result(timeout=_check_timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise GrammarError(f"{params.where} did not compile within {_check_timeout_s:g} s") from None
     if error is not None:
         raise GrammarError(f"{params.where} does not compile: {error}")
     assert grammar is not None

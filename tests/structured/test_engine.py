@@ -320,3 +320,45 @@ def test_the_masks_of_a_verifying_sequence_follow_its_proposed_tokens_and_the_ma
     # The matcher is where it was: "a" is still the only start.
     assert matcher.consume_token(a) and not matcher.consume_token(x)
     masks.shutdown()
+
+
+def test_logprobs_are_the_allowed_distributions_and_stop_strings_still_end_the_request(chat_llama: Path) -> None:
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+    prompt = random_prompts([14], seed=37)[0]
+    spec = StructuredOutputsParams(choice=("alpha beta", "alpha gamma", "delta"))
+    (out,) = llm.generate([prompt], _params(spec, logprobs=3))
+    assert out.finish_reason == "stop" and out.text in spec.choice  # type: ignore[operator]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    # The mask comes first: the logprobs are the allowed tokens' distribution (a disallowed alternative has
+    # -inf), the chosen token the most likely of them (greedy).
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.structured_output import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    matcher = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, set(llm.engine.eos_token_ids))).compile(spec)
+    for entry in out.logprobs:
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+        allowed = GrammarMasks.allowed(torch.from_numpy(words.copy())[None], VOCAB_SIZE)[0]
+        assert entry.logprob == max(lp for _, lp in entry.top) > float("-inf")
+        assert all((lp > float("-inf")) == bool(allowed[token]) for token, lp in entry.top), entry
+        assert matcher.consume_token(entry.token_id)
+    # A stop string inside the grammar's output ends the request there, with "stop", the text cut before it.
+    (stopped,) = llm.generate([prompt], _params(StructuredOutputsParams(regex="abc[0-9]{2}xyz"), stop=["c"]))
+    assert (stopped.text, stopped.finish_reason) == ("ab", "stop")
+
+
+def test_a_spec_that_does_not_compile_in_time_is_refused_naming_the_field() -> None:
+    from pdserve.engine import structured_output
+
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i},{i + 40}}}x"}
+                                               for i in range(60)}}
+    spec = StructuredOutputsParams(json=schema, field_name="response_format.json_schema.schema")
+    structured_output.set_check_timeout(1e-9)
+    try:
+        with pytest.raises(GrammarError, match=r"^response_format\.json_schema\.schema did not compile within 1e-09 s"):
+            check_grammar(spec)
+    finally:
+        structured_output.set_check_timeout(structured_output.DEFAULT_CHECK_TIMEOUT_S)
+    with pytest.raises(ValueError, match="must be > 0"):
+        structured_output.set_check_timeout(0)
