@@ -362,3 +362,17 @@ def test_a_spec_that_does_not_compile_in_time_is_refused_naming_the_field() -> N
         structured_output.set_check_timeout(structured_output.DEFAULT_CHECK_TIMEOUT_S)
     with pytest.raises(ValueError, match="must be > 0"):
         structured_output.set_check_timeout(0)
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(chat_llama: Path) -> None:
+    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"late": {"type": "integer"}}})
+    request_id = engine.add_request([5, 6, 7], _params(spec))
+    # Never compiled before: the request waits outside the scheduler's queue (or joined it if the compile won).
+    aborted = engine.abort_request(request_id)
+    assert aborted is not None and aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert engine.stats().num_waiting == 0
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
