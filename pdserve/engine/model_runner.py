@@ -142,7 +142,8 @@ class ModelRunner:
         if not matchers:
             return None
         if self._grammar_masks is None:
-            self._grammar_masks = GrammarMasks(int(self.model.config.vocab_size))
+            # Overlapped with the forward where it runs on an accelerator; on CPU its OpenMP team has the cores.
+            self._grammar_masks = GrammarMasks(int(self.model.config.vocab_size), overlap=self.device.type != "cpu")
         return self._grammar_masks.start(matchers)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:  # (num_tokens, hidden)

@@ -348,17 +348,25 @@ def test_logprobs_are_the_allowed_distributions_and_stop_strings_still_end_the_r
     assert (stopped.text, stopped.finish_reason) == ("ab", "stop")
 
 
-def test_a_spec_that_does_not_compile_in_time_is_refused_naming_the_field() -> None:
+def test_a_spec_that_does_not_compile_in_time_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
     from pdserve.engine import structured_output
 
-    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": f"[a-z]{{{i},{i + 40}}}x"}
-                                               for i in range(60)}}
-    spec = StructuredOutputsParams(json=schema, field_name="response_format.json_schema.schema")
-    structured_output.set_check_timeout(1e-9)
+    released = threading.Event()
+
+    def compiling_forever(key: Any) -> tuple[str | None, str | None]:
+        released.wait(30)  # a compile that outlasts the timeout
+        return "grammar", None
+
+    monkeypatch.setattr(structured_output, "_checked", compiling_forever)
+    spec = StructuredOutputsParams(json={"type": "object"}, field_name="response_format.json_schema.schema")
+    structured_output.set_check_timeout(0.05)
     try:
-        with pytest.raises(GrammarError, match=r"^response_format\.json_schema\.schema did not compile within 1e-09 s"):
+        with pytest.raises(GrammarError, match=r"^response_format\.json_schema\.schema did not compile within 0\.05 s"):
             check_grammar(spec)
     finally:
+        released.set()
         structured_output.set_check_timeout(structured_output.DEFAULT_CHECK_TIMEOUT_S)
     with pytest.raises(ValueError, match="must be > 0"):
         structured_output.set_check_timeout(0)
