@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -380,6 +381,18 @@ def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-llama-"), _tiny_llama_config())
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama checkpoint plus a tokenizer: text prompts, chat and echo work end to end."""
+    from tests.http.conftest import build_byte_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-llama-chat")
+    for path in llama_checkpoint.iterdir():
+        shutil.copy(path, directory / path.name)
+    build_byte_tokenizer(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")

@@ -180,10 +180,7 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Any, max_n: int = DEFAULT_MAX
     if tokenizer is None:
         raise InvalidRequest("chat needs the model's tokenizer, and this gateway has none; use /v1/completions "
                              "with token ids", "messages")
-    tools, tool_request = _tools(body, auto_tool_choice)
-    if tools and not _template_renders_tools(tokenizer):
-        raise InvalidRequest("the model's chat template does not render tools (it never reads `tools`); send "
-                             "the request without them", "tools")
+    tools, tool_request = _tools(body, auto_tool_choice, tokenizer)
     try:
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 **({"tools": tools} if tools else {}))
@@ -228,7 +225,8 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
 
-def _tools(body: Mapping[str, Any], auto_tool_choice: bool) -> tuple[list[dict[str, Any]], ToolRequest | None]:
+def _tools(body: Mapping[str, Any], auto_tool_choice: bool, tokenizer: Any
+           ) -> tuple[list[dict[str, Any]], ToolRequest | None]:
     """The request's tools as the chat template reads them, and how its answer's calls are found."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
@@ -267,6 +265,9 @@ def _tools(body: Mapping[str, Any], auto_tool_choice: bool) -> tuple[list[dict[s
                                  f"{where}.function.parameters")
         names.append(name)
         rendered.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    if not _template_renders_tools(tokenizer):
+        raise InvalidRequest("the model's chat template does not render tools (it never reads `tools`); send "
+                             "the request without them", "tools")
     parallel = _optional(body, "parallel_tool_calls", bool)
     parallel = True if parallel is None else parallel
     if choice is None:

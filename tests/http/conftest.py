@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import pytest
 
 from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE
 
@@ -46,13 +44,3 @@ def build_byte_tokenizer(directory: Path) -> object:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
-
-
-@pytest.fixture(scope="session")
-def chat_checkpoint(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama checkpoint plus a tokenizer: text prompts, chat and echo work end to end."""
-    directory = tmp_path_factory.mktemp("tiny-llama-chat")
-    for path in llama_checkpoint.iterdir():
-        shutil.copy(path, directory / path.name)
-    build_byte_tokenizer(directory)
-    return directory

@@ -100,9 +100,9 @@ class MaskedOracle:
 
 
 @pytest.fixture(scope="module")
-def masked_oracle(chat_llama: Path) -> MaskedOracle:
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=16)
-    return MaskedOracle(chat_llama, set(llm.engine.eos_token_ids))
+def masked_oracle(chat_checkpoint: Path) -> MaskedOracle:
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=16)
+    return MaskedOracle(chat_checkpoint, set(llm.engine.eos_token_ids))
 
 
 def _params(spec: StructuredOutputsParams | None, **overrides: Any) -> SamplingParams:
@@ -129,10 +129,10 @@ def _run(llm: LLM, prompts: list[list[int]], specs: list[StructuredOutputsParams
 
 
 def test_a_batch_of_grammars_and_a_free_row_each_equal_transformers_with_the_mask(
-    chat_llama: Path, masked_oracle: MaskedOracle
+    chat_checkpoint: Path, masked_oracle: MaskedOracle
 ) -> None:
     prompts = random_prompts([3, 17, 40, 9, 25, 30], seed=31)
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64)
     outputs = _run(llm, prompts, SPECS, masked_oracle)
     # Every grammar completed: each request ended with "stop", none ran out of tokens.
     assert [out.finish_reason for out in outputs[:5]] == ["stop"] * 5
@@ -141,17 +141,17 @@ def test_a_batch_of_grammars_and_a_free_row_each_equal_transformers_with_the_mas
 
 
 def test_chunked_prefill_preemption_and_prefix_hits_keep_the_constrained_tokens(
-    chat_llama: Path, masked_oracle: MaskedOracle
+    chat_checkpoint: Path, masked_oracle: MaskedOracle
 ) -> None:
     # (seed 32 puts two allowed tokens within 4e-6 of each other at one step: rounding decides; 43 does not.)
     prompts = random_prompts([120, 95, 70, 150, 60, 33], seed=43)
     # 16 blocks of 16 tokens for 528 prompt tokens plus their outputs: sequences are preempted and recomputed;
     # 32-token chunks; prefix caching on.
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=16, block_size=16, max_num_batched_tokens=32)
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=16, block_size=16, max_num_batched_tokens=32)
     _run(llm, prompts, SPECS, masked_oracle)
     assert llm.engine.scheduler.num_preemptions > 0
     # Prefix hits: the same prompts twice on a pool that keeps them; the grammars are compiled once.
-    cached = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=96, block_size=16)
+    cached = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=96, block_size=16)
     _run(cached, prompts, SPECS, masked_oracle)
     compiled = cached.engine.grammar_compiler.num_compiled  # type: ignore[union-attr]
     assert compiled == 5
@@ -160,18 +160,18 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_the_constrained_tokens(
     assert cached.engine.grammar_compiler.num_compiled == compiled  # type: ignore[union-attr]
 
 
-def test_the_handoff_continues_the_grammar_from_the_first_token(chat_llama: Path, masked_oracle: MaskedOracle) -> None:
+def test_the_handoff_continues_the_grammar_from_the_first_token(chat_checkpoint: Path, masked_oracle: MaskedOracle) -> None:
     prompts = random_prompts([20, 47], seed=33)
-    prefill = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64).engine
-    decode = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64).engine
+    prefill = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64).engine
+    decode = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64).engine
     for spec in SPECS[:4]:
         outputs = handoff_tokens(prefill, decode, prompts, _params(spec))
         for i, prompt in enumerate(prompts):
             assert list(outputs.values())[i] == masked_oracle.generate(prompt, spec, MAX_TOKENS), spec.kind
 
 
-def test_seeded_sampling_under_a_grammar_is_reproducible_and_valid(chat_llama: Path) -> None:
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+def test_seeded_sampling_under_a_grammar_is_reproducible_and_valid(chat_checkpoint: Path) -> None:
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64)
     prompt = random_prompts([12], seed=34)[0]
     params = _params(SPECS[0], temperature=1.0, seed=5, max_tokens=200)
     first, second = llm.generate([prompt, prompt], [params, params])
@@ -188,12 +188,12 @@ def _longest_person_bytes(whitespace: int) -> int:
 
 
 @pytest.mark.parametrize("free_layout", [False, True])
-def test_a_bounded_schema_always_completes_within_its_bound(chat_llama: Path, free_layout: bool) -> None:
+def test_a_bounded_schema_always_completes_within_its_bound(chat_checkpoint: Path, free_layout: bool) -> None:
     """Sampled at a high temperature (a small random model likes to ramble), every request completes:
     each token holds at least one byte, and the document has at most ``_longest_person_bytes`` of them."""
     bound = _longest_person_bytes(MAX_WHITESPACE_RUN if free_layout else 0)
     spec = StructuredOutputsParams(json=PERSON, disable_any_whitespace=not free_layout)
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=128)
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=128)
     prompts = random_prompts([10] * 8, seed=35)
     outputs = llm.generate(prompts, [_params(spec, temperature=1.5, seed=i, max_tokens=bound + 1)
                                      for i in range(len(prompts))])
@@ -218,14 +218,14 @@ def test_a_bounded_schema_always_completes_within_its_bound(chat_llama: Path, fr
         (dict(regex="a", choice=("b",)), "structured_outputs"),
     ],
 )
-def test_bad_specs_are_refused_naming_the_field(chat_llama: Path, spec: dict[str, Any], field: str) -> None:
+def test_bad_specs_are_refused_naming_the_field(chat_checkpoint: Path, spec: dict[str, Any], field: str) -> None:
     with pytest.raises(GrammarError) as caught:
         check_grammar(StructuredOutputsParams(**spec))
     assert str(caught.value).startswith(field)
 
 
-def test_the_engine_refuses_a_bad_spec_and_keeps_serving(chat_llama: Path, llama_checkpoint: Path) -> None:
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+def test_the_engine_refuses_a_bad_spec_and_keeps_serving(chat_checkpoint: Path, llama_checkpoint: Path) -> None:
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match=r"^structured_outputs\.regex does not compile"):
         llm.generate([[5, 6, 7]], _params(StructuredOutputsParams(regex="a((")))
     (out,) = llm.generate([[5, 6, 7]], _params(StructuredOutputsParams(choice=("yes", "no"))))
@@ -267,18 +267,18 @@ def test_the_mask_sets_exactly_the_disallowed_logits_to_minus_infinity() -> None
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def test_speculative_decoding_verifies_proposals_under_the_grammar(chat_llama: Path,
+def test_speculative_decoding_verifies_proposals_under_the_grammar(chat_checkpoint: Path,
                                                                    masked_oracle: MaskedOracle) -> None:
     """n-gram proposals taken from a prompt that holds JSON like the output's: each proposed position gets the
     mask after the proposed tokens before it; greedy output equals transformers' with the mask."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
     text = '{"name":"ab","age":12,"admin":true,"team":"red"} {"name":"cd","age":3,"admin":false,"team":"blue"}'
     example = tokenizer(text, add_special_tokens=False)["input_ids"]
     prompts = [example + random_prompts([n], seed=36 + n)[0] + example for n in (3, 11, 20)]
     specs = [SPECS[0], StructuredOutputsParams(json_object=True), SPECS[0]]
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=128,
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=128,
               speculative_config={**NGRAM, "disable_by_batch_size": 8})
     outputs = llm.generate(prompts, [_params(spec) for spec in specs])
     for prompt, spec, out in zip(prompts, specs, outputs):
@@ -288,13 +288,13 @@ def test_speculative_decoding_verifies_proposals_under_the_grammar(chat_llama: P
 
 
 def test_the_masks_of_a_verifying_sequence_follow_its_proposed_tokens_and_the_matcher_rolls_back(
-    chat_llama: Path,
+    chat_checkpoint: Path,
 ) -> None:
     from transformers import AutoTokenizer
 
     from pdserve.engine.structured_output import build_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
     compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, {7}))
     spec = StructuredOutputsParams(regex="ab(c|d)e")
     a, b, c, d, x = (tokenizer.convert_tokens_to_ids(t) for t in "abcdx")
@@ -322,8 +322,8 @@ def test_the_masks_of_a_verifying_sequence_follow_its_proposed_tokens_and_the_ma
     masks.shutdown()
 
 
-def test_logprobs_are_the_allowed_distributions_and_stop_strings_still_end_the_request(chat_llama: Path) -> None:
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+def test_logprobs_are_the_allowed_distributions_and_stop_strings_still_end_the_request(chat_checkpoint: Path) -> None:
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64)
     prompt = random_prompts([14], seed=37)[0]
     spec = StructuredOutputsParams(choice=("alpha beta", "alpha gamma", "delta"))
     (out,) = llm.generate([prompt], _params(spec, logprobs=3))
@@ -335,7 +335,7 @@ def test_logprobs_are_the_allowed_distributions_and_stop_strings_still_end_the_r
 
     from pdserve.engine.structured_output import build_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
     matcher = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, set(llm.engine.eos_token_ids))).compile(spec)
     for entry in out.logprobs:
         words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
@@ -372,8 +372,8 @@ def test_a_spec_that_does_not_compile_in_time_is_refused_naming_the_field(monkey
         structured_output.set_check_timeout(0)
 
 
-def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(chat_llama: Path) -> None:
-    llm = LLM(model=str(chat_llama), dtype="float32", num_kv_blocks=64)
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(chat_checkpoint: Path) -> None:
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64)
     engine = llm.engine
     spec = StructuredOutputsParams(json={"type": "object", "properties": {"late": {"type": "integer"}}})
     request_id = engine.add_request([5, 6, 7], _params(spec))

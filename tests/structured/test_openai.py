@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,9 +14,8 @@ import openai
 import pydantic
 import pytest
 
-from pdserve.gateway.tokenizer import load_tokenizer
 from pdserve.protos.pdserve.v1 import generation_pb2
-from tests.support.cluster import ClusterOptions, InProcessCluster
+from tests.structured.conftest import served
 
 MESSAGES = [{"role": "user", "content": "Describe a person."}]
 
@@ -28,19 +25,6 @@ class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)
     age: int = pydantic.Field(ge=0, le=120)
     team: Literal["red", "blue"]
-
-
-@asynccontextmanager
-async def _served(checkpoint: Path, colocated: bool = False
-                  ) -> AsyncIterator[tuple[InProcessCluster, openai.AsyncOpenAI]]:
-    roles = dict(prefill_workers=0, decode_workers=0, colocated_workers=1) if colocated else {}
-    options = ClusterOptions(num_kv_blocks=128, http=True, tokenizer=load_tokenizer(str(checkpoint)), **roles)
-    async with InProcessCluster(checkpoint, options) as cluster:
-        assert cluster.gateway is not None
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.gateway.http_port}/v1", api_key="unused",
-                                    max_retries=0)
-        async with client:
-            yield cluster, client
 
 
 def _schema(index: int) -> dict[str, Any]:
@@ -53,9 +37,9 @@ def _schema(index: int) -> dict[str, Any]:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
-async def test_parse_json_object_and_a_streamed_schema_through_the_openai_client(chat_llama: Path,
+async def test_parse_json_object_and_a_streamed_schema_through_the_openai_client(chat_checkpoint: Path,
                                                                                   colocated: bool) -> None:
-    async with _served(chat_llama, colocated) as (cluster, client):
+    async with served(chat_checkpoint, colocated) as (cluster, client):
         parsed = await client.chat.completions.parse(model="m", messages=MESSAGES, response_format=Person,  # type: ignore[arg-type]
                                                      max_tokens=200, temperature=0.0)
         choice = parsed.choices[0]
@@ -80,8 +64,8 @@ async def test_parse_json_object_and_a_streamed_schema_through_the_openai_client
 
 
 @pytest.mark.asyncio
-async def test_regex_choice_and_grammar_through_extra_body_on_both_endpoints(chat_llama: Path) -> None:
-    async with _served(chat_llama) as (_, client):
+async def test_regex_choice_and_grammar_through_extra_body_on_both_endpoints(chat_checkpoint: Path) -> None:
+    async with served(chat_checkpoint) as (_, client):
         email = await client.completions.create(model="m", prompt="mail: ", max_tokens=60, temperature=0.0,
                                                 extra_body={"structured_outputs": {"regex": r"[a-z]{3,6}@[a-z]{2,4}\.com"}})
         assert email.choices[0].finish_reason == "stop"
@@ -102,8 +86,8 @@ async def test_regex_choice_and_grammar_through_extra_body_on_both_endpoints(cha
 
 
 @pytest.mark.asyncio
-async def test_twelve_concurrent_requests_with_twelve_schemas_each_match_their_own(chat_llama: Path) -> None:
-    async with _served(chat_llama) as (cluster, client):
+async def test_twelve_concurrent_requests_with_twelve_schemas_each_match_their_own(chat_checkpoint: Path) -> None:
+    async with served(chat_checkpoint) as (cluster, client):
         schemas = [_schema(index) for index in range(12)]
 
         async def one(schema: dict[str, Any], seed: int) -> str:
@@ -121,14 +105,14 @@ async def test_twelve_concurrent_requests_with_twelve_schemas_each_match_their_o
 
 @pytest.mark.asyncio
 async def test_a_seeded_constrained_request_draws_the_same_tokens_with_and_without_disaggregation(
-    chat_llama: Path,
+    chat_checkpoint: Path,
 ) -> None:
     body: dict[str, Any] = dict(model="m", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=11,
                                 response_format={"type": "json_schema",
                                                  "json_schema": {"name": "p", "schema": Person.model_json_schema()}})
     texts = []
     for colocated in (False, True):
-        async with _served(chat_llama, colocated) as (_, client):
+        async with served(chat_checkpoint, colocated) as (_, client):
             response = await client.chat.completions.create(**body)
             texts.append(response.choices[0].message.content)
     assert texts[0] == texts[1]
@@ -136,7 +120,7 @@ async def test_a_seeded_constrained_request_draws_the_same_tokens_with_and_witho
 
 
 @pytest.mark.asyncio
-async def test_bad_specs_are_400_naming_the_field_and_the_server_keeps_serving(chat_llama: Path) -> None:
+async def test_bad_specs_are_400_naming_the_field_and_the_server_keeps_serving(chat_checkpoint: Path) -> None:
     refused: list[tuple[dict[str, Any], str]] = [
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
          "response_format.json_schema.schema"),
@@ -149,7 +133,7 @@ async def test_bad_specs_are_400_naming_the_field_and_the_server_keeps_serving(c
         (dict(extra_body={"structured_outputs": {"whitespace_pattern": " "}}), "structured_outputs.whitespace_pattern"),
         (dict(extra_body={"guided_json": {"type": "object"}, "guided_regex": "a"}), "guided_regex"),
     ]
-    async with _served(chat_llama) as (cluster, client):
+    async with served(chat_checkpoint) as (cluster, client):
         for args, param in refused:
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, **args)  # type: ignore[arg-type]

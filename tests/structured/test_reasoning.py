@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from pdserve.engine.structured_output import GrammarCompiler, RequestGrammar, StructuredOutputsParams, build_tokenizer
@@ -19,7 +16,7 @@ from pdserve.gateway.openai_protocol import parse_chat
 from pdserve.gateway.reasoning_parsers import ReasoningStream, reasoning_parser
 from pdserve.gateway.tokenizer import load_tokenizer
 from tests.conftest import VOCAB_SIZE
-from tests.support.cluster import ClusterOptions, InProcessCluster
+from tests.structured.conftest import served
 
 OUTPUTS = ["I think.\n</think>\n\nAnswer!", "<think>\nhmm\n</think>\n\n{\"a\":1}", "still thinking", "Plain answer",
            "\n<think>x</think>y", "<thi", "<think>"]
@@ -60,10 +57,10 @@ def test_the_prompt_says_whether_the_output_begins_inside_the_thinking() -> None
         reasoning_parser("o1")
 
 
-def test_a_grammar_after_the_thinking_starts_at_the_first_end_marker(chat_llama: Path) -> None:
+def test_a_grammar_after_the_thinking_starts_at_the_first_end_marker(chat_checkpoint: Path) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
     compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, {7}))
     spec = StructuredOutputsParams(regex="[0-9]{2}", reasoning_end="</think>")
     compiled: Future[Any] = Future()
@@ -86,14 +83,14 @@ def _template(opening: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def thinking_llamas(chat_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def thinking_llamas(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two copies of the chat Llama: one whose template opens <think> for the model (R1's way), one that does not."""
     from transformers import AutoTokenizer
 
     folders = {}
     for name, opening in (("opens", "<think>\n"), ("plain", "")):
         directory = tmp_path_factory.mktemp(f"tiny-llama-{name}")
-        for path in chat_llama.iterdir():
+        for path in chat_checkpoint.iterdir():
             shutil.copy(path, directory / path.name)
         tokenizer = AutoTokenizer.from_pretrained(directory)
         tokenizer.chat_template = _template(opening)
@@ -115,24 +112,12 @@ def test_structured_output_waits_for_the_thinking_where_the_template_opened_it(
     assert without.starts_thinking is None
 
 
-@asynccontextmanager
-async def _served(checkpoint: Path, parser: str) -> AsyncIterator[openai.AsyncOpenAI]:
-    options = ClusterOptions(num_kv_blocks=128, http=True, tokenizer=load_tokenizer(str(checkpoint)),
-                             gateway_args={"reasoning_parser": parser})
-    async with InProcessCluster(checkpoint, options) as cluster:
-        assert cluster.gateway is not None
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.gateway.http_port}/v1", api_key="unused",
-                                      max_retries=0) as client:
-            yield client
-        await cluster.wait_idle()
-
-
 @pytest.mark.asyncio
 async def test_reasoning_content_apart_from_the_answer_streamed_and_not(thinking_llamas: dict[str, Path]) -> None:
     # The tiny random model does not think on its own: a regex makes it write a think block, then a JSON answer.
     shaped = {"structured_outputs": {"regex": r'<think>\n[a-z]{3,8}( [a-z]{2,6}){1,3}\n</think>\n\n\{"n": [0-9]{1,2}\}'}}
     messages = [{"role": "user", "content": "Think, then answer."}]
-    async with _served(thinking_llamas["plain"], "qwen3") as client:
+    async with served(thinking_llamas["plain"], reasoning_parser="qwen3") as (_, client):
         reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=120,  # type: ignore[arg-type]
                                                      temperature=0.0, extra_body=shaped)
         message = reply.choices[0].message

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytest
 
 from pdserve.gateway.openai_protocol import InvalidRequest, parse_chat
 from pdserve.gateway.tokenizer import load_tokenizer
-from tests.support.cluster import ClusterOptions, InProcessCluster
+from tests.structured.conftest import served
 
 # A Hermes-style template: the tools in a system turn, calls as <tool_call> blocks, tool results as "tool" turns.
 TOOLS_TEMPLATE = (
@@ -42,28 +40,16 @@ HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a
 
 
 @pytest.fixture(scope="module")
-def tools_llama(chat_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tools_llama(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp("tiny-llama-tools")
-    for path in chat_llama.iterdir():
+    for path in chat_checkpoint.iterdir():
         shutil.copy(path, directory / path.name)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(directory)
     return directory
-
-
-@asynccontextmanager
-async def _served(checkpoint: Path, **gateway_args: Any) -> AsyncIterator[openai.AsyncOpenAI]:
-    options = ClusterOptions(num_kv_blocks=128, http=True, tokenizer=load_tokenizer(str(checkpoint)),
-                             gateway_args=gateway_args)
-    async with InProcessCluster(checkpoint, options) as cluster:
-        assert cluster.gateway is not None
-        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.gateway.http_port}/v1", api_key="unused",
-                                      max_retries=0) as client:
-            yield client
-        await cluster.wait_idle()
 
 
 def _check_calls(calls: Any, names: set[str]) -> None:
@@ -95,7 +81,7 @@ async def _streamed(client: openai.AsyncOpenAI, **args: Any) -> tuple[str, dict[
 @pytest.mark.asyncio
 async def test_a_named_tool_choice_always_calls_it_with_valid_arguments(tools_llama: Path) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    async with _served(tools_llama) as client:
+    async with served(tools_llama) as (_, client):
         reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=named,  # type: ignore[arg-type]
                                                      max_tokens=80, temperature=1.0, seed=4)
         choice = reply.choices[0]
@@ -110,7 +96,7 @@ async def test_a_named_tool_choice_always_calls_it_with_valid_arguments(tools_ll
 
 @pytest.mark.asyncio
 async def test_required_calls_listed_tools_one_without_parallel_calls(tools_llama: Path) -> None:
-    async with _served(tools_llama) as client:
+    async with served(tools_llama) as (_, client):
         for seed in range(3):
             reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS,  # type: ignore[arg-type]
                                                          tool_choice="required", parallel_tool_calls=False,
@@ -130,7 +116,7 @@ async def test_required_calls_listed_tools_one_without_parallel_calls(tools_llam
 async def test_auto_finds_hermes_calls_in_the_answer_and_leaves_plain_answers_alone(tools_llama: Path) -> None:
     # The tiny random model writes no tool call of its own: a regex makes it write one in Hermes' format.
     calling = {"structured_outputs": {"regex": r"Let me check\. " + HERMES_CALL}}
-    async with _served(tools_llama, tool_call_parser="hermes") as client:
+    async with served(tools_llama, tool_call_parser="hermes") as (_, client):
         reply = await client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=200,  # type: ignore[arg-type]
                                                      temperature=0.0, extra_body=calling)
         choice = reply.choices[0]
@@ -158,7 +144,7 @@ async def test_a_history_with_calls_and_results_is_served(tools_llama: Path) -> 
                                                               "arguments": '{"city": "paris", "unit": "C"}'}}]},
         {"role": "tool", "tool_call_id": "call-1", "content": "18 degrees, sunny"},
     ]
-    async with _served(tools_llama) as client:
+    async with served(tools_llama) as (_, client):
         reply = await client.chat.completions.create(model="m", messages=history, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
                                                      max_tokens=6, temperature=0.0)
         assert reply.choices[0].message.tool_calls is None and reply.usage is not None
@@ -218,8 +204,8 @@ def test_bad_tool_requests_are_refused_naming_the_field(tools_llama: Path, extra
     assert caught.value.param == param and text in str(caught.value)
 
 
-def test_a_template_that_cannot_render_tools_is_refused(chat_llama: Path) -> None:
+def test_a_template_that_cannot_render_tools_is_refused(chat_checkpoint: Path) -> None:
     body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
     with pytest.raises(InvalidRequest) as caught:
-        parse_chat(body, load_tokenizer(str(chat_llama)))
+        parse_chat(body, load_tokenizer(str(chat_checkpoint)))
     assert caught.value.param == "tools" and "does not render tools" in str(caught.value)

@@ -32,12 +32,12 @@ def _free_port() -> int:
 
 @pytest.mark.asyncio
 async def test_json_tools_and_reasoning_through_the_processes_of_pdserve_up(
-    chat_llama: Path, tmp_path: Path, start_cluster  # noqa: F811 - the fixture
+    chat_checkpoint: Path, tmp_path: Path, start_cluster  # noqa: F811 - the fixture
 ) -> None:
     from transformers import AutoTokenizer
 
     checkpoint = tmp_path / "tiny-llama-tools"
-    shutil.copytree(chat_llama, checkpoint)
+    shutil.copytree(chat_checkpoint, checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(checkpoint)
