@@ -71,7 +71,8 @@ class ModelRunner:
         layout = kv_cache.layout
         # Each layer's page group, where the pool is paged (engine.kv_pages); () otherwise.
         self.layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
-        # Structured output's token masks, filled while the forward runs (made on the first constrained step).
+        # Structured output's token masks (made on the first constrained step): filled beside the forward on an
+        # accelerator, before it on CPU.
         self._grammar_masks: GrammarMasks | None = None
 
     def shutdown(self) -> None:
@@ -135,7 +136,9 @@ class ModelRunner:
             grammar = item.seq.grammar
             if grammar is not None:
                 matcher = grammar.matcher(item.seq.output_token_ids)
-                if matcher is not None:  # else the request ends when its token comes back (grammar.error)
+                # None: the grammar is not active yet (the thinking before it), or it failed and the request ends
+                # when its token comes back (grammar.error).
+                if matcher is not None:
                     # A verifying sequence's rows: the mask after each proposed token in turn.
                     matchers.append((row, matcher, item.spec_token_ids))
             row += item.num_sampled_rows
