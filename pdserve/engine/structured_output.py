@@ -58,14 +58,16 @@ class StructuredOutputsParams:
     generates JSON with compact separators and no whitespace between tokens; False allows at most
     ``MAX_WHITESPACE_RUN`` whitespace characters in a row.
 
-    ``structural_tag`` (vLLM's tagged formats) is refused with a GrammarError naming it."""
+    ``structural_tag`` (vLLM's, as a dict or its JSON text): free text in which each ``trigger`` opens one of the
+    ``structures``, ``begin``, then JSON matching its ``schema``, then ``end``:
+    ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}``."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = True
     # Reasoning models: the grammar holds the output only after this text (its tokens, as the model's tokenizer
     # writes them, e.g. "</think>"); the thinking before it is free. None: from the first token.
@@ -77,8 +79,9 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, str):
             object.__setattr__(self, "choice", tuple(self.choice))
-        if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json))
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, json.dumps(getattr(self, name)))
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise GrammarError(
@@ -101,8 +104,7 @@ class StructuredOutputsParams:
             if isinstance(value, str) or not value or not all(isinstance(c, str) and c for c in value):
                 raise GrammarError(f"{where} must be a non-empty list of non-empty strings, got {value!r}")
         if kind == "structural_tag":
-            raise GrammarError(f"{where}: structural_tag is not supported by this server (supported: json, regex, "
-                               "choice, grammar, json_object)")
+            _struct_tags(value, where)  # checked here: GrammarError naming the field
         if kind == "json_object" and value is not True:
             raise GrammarError(f"{where} must be true, got {value!r}")
         if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
@@ -133,6 +135,39 @@ def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     return {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE_RUN}}}"}
 
 
+def _struct_tags(text: str, where: str) -> list[Any]:
+    """vLLM's structural tag as llguidance's ``StructTag`` list: each structure under the trigger its ``begin``
+    starts with. ``GrammarError`` naming what is wrong."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"{where} is not valid JSON: {error}") from None
+    if not isinstance(tag, dict) or tag.get("type", "structural_tag") != "structural_tag":
+        raise GrammarError(f'{where} must be {{"type": "structural_tag", "structures": [...], "triggers": [...]}}')
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError(f"{where}.structures must be a non-empty list of {{begin, schema, end}}")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError(f"{where}.triggers must be a non-empty list of non-empty strings")
+    from llguidance import StructTag
+
+    tags = []
+    for index, structure in enumerate(structures):
+        at = f"{where}.structures[{index}]"
+        if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str) \
+                or not isinstance(structure.get("end", ""), str):
+            raise GrammarError(f"{at} must hold begin and end strings and a schema")
+        schema = structure.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"{at}.schema must be a JSON schema (an object)")
+        trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+        if trigger is None:
+            raise GrammarError(f"{at}.begin {structure['begin']!r} starts with none of the triggers {triggers}")
+        tags.append(StructTag(trigger=trigger, begin=structure["begin"], grammar=json.dumps(schema),
+                              end=structure.get("end", "")))
+    return tags
+
+
 def grammar_of(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for ``params`` (not yet validated: ``check_grammar``)."""
     from llguidance import LLMatcher, grammar_from
@@ -155,6 +190,11 @@ def grammar_of(params: StructuredOutputsParams) -> str:
             return grammar_from("grammar", params.grammar)
     except (ValueError, TypeError) as error:
         raise GrammarError(f"{where}: {error}") from None
+    if kind == "structural_tag":
+        from llguidance import StructTag
+
+        assert isinstance(params.structural_tag, str)
+        return StructTag.to_grammar(_struct_tags(params.structural_tag, where), assume_special=False)
     raise AssertionError(kind)  # __post_init__ admits no other kind
 
 

@@ -25,7 +25,7 @@ from pdserve.service_common.structured_outputs import structured_outputs_to_prot
 DEFAULT_MAX_N = 16
 # vLLM's older names of structured_outputs' kinds, still accepted.
 GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-# What vLLM's structured_outputs object may hold that pdserve reads (structural_tag is refused by the engine).
+# What vLLM's structured_outputs object may hold that pdserve reads.
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
                            "disable_any_whitespace")
 
@@ -506,6 +506,8 @@ def _response_format(value: Any) -> StructuredOutputsParams:
     kind = value.get("type")
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True, field_name="response_format")
+    if kind == "structural_tag":  # vLLM's: the tag's structures and triggers beside the type
+        return StructuredOutputsParams(structural_tag=dict(value), field_name="response_format")
     if kind == "json_schema":
         schema = value.get("json_schema")
         if not isinstance(schema, dict):
@@ -522,8 +524,8 @@ def _response_format(value: Any) -> StructuredOutputsParams:
             raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
                                  "response_format.json_schema.schema")
         return StructuredOutputsParams(json=schema["schema"], field_name="response_format.json_schema.schema")
-    raise InvalidRequest(f"response_format.type must be one of text, json_object, json_schema; got {_short(kind)}",
-                         "response_format.type")
+    raise InvalidRequest("response_format.type must be one of text, json_object, json_schema, structural_tag; got "
+                         f"{_short(kind)}", "response_format.type")
 
 
 def _structured_outputs_object(value: Any) -> StructuredOutputsParams:

@@ -210,6 +210,10 @@ def test_suffix_and_type_and_range_errors_name_the_field() -> None:
         ({"guided_choice": ["a", "b"]}, generation_pb2.StructuredOutput(choice=generation_pb2.Choices(choices=["a", "b"]))),
         ({"guided_json": {"type": "array"}}, generation_pb2.StructuredOutput(json='{"type": "array"}')),
         ({"guided_grammar": 'start: "x"'}, generation_pb2.StructuredOutput(grammar='start: "x"')),
+        ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}],
+                              "triggers": ["<f"]}},
+         generation_pb2.StructuredOutput(structural_tag='{"type": "structural_tag", "structures": [{"begin": "<f>", '
+                                                        '"schema": {}, "end": "</f>"}], "triggers": ["<f"]}')),
     ],
 )
 def test_response_format_structured_outputs_and_guided_fields_become_the_requests_structured_output(

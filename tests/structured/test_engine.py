@@ -384,3 +384,33 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(chat_checkp
     assert engine.stats().num_waiting == 0
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_a_structural_tag_leaves_text_free_and_holds_what_a_trigger_opens(chat_checkpoint: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.structured_output import build_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
+    compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, {7}))
+    tag = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "end": "</function>",
+         "schema": {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]}}, "required": ["city"],
+                    "additionalProperties": False}}]}
+    matcher = compiler.compile(StructuredOutputsParams(structural_tag=tag))
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def allowed() -> set[int]:
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+        return set(np.flatnonzero(GrammarMasks.allowed(torch.from_numpy(words.copy())[None], VOCAB_SIZE)[0]).tolist())
+
+    assert matcher.consume_tokens(ids("any text at all, ")) and ids("x")[0] in allowed()  # free before a trigger
+    assert matcher.consume_tokens(ids("<function=get_weather>"))
+    assert allowed() == set(ids("{"))  # the trigger opened the structure: its JSON comes next
+    assert matcher.validate_tokens(ids('{"city":"london"}')) < len(ids('{"city":"london"}'))  # not in the enum
+    assert matcher.consume_tokens(ids('{"city":"rome"}</function>'))
+    assert ids("x")[0] in allowed()  # free text again
+    # Through the engine: the request is served, its text free unless a trigger appears.
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=64)
+    (out,) = llm.generate([[5, 6, 7]], _params(StructuredOutputsParams(structural_tag=tag), max_tokens=12))
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
