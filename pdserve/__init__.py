@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pdserve.engine.outputs import RequestOutput
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.engine.lora import LoRARequest
     from pdserve.engine.structured_output import StructuredOutputsParams
 
 # Public name -> the module that defines it.
@@ -42,11 +43,13 @@ _LAZY = {
     "ParallelConfig": "pdserve.engine.config",
     "SpeculativeConfig": "pdserve.engine.spec_decode.config",
     "StructuredOutputsParams": "pdserve.engine.structured_output",
+    "LoRARequest": "pdserve.engine.lora",
 }
 
 __all__ = [
     "AsyncEngine", "CacheConfig", "EngineConfig", "LLM", "LLMEngine", "ModelConfig", "ParallelConfig",
-    "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsParams",
+    "LoRARequest", "RequestOutput", "SamplingParams", "SchedulerConfig", "SpeculativeConfig",
+    "StructuredOutputsParams",
 ]
 assert sorted(__all__) == sorted(_LAZY)
 

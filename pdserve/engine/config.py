@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.lora import LoRAConfig
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -129,6 +130,8 @@ class EngineConfig:
     # finished request's blocks, KV pushed to a decode engine whose request never comes, a decode
     # worker's early start that no Decode claims (``pdserve ... --kv-handoff-timeout``).
     kv_handoff_timeout_s: float = 30.0
+    # LoRA adapters (vLLM's enable_lora with its max_loras, max_lora_rank, max_cpu_loras); None: off.
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.kv_handoff_timeout_s, (int, float)) and self.kv_handoff_timeout_s > 0):

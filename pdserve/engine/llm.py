@@ -6,6 +6,7 @@ from typing import Any, Sequence as Seq
 
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora import LoRAConfig, LoRARequest
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
@@ -50,6 +51,10 @@ class LLM:
         disable_hybrid_kv_cache_manager: bool = False,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -79,6 +84,7 @@ class LLM:
                 if speculative_config is None or isinstance(speculative_config, SpeculativeConfig)
                 else SpeculativeConfig.from_dict(speculative_config)
             ),
+            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         )
         self.engine = LLMEngine(config)
 
@@ -107,11 +113,13 @@ class LLM:
         self,
         prompts: PromptInput | Seq[PromptInput],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in input order.
 
         ``prompts`` is a string, a list of token ids, a vLLM prompt dict (``{"prompt": text}`` or
-        ``{"prompt_token_ids": ids}``), or a list of any of these.
+        ``{"prompt_token_ids": ids}``), or a list of any of these. ``lora_request`` (vLLM's): the LoRA adapter
+        every prompt runs under, or one per prompt (None: the base model); needs ``enable_lora=True``.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -124,10 +132,16 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"lora_request has {len(lora_list)} entries for {len(prompt_list)} prompts")
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_ids.append(self.engine.add_request(prompt, params))
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+                request_ids.append(self.engine.add_request(prompt, params, lora_request=lora))
         except Exception:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)

@@ -29,6 +29,7 @@ from pdserve.engine.kv_connector import DecodeKVConnector
 from pdserve.engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout
 from pdserve.engine.kv_leases import LeaseTable
 from pdserve.engine.kv_push import LayerPusher
+from pdserve.engine.lora import LoRAManager, LoRARequest
 from pdserve.engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from pdserve.engine.model_runner import ModelRunner, StepResult
 from pdserve.engine.native import cpu_has_native_bf16
@@ -160,6 +161,14 @@ class LLMEngine:
             self.parallel.connect(num_blocks, layout is not None)
             self.parallel.install(self.model)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, sampler, self.device, self.parallel)
+        # LoRA adapters: the model's projections wrapped, adapters loaded on first use (None: off).
+        self.lora: LoRAManager | None = None
+        if config.lora_config is not None:
+            _check_lora_features(config)
+            self.lora = self.runner.lora = LoRAManager(self.model, config.lora_config)
+        self.scheduler.on_finish = self._finished
+        # Requests whose adapter waits for a slot (every slot pinned by other adapters' requests).
+        self._lora_waiting: list[Sequence] = []
         # Structured output: grammars compiled off the engine thread, once per distinct spec (None: no tokenizer).
         self.grammar_compiler = GrammarCompiler(self._grammar_tokenizer) if self.tokenizer is not None else None
         # Requests whose grammar is still compiling: they join the scheduler's queue when it is done.
@@ -237,24 +246,52 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         hold_kv: KVHoldParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument.
 
         ``hold_kv``: when the request finishes, its blocks go to ``leases``
         (pinned until released or expired) and its last output carries the
         ``KVHandoff`` — what a prefill worker does while a decode worker fetches them.
+        ``lora_request``: the LoRA adapter the request runs under (None: the base model).
         """
         request_id = self.new_request_id(request_id)
         token_ids = self.validate_request(prompt, params)
-        seq = self.new_sequence(request_id, token_ids, params)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request needs an engine built with LoRA (enable_lora=True)")
+            self.lora.load(lora_request)  # ValueError naming the adapter when it cannot be served
+        seq = self.new_sequence(request_id, token_ids, params, lora_request=lora_request)
         seq.kv_hold = hold_kv
         self.register(seq)
         if seq.grammar is not None and not seq.grammar.is_ready:
             # Queued once its grammar is compiled (_admit_compiled): it holds up nothing meanwhile.
             self._compiling.append(seq)
         else:
-            self.scheduler.add(seq)
+            self._queue(seq)
         return request_id
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the scheduler's queue, once the request's adapter (if any) holds a slot; else it waits for one."""
+        if seq.lora_request is not None and seq.lora_slot is None:
+            assert self.lora is not None
+            seq.lora_slot = self.lora.acquire(seq.lora_request)
+            if seq.lora_slot is None:
+                self._lora_waiting.append(seq)
+                return
+        self.scheduler.add(seq)
+
+    def _admit_lora_waiting(self) -> None:
+        """Requests whose adapter can have a slot now join the queue, in arrival order."""
+        waiting, self._lora_waiting = self._lora_waiting, []
+        for seq in waiting:
+            self._queue(seq)
+
+    def _finished(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            assert self.lora is not None
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = None
 
     def _grammar_tokenizer(self) -> object:
         return build_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -278,7 +315,7 @@ class LLMEngine:
                 logger.error("request %s aborted: %s", seq.request_id, seq.grammar.error)
                 outputs.append(self._end(seq, "abort"))
                 continue
-            self.scheduler.add(seq)
+            self._queue(seq)
         self._compiling = still
         return outputs
 
@@ -299,6 +336,8 @@ class LLMEngine:
         self.kv_connector.request_finished(request_id)
         if seq in self._compiling:
             self._compiling.remove(seq)
+        if seq in self._lora_waiting:
+            self._lora_waiting.remove(seq)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
 
@@ -313,7 +352,7 @@ class LLMEngine:
         return EngineStats(
             # A request whose KV is on its way holds its blocks and runs at the next step after it lands.
             num_running=len(scheduler.running) + len(scheduler.receiving),
-            num_waiting=scheduler.num_waiting + len(self._compiling),
+            num_waiting=scheduler.num_waiting + len(self._compiling) + len(self._lora_waiting),
             num_queued_tokens=scheduler.num_queued_tokens,
             num_free_blocks=manager.num_free_blocks,
             num_total_blocks=manager.num_blocks,
@@ -344,7 +383,7 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether ``step()`` may do anything now: false while every request only waits for remote KV."""
-        return self.scheduler.has_work() or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self._compiling) or bool(self._lora_waiting)
 
     def next_step_has_room_for_prompts(self) -> bool:
         """Whether prompts wait here and the next step could take more: see ``Scheduler``'s."""
@@ -359,6 +398,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that got a token (or finished) in it."""
         admitted = self._admit_compiled()
+        if self._lora_waiting:
+            self._admit_lora_waiting()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return admitted
@@ -546,6 +587,7 @@ class LLMEngine:
         params: SamplingParams,
         num_draws_done: int = 0,
         block_hashes: tuple[BlockHash, ...] = (),
+        lora_request: LoRARequest | None = None,
     ) -> Sequence:
         generator = None
         if params.seed is not None:
@@ -555,7 +597,11 @@ class LLMEngine:
             if not params.is_greedy:
                 for _ in range(num_draws_done):
                     torch.empty(self.vocab_size).exponential_(generator=generator)
-        return Sequence(request_id, token_ids, params, self.block_size, self.model_id, generator, block_hashes)
+        # The prefix cache is keyed by adapter: blocks computed under one are never another's, or the base's.
+        model_id = self.model_id if lora_request is None else f"{self.model_id}+lora:{lora_request.lora_name}"
+        seq = Sequence(request_id, token_ids, params, self.block_size, model_id, generator, block_hashes)
+        seq.lora_request = lora_request
+        return seq
 
     def register(self, seq: Sequence) -> None:
         """Track ``seq`` as one of this engine's requests (its text detokenized from the tokens it has); a
@@ -613,6 +659,14 @@ def _check_parallel_features(config: EngineConfig) -> None:
             f"speculative_config is not supported with tensor_parallel_size={tp}; "
             "drop speculative_config or use tensor_parallel_size=1"
         )
+
+
+def _check_lora_features(config: EngineConfig) -> None:
+    """ValueError naming what LoRA adapters are not served with yet."""
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("LoRA adapters are not served with tensor_parallel_size > 1 yet; use tensor_parallel_size=1")
+    if config.speculative_config is not None:
+        raise ValueError("LoRA adapters are not served with speculative decoding yet; drop speculative_config")
 
 
 def _resolve_device(device: str) -> torch.device:

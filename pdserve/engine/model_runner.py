@@ -14,6 +14,7 @@ from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch, L
 from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.logits_processors import TokenHistory
+from pdserve.engine.lora import LoRAManager
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.parallel.step_codec import StepInputs
@@ -71,6 +72,8 @@ class ModelRunner:
         layout = kv_cache.layout
         # Each layer's page group, where the pool is paged (engine.kv_pages); () otherwise.
         self.layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
+        # LoRA adapters (set by the engine when it serves them): each step tells them each token's slot.
+        self.lora: LoRAManager | None = None
         # Structured output's token masks (made on the first constrained step): filled beside the forward on an
         # accelerator, before it on CPU.
         self._grammar_masks: GrammarMasks | None = None
@@ -86,6 +89,10 @@ class ModelRunner:
         input_ids, positions, batch, sample_rows = self._prepare(items)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         masks = self._start_masks(items)
+        if self.lora is not None:
+            slots = [-1 if item.seq.lora_slot is None else item.seq.lora_slot for item in items
+                     for _ in range(item.num_new_tokens)]
+            self.lora.set_rows(slots, self.device, self.model.model.norm.weight.dtype)
         logits = None  # (num_sampled_rows, vocab)
         if self.parallel is None:
             hidden = self.forward(StepInputs(input_ids, positions, batch))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
@@ -85,6 +86,8 @@ class Scheduler:
         # Allocations for remote KV since the last drain: where each request's KV must be written.
         self._new_slots: list[KVSlot] = []
         self.num_preemptions = 0
+        # Called with every sequence this scheduler finishes (the engine releases its LoRA slot there).
+        self.on_finish: Callable[[Sequence], None] | None = None
 
     # ---- requests in and out -----------------------------------------------------------
 
@@ -131,6 +134,8 @@ class Scheduler:
         seq.finish_reason = reason
         if free_blocks:
             self.block_manager.free(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq)
 
     @property
     def num_waiting(self) -> int:

@@ -10,6 +10,7 @@ from pdserve.engine.hashing import BlockHash, hash_block
 from pdserve.engine.kv_handoff import KVHoldParams, KVReservation
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.lora import LoRARequest
 from pdserve.engine.structured_output import RequestGrammar
 
 
@@ -78,6 +79,9 @@ class Sequence:
         self.draft_proposal: object | None = None
         # Structured output: the request's grammar state (set by the engine when it registers the request).
         self.grammar: RequestGrammar | None = None
+        # LoRA: the adapter the request runs under (None: the base model) and its slot while it holds one.
+        self.lora_request: LoRARequest | None = None
+        self.lora_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

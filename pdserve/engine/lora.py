@@ -1,0 +1,314 @@
+"""LoRA adapters: many fine-tunes of one base model served in one batch, never merged into the base weights.
+
+- ``LoRARequest`` (vLLM's name and fields) names an adapter in PEFT's format: a folder with
+  ``adapter_config.json`` and ``adapter_model.safetensors``. ``load_adapter`` reads it, refusing with a message
+  naming the adapter what pdserve does not serve (``modules_to_save``, DoRA, embedding or LM-head adapters,
+  biases, per-module ranks, a rank above ``max_lora_rank``).
+- ``LoRALinear`` wraps a packed projection (q/k/v, o, gate/up, down): the base projection runs once for the
+  whole batch; every row then adds its own adapter's update with two dense products over all resident adapters
+  (the shrink and expand of Punica and S-LoRA): ``(x @ A_all^T) * M @ B_all^T``, where ``A_all`` stacks each
+  slot's ``A`` of every module of the pack (ranks padded to ``max_lora_rank`` with zero rows), ``B_all`` each
+  ``B`` under its module's output columns, and ``M`` (one per step) holds each row's scale in its slot's columns
+  and zeros elsewhere: a row of the base model, or of another adapter, adds exactly nothing from the columns it
+  does not own.
+- ``LoRAManager`` keeps ``max_loras`` adapters resident in slots (least recently used out, never one a running
+  request uses) and up to ``max_cpu_loras`` loaded in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# The projections an adapter may target, as PEFT names them, and the packed projection each one is part of.
+TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's ``LoRARequest``: the adapter's name (what the OpenAI ``model`` field says), a positive integer id
+    unique to it, and its folder in PEFT's format."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA settings: ``max_loras`` adapters resident at once, ranks up to ``max_lora_rank``,
+    ``max_cpu_loras`` (default ``max_loras``) kept loaded in host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or
+                                               self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be None or an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter in host memory: per (layer, PEFT module name) its ``A`` (rank, in) and ``B`` (out, rank)."""
+
+    name: str
+    rank: int
+    scale: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def load_adapter(request: LoRARequest, max_rank: int, num_layers: int) -> LoRAAdapter:
+    """The adapter ``request`` names, read from PEFT's files; ``ValueError`` naming the adapter and what it holds
+    that this server does not serve."""
+    name, folder = request.lora_name, Path(request.lora_path)
+    where = f"LoRA adapter {name!r} ({folder})"
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: cannot read adapter_config.json: {error}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not LoRA")
+    refused = [key for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform")
+               if config.get(key)]
+    if config.get("use_dora"):
+        refused.append("use_dora (DoRA)")
+    if config.get("bias", "none") != "none":
+        refused.append(f"bias {config['bias']!r}")
+    if refused:
+        raise ValueError(f"{where}: {', '.join(refused)} not served (pdserve serves plain LoRA on "
+                         f"{', '.join(TARGETS)})")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{where}: r must be an integer >= 1, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
+    alpha = config.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"{where}: target_modules {unknown} not served (pdserve serves {', '.join(TARGETS)}: "
+                         "not embedding or LM-head adapters)")
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except Exception as error:  # noqa: BLE001 - any unreadable file is the adapter's problem, named
+        raise ValueError(f"{where}: cannot read adapter_model.safetensors: {error}") from None
+    adapter = LoRAAdapter(name, rank, float(scale))
+    pieces: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None or match.group(3) not in TARGETS:
+            raise ValueError(f"{where}: tensor {key!r} is not a LoRA weight of {', '.join(TARGETS)}")
+        layer = int(match.group(1))
+        if layer >= num_layers:
+            raise ValueError(f"{where}: tensor {key!r} is for layer {layer}; the model has {num_layers}")
+        pieces.setdefault((layer, match.group(3)), {})[match.group(4)] = tensor
+    for (layer, module), pair in pieces.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} has lora_{''.join(sorted(pair))} without its pair")
+        a, b = pair["A"], pair["B"]
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise ValueError(f"{where}: layer {layer} {module} has rank {a.shape[0]}, the config says {rank}")
+        adapter.weights[layer, module] = (a.float(), b.float())
+    return adapter
+
+
+class LoRAState:
+    """What every ``LoRALinear`` of a model reads in a step: each token's scale under its slot (None: no token
+    has an adapter), widened once per step to each block width the projections use."""
+
+    def __init__(self) -> None:
+        self.scales: torch.Tensor | None = None  # (num_tokens, slots): the token's adapter's scale, 0 elsewhere
+        self._widened: dict[int, torch.Tensor] = {}
+
+    def set(self, scales: torch.Tensor | None) -> None:
+        self.scales, self._widened = scales, {}
+
+    def mask(self, block: int) -> torch.Tensor | None:
+        """(num_tokens, slots * block): each slot's scale repeated over its ``block`` columns."""
+        if self.scales is None:
+            return None
+        widened = self._widened.get(block)
+        if widened is None:
+            widened = self._widened[block] = self.scales.repeat_interleave(block, dim=1)
+        return widened
+
+
+class LoRALinear(nn.Module):
+    """A packed projection plus each row's adapter update (see the module's docstring). Each slot owns
+    ``len(slices) * max_rank`` columns of ``lora_a``/``lora_b``: one block of ``max_rank`` per module of the pack
+    (q, k and v each have their own ``A``)."""
+
+    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], in_features: int, slots: int,
+                 max_rank: int, state: LoRAState, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.slices = slices  # PEFT module name -> its (start, end) output columns in the packed projection
+        self.max_rank = max_rank
+        self.block = len(slices) * max_rank  # columns per slot
+        self.state = state
+        out_features = max(end for _, end in slices.values())
+        self.register_buffer("lora_a", torch.zeros(slots * self.block, in_features, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(out_features, slots * self.block, dtype=dtype, device=device))
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Slot ``slot`` holds these modules' (A, B); its columns are zero for every other module."""
+        first = slot * self.block
+        self.lora_a[first : first + self.block] = 0
+        self.lora_b[:, first : first + self.block] = 0
+        for position, module in enumerate(self.slices):
+            if module not in weights:
+                continue
+            a, b = weights[module]
+            start, end = self.slices[module]
+            column = first + position * self.max_rank
+            rank = a.shape[0]
+            self.lora_a[column : column + rank] = a.to(self.lora_a)
+            self.lora_b[start:end, column : column + rank] = b.to(self.lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        mask = self.state.mask(self.block)
+        if mask is None:
+            return out
+        shrunk = torch.nn.functional.linear(x.to(self.lora_a.dtype), self.lora_a).mul_(mask)
+        return out.add_(torch.nn.functional.linear(shrunk, self.lora_b).to(out.dtype))
+
+
+class LoRAManager:
+    """The adapters of one model: loaded on first use (kept for ``max_cpu_loras``), made resident in one of
+    ``max_loras`` slots when a request needs them, the least recently used unpinned one swapped out."""
+
+    def __init__(self, model: nn.Module, config: LoRAConfig) -> None:
+        self.config = config
+        self.state = LoRAState()
+        self.layers = install(model, config, self.state)
+        self._num_layers = len(self.layers)
+        self._host: OrderedDict[str, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+        self._slots: list[str | None] = [None] * config.max_loras  # adapter name per slot
+        self._scales = [0.0] * config.max_loras
+        self._pins = [0] * config.max_loras  # unfinished requests using each slot
+        self._recent: list[int] = []  # slots, least recently used first
+
+    def load(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter in host memory (read from its folder the first time); ``ValueError`` naming it."""
+        held = self._host.get(request.lora_name)
+        if held is not None:
+            if held[0].lora_path != request.lora_path or held[0].lora_int_id != request.lora_int_id:
+                raise ValueError(f"LoRA adapter {request.lora_name!r} is loaded from {held[0].lora_path} with id "
+                                 f"{held[0].lora_int_id}; another path or id under the same name is refused")
+            self._host.move_to_end(request.lora_name)
+            return held[1]
+        adapter = load_adapter(request, self.config.max_lora_rank, self._num_layers)
+        self._host[request.lora_name] = (request, adapter)
+        limit = self.config.max_cpu_loras or self.config.max_loras
+        for name in list(self._host):
+            if len(self._host) <= limit:
+                break
+            if name not in self._slots:
+                del self._host[name]
+        return adapter
+
+    def acquire(self, request: LoRARequest) -> int | None:
+        """A slot holding the adapter, pinned for one request (swapped in if needed); None when every slot is
+        pinned by other adapters' requests (the request waits)."""
+        if request.lora_name in self._slots:
+            slot = self._slots.index(request.lora_name)
+        else:
+            free = [slot for slot in range(len(self._slots)) if self._pins[slot] == 0]
+            if not free:
+                return None
+            empty = [slot for slot in free if self._slots[slot] is None]
+            slot = empty[0] if empty else min(free, key=lambda s: self._recent.index(s) if s in self._recent else -1)
+            adapter = self.load(request)
+            for layer, linears in enumerate(self.layers):
+                for packed, linear in linears.items():
+                    linear.set_slot(slot, {module: pair for (index, module), pair in adapter.weights.items()
+                                           if index == layer and TARGETS[module] == packed})
+            self._slots[slot] = request.lora_name
+            self._scales[slot] = adapter.scale
+        self._pins[slot] += 1
+        if slot in self._recent:
+            self._recent.remove(slot)
+        self._recent.append(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        assert self._pins[slot] >= 0
+
+    def resident(self) -> list[str]:
+        return [name for name in self._slots if name is not None]
+
+    def set_rows(self, slots_per_token: list[int], device: torch.device, dtype: torch.dtype) -> None:
+        """The step's rows: each token's slot (-1: the base model)."""
+        if all(slot < 0 for slot in slots_per_token):
+            self.state.set(None)
+            return
+        scales = torch.zeros(len(slots_per_token), len(self._slots), dtype=dtype)
+        for row, slot in enumerate(slots_per_token):
+            if slot >= 0:
+                scales[row, slot] = self._scales[slot]
+        self.state.set(scales.to(device))
+
+
+def install(model: nn.Module, config: LoRAConfig, state: LoRAState) -> list[dict[str, LoRALinear]]:
+    """Wrap every decoder layer's packed projections in ``LoRALinear``; per layer, packed name -> wrapper.
+    ``ValueError`` for a model whose layers are not Llama-shaped attention and MLP (experts, latent attention)."""
+    from pdserve.engine.models.llama import MLP, Attention
+
+    layers = []
+    decoder = model.model  # type: ignore[attr-defined]
+    weight = decoder.norm.weight
+    for index, layer in enumerate(decoder.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attention, Attention) or not isinstance(mlp, MLP):
+            raise ValueError(f"LoRA is served on models whose every layer has multi-head attention and a dense MLP; "
+                             f"layer {index} has {type(attention).__name__} and {type(mlp).__name__}")
+        q = attention.num_heads * attention.head_dim
+        kv = attention.num_kv_heads * attention.head_dim
+        hidden = weight.shape[0]
+        width = mlp.intermediate_size
+        shapes = {
+            "qkv_proj": (attention, {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}, hidden),
+            "o_proj": (attention, {"o_proj": (0, hidden)}, q),
+            "gate_up_proj": (mlp, {"gate_proj": (0, width), "up_proj": (width, 2 * width)}, hidden),
+            "down_proj": (mlp, {"down_proj": (0, hidden)}, width),
+        }
+        wrapped = {}
+        for packed, (owner, slices, in_features) in shapes.items():
+            linear = LoRALinear(getattr(owner, packed), slices, in_features, config.max_loras, config.max_lora_rank,
+                                state, weight.dtype, weight.device)
+            setattr(owner, packed, linear)
+            wrapped[packed] = linear
+        layers.append(wrapped)
+    model.fused_decoder = None  # type: ignore[attr-defined]  # the fused C step would skip the wrappers
+    return layers
