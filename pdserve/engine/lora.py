@@ -268,15 +268,15 @@ class LoRAManager:
     def resident(self) -> list[str]:
         return [name for name in self._slots if name is not None]
 
-    def set_rows(self, slots_per_token: list[int], device: torch.device, dtype: torch.dtype) -> None:
-        """The step's rows: each token's slot (-1: the base model)."""
-        if all(slot < 0 for slot in slots_per_token):
+    def set_rows(self, slots: list[int], num_tokens: list[int], device: torch.device, dtype: torch.dtype) -> None:
+        """The step's rows: each scheduled sequence's slot (-1: the base model) over its ``num_tokens`` tokens."""
+        if all(slot < 0 for slot in slots):
             self.state.set(None)
             return
-        scales = torch.zeros(len(slots_per_token), len(self._slots), dtype=dtype)
-        for row, slot in enumerate(slots_per_token):
-            if slot >= 0:
-                scales[row, slot] = self._scales[slot]
+        per_token = torch.tensor(slots).repeat_interleave(torch.tensor(num_tokens))
+        rows = (per_token >= 0).nonzero().squeeze(1)
+        scales = torch.zeros(len(per_token), len(self._slots), dtype=dtype)
+        scales[rows, per_token[rows]] = torch.tensor(self._scales, dtype=dtype)[per_token[rows]]
         self.state.set(scales.to(device))
 
 

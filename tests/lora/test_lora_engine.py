@@ -153,7 +153,7 @@ def test_a_quantized_base_adds_each_rows_float_update_to_its_int8_projection(
     adapter = load_adapter(request, 8, len(manager.layers))
     projection = manager.layers[1]["qkv_proj"]
     x = torch.randn(3, projection.lora_a.shape[1], generator=torch.Generator().manual_seed(0))
-    manager.set_rows([slot, -1, slot], torch.device("cpu"), torch.float32)
+    manager.set_rows([slot, -1, slot], [1, 1, 1], torch.device("cpu"), torch.float32)
     out, base = projection(x), projection.base(x)
     expected = base.clone()
     for module, (start, end) in projection.slices.items():
