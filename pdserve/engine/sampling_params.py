@@ -47,9 +47,9 @@ class SamplingParams:
     decodes one token per step. Its tokens are the same either way; only speed differs.
 
     ``structured_outputs`` (vLLM's name) holds the output to a JSON schema, a regex, a list of choices or a
-    grammar (``engine.structured_output``): every token is sampled among those the grammar allows, after
-    the logit adjustments above and before ``logprobs`` are taken (vLLM's order), and the request ends with
-    "stop" when the grammar is complete. Such a request does not speculate.
+    grammar (``engine.structured_output``): every token is sampled among those the grammar allows (the mask
+    comes first: ``logprobs`` are the allowed distribution's, as vLLM's), and the request ends with "stop" when
+    the grammar is complete.
     """
 
     max_tokens: int = 16
