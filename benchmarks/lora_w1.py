@@ -5,8 +5,9 @@ an adapter in.
 
 The default model with ``--adapters`` adapters of rank ``--rank`` on all seven projections (written with PEFT at
 start, random weights), all resident (``max_loras`` = ``--adapters``). W1 (32 seeded prompts, 64 greedy output
-tokens each, EOS ignored): ``base`` with no adapter, ``adapters`` with request ``i`` under adapter ``i % N``;
-rounds alternate, best of ``--repeats``, output tokens/s and the ratio. Then one more adapter swapped into a slot:
+tokens each, EOS ignored): ``base`` on an engine without LoRA, ``base, LoRA on`` with no adapter on the engine that
+serves them (its projections wrapped, the fused decode step off), ``adapters`` with request ``i`` under adapter
+``i % N``; rounds alternate, best of ``--repeats``, output tokens/s and the ratio to ``base``. Then one more adapter swapped into a slot:
 from host memory (loaded before) and from its folder (read, checked and copied in).
 
 Target (the issue of LoRA serving): ``adapters`` at least 0.8x ``base`` with 8 rank-16 adapters.
@@ -63,16 +64,18 @@ def main(argv: list[str] | None = None) -> None:
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(path)) for i, path in enumerate(paths)]
         llm = LLM(model=str(base), dtype=args.dtype, enable_prefix_caching=False, enable_lora=True,
                   max_loras=args.adapters, max_lora_rank=args.rank, max_cpu_loras=args.adapters + 1)
+        plain = LLM(model=str(base), dtype=args.dtype, enable_prefix_caching=False)  # LoRA off
         w1 = make_workload(32, 32, 256, 64, VOCAB_SIZE, 0)
         prompts = w1.prompt_lists()
         greedy = SamplingParams(max_tokens=w1.output_len, temperature=0.0, ignore_eos=True)
         spread = [requests[i % args.adapters] for i in range(len(prompts))]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), spread[:2])  # warm-up
-        best = {"base": 0.0, "adapters": 0.0}
+        plain.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
+        best = {"base": 0.0, "base, LoRA on": 0.0, "adapters": 0.0}
         for _ in range(args.repeats):
-            for name, loras in (("base", None), ("adapters", spread)):
+            for name, engine, loras in (("base", plain, None), ("base, LoRA on", llm, None), ("adapters", llm, spread)):
                 start = time.perf_counter()
-                outputs = llm.generate(prompts, greedy, loras)
+                outputs = engine.generate(prompts, greedy, loras)
                 seconds = time.perf_counter() - start
                 best[name] = max(best[name], sum(len(out.token_ids) for out in outputs) / seconds)
         manager = llm.engine.lora
