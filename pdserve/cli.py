@@ -129,9 +129,24 @@ def _add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None
     add_server_tls_arguments(parser)
 
 
+def _add_lora_args(parser: argparse.ArgumentParser, whose: str, engine: bool = True, gateway: bool = False) -> None:
+    from pdserve.gateway.lora import add_lora_engine_arguments, add_lora_module_arguments
+
+    group = parser.add_argument_group("LoRA adapters", "many fine-tunes of the model served in one batch "
+                                      "(docs/models.md, LoRA adapters)")
+    add_lora_module_arguments(group, whose)  # type: ignore[arg-type]
+    if engine:
+        add_lora_engine_arguments(group)  # type: ignore[arg-type]
+    if gateway:
+        group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                           help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints, "
+                           "which vLLM enables with VLLM_ALLOW_RUNTIME_LORA_UPDATING; default: off)")
+
+
 def _add_worker_args(parser: argparse.ArgumentParser, role: str, default_port: int) -> None:
     _add_engine_args(parser)
     _add_server_args(parser, default_port)
+    _add_lora_args(parser, "on this worker; --lora-modules are read at start ")
     parser.add_argument("--advertise-host", default=None,
                         help="host other processes use to reach this worker (default: --host, or this "
                         "machine's address when binding 0.0.0.0)")
@@ -280,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
                          help="largest HTTP request body; larger ones are answered 413 unread")
     _tool_arguments(gateway)
+    _add_lora_args(gateway, "(the workers need --enable-lora too) ", engine=False, gateway=True)
     gateway.set_defaults(func=run_gateway)
 
     up = commands.add_parser("up", help="start Redis (if needed), workers and gateway on this machine")
@@ -341,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
                     "ones in start order (0: a free port each); listed at start (default: off)")
+    _add_lora_args(up, "on every worker ", gateway=True)
     _add_supervision_args(up)
     up.set_defaults(func=run_up)
 
@@ -357,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--timeout", type=float, default=120.0)
+    generate.add_argument("--lora-name", default=None, help="the LoRA adapter to generate under (default: the base)")
     add_client_tls_arguments(generate, "the gateway")
     add_auth_token_argument(generate, "send")
     generate.set_defaults(func=_run_generate)
@@ -414,7 +432,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     async def run() -> int:
         async with open_channel(args.target, tls, channel_options()) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            request = generation_pb2.GenerateRequest(prompt=args.prompt, sampling_params=params)
+            request = generation_pb2.GenerateRequest(prompt=args.prompt, sampling_params=params,
+                                                     lora_name=args.lora_name or "")
             start = time.perf_counter()
             first_at = None
             usage, reason = None, "unfinished"

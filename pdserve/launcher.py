@@ -53,6 +53,7 @@ class ClusterConfig:
     disaggregation: str = "auto"  # the gateway's --disaggregation: always | never | auto
     max_tpot_increase: float = 0.1  # the gateway's --max-tpot-increase (auto's stall budget)
     engine_args: tuple[str, ...] = ()  # passed to every worker (e.g. --num-kv-blocks 256)
+    gateway_args: tuple[str, ...] = ()  # passed to the gateway (e.g. --lora-modules a=/path)
     decode_args: tuple[str, ...] = ()  # passed to decode and colocated workers only (e.g. --speculative-config)
     # Passed to prefill workers only (e.g. --tensor-parallel-size, --handoff-draft-kv: a worker starts and stops
     # its own ranks, so a killed worker takes them down and a restart brings the whole worker back).
@@ -145,6 +146,7 @@ class LocalCluster:
             gateway_args += ["--reasoning-parser", config.reasoning_parser]
         if config.structured_outputs_timeout_s is not None:
             gateway_args += ["--structured-outputs-timeout", repr(config.structured_outputs_timeout_s)]
+        gateway_args += config.gateway_args
         for address in self.prefill_addresses:
             gateway_args += ["--prefill", address]
         for address in self.decode_addresses:

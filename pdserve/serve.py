@@ -36,7 +36,11 @@ def add_speculative_config_argument(parser: argparse.ArgumentParser, whose: str 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
     from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.lora import LoRAConfig
 
+    lora = None
+    if getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None):
+        lora = LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           quantization=args.quantization, quantization_group_size=args.quantization_group_size),
@@ -51,6 +55,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types impo
         handoff_draft_kv=getattr(args, "handoff_draft_kv", False),
         # Workers only: an offline engine hands nothing off.
         kv_handoff_timeout_s=getattr(args, "kv_handoff_timeout", EngineConfig.kv_handoff_timeout_s),
+        lora_config=lora,
     )
 
 
@@ -108,7 +113,6 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.shared_cores.niceness import raise_niceness
     from pdserve.shared_cores.openmp import on_a_passing_thread
     from pdserve.service_common.server import ServerConfig
@@ -127,7 +131,7 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
     # Loaded on a thread that ends, so that the engine thread is the process's only OpenMP pool: a second
     # one (the main thread's) makes every parallel region of every step sleep and wake (pdserve/shared_cores/openmp.py).
     config = engine_config(args)
-    engine = on_a_passing_thread(lambda: LLMEngine(config))
+    engine = on_a_passing_thread(lambda: _load_engine(config, args.lora_modules))
     server_config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                                  grace_s=args.drain_seconds, tls=server_tls,
                                  health_port=args.health_port)
@@ -161,6 +165,18 @@ def _run_worker(args: argparse.Namespace, role: str) -> int:
                                        metrics_port=args.metrics_port), args)
 
 
+def _load_engine(config, lora_modules):  # noqa: ANN001, ANN202 - engine types imported lazily
+    """The worker's engine, with its ``--lora-modules`` read into host memory (a bad adapter fails the start,
+    naming it); ids in flag order, as the gateway gives them."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.lora import LoRARequest
+
+    engine = LLMEngine(config)
+    for index, module in enumerate(lora_modules, start=1):
+        engine.lora.load(LoRARequest(module.name, index, module.path))
+    return engine
+
+
 def run_prefill(args: argparse.Namespace) -> int:
     return _run_worker(args, "prefill")
 
@@ -175,6 +191,7 @@ def run_colocated(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from pdserve.engine.structured_output import set_check_timeout
+    from pdserve.gateway.lora import LoRAAdapters
     from pdserve.gateway.server import GatewayServer
     from pdserve.gateway.tokenizer import load_tokenizer
     from pdserve.service_common.server import ServerConfig
@@ -188,6 +205,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     client_tls = client_tls_from_args(args)
     tokenizer = load_tokenizer(args.model)
     set_check_timeout(args.structured_outputs_timeout)
+    lora_adapters = LoRAAdapters(args.lora_modules, enabled=args.enable_lora,
+                                 allow_runtime_updating=args.allow_runtime_lora_updating)
 
     class _Gateway(GatewayServer):
         advertise_host = args.host
@@ -206,7 +225,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
                                    http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push,
                                    tool_call_parser=tool_call_parser_from_args(args),
-                                   reasoning_parser=args.reasoning_parser), args)
+                                   reasoning_parser=args.reasoning_parser, lora_adapters=lora_adapters), args)
 
 
 def tool_call_parser_from_args(args: argparse.Namespace) -> str | None:

@@ -29,7 +29,32 @@ def up_engine_args(args: argparse.Namespace) -> tuple[str, ...]:
         engine_args += ("--kv-cache-dtype", args.kv_cache_dtype)
     if args.disable_hybrid_kv_cache_manager:
         engine_args += ("--disable-hybrid-kv-cache-manager",)
-    return engine_args
+    return engine_args + up_lora_worker_args(args)
+
+
+def up_lora_worker_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The LoRA flags ``up`` passes on to every worker: on, the slot and host-memory sizes, the adapters to read."""
+    if not (args.enable_lora or args.lora_modules or args.allow_runtime_lora_updating):
+        return ()
+    lora_args: tuple[str, ...] = ("--enable-lora", "--max-loras", str(args.max_loras),
+                                  "--max-lora-rank", str(args.max_lora_rank))
+    if args.max_cpu_loras is not None:
+        lora_args += ("--max-cpu-loras", str(args.max_cpu_loras))
+    if args.lora_modules:
+        lora_args += ("--lora-modules", *(module.to_arg() for module in args.lora_modules))
+    return lora_args
+
+
+def up_lora_gateway_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The LoRA flags ``up`` passes on to the gateway: the adapters requests may name, runtime updating."""
+    if not (args.enable_lora or args.lora_modules or args.allow_runtime_lora_updating):
+        return ()
+    gateway_args: tuple[str, ...] = ("--enable-lora",)
+    if args.lora_modules:
+        gateway_args += ("--lora-modules", *(module.to_arg() for module in args.lora_modules))
+    if args.allow_runtime_lora_updating:
+        gateway_args += ("--allow-runtime-lora-updating",)
+    return gateway_args
 
 
 def up_decode_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -77,7 +102,7 @@ def run_up(args: argparse.Namespace) -> int:
         max_tpot_increase=args.max_tpot_increase,
         http_port=None if args.no_http else args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,
         tool_call_parser=tool_call_parser_from_args(args), reasoning_parser=args.reasoning_parser,
-        structured_outputs_timeout_s=args.structured_outputs_timeout,
+        structured_outputs_timeout_s=args.structured_outputs_timeout, gateway_args=up_lora_gateway_args(args),
     )
     stop = False
 
@@ -117,6 +142,8 @@ def startup_line(args: argparse.Namespace, cluster) -> str:  # noqa: ANN001 - Lo
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     if not args.no_http and args.http_port:
         line += f"; OpenAI API: http{'s' if getattr(args, 'tls_cert', None) else ''}://{host}:{args.http_port}/v1"
+    if getattr(args, "lora_modules", None):
+        line += f"; LoRA adapters (the model field): {', '.join(module.name for module in args.lora_modules)}"
     if cluster.metrics_ports:
         listed = ", ".join(f"{name} http://{host}:{port}/metrics" for name, port in cluster.metrics_ports.items())
         line += f"; metrics: {listed}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
 
 import grpc
 
@@ -145,9 +144,9 @@ class PdserveError(Exception):
 
 
 def _request(
-    prompt: str | Sequence[int], options: SamplingOptions | None, request_id: str | None
+    prompt: str | Sequence[int], options: SamplingOptions | None, request_id: str | None, lora_name: str | None = None
 ) -> generation_pb2.GenerateRequest:
-    request = generation_pb2.GenerateRequest(request_id=request_id or "")
+    request = generation_pb2.GenerateRequest(request_id=request_id or "", lora_name=lora_name or "")
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -249,8 +248,10 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
     ) -> Completion:
-        return _fold([chunk async for chunk in self.stream(prompt, options, request_id=request_id, timeout=timeout)])
+        return _fold([chunk async for chunk in self.stream(prompt, options, request_id=request_id, timeout=timeout,
+                                                           lora_name=lora_name)])
 
     async def stream(
         self,
@@ -259,9 +260,11 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         call = self._stub.Generate(
-            _request(prompt, options, request_id), timeout=self._deadline(timeout), metadata=self._metadata
+            _request(prompt, options, request_id, lora_name), timeout=self._deadline(timeout),
+            metadata=self._metadata,
         )
         try:
             async for response in call:
@@ -329,8 +332,9 @@ class Client:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
     ) -> Completion:
-        return _fold(self.stream(prompt, options, request_id=request_id, timeout=timeout))
+        return _fold(self.stream(prompt, options, request_id=request_id, timeout=timeout, lora_name=lora_name))
 
     def stream(
         self,
@@ -339,9 +343,11 @@ class Client:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        lora_name: str | None = None,
     ) -> Iterator[StreamChunk]:
         call = self._stub.Generate(
-            _request(prompt, options, request_id), timeout=self._deadline(timeout), metadata=self._metadata
+            _request(prompt, options, request_id, lora_name), timeout=self._deadline(timeout),
+            metadata=self._metadata,
         )
         try:
             for response in call:

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 WorkerRole = Literal["prefill", "decode"]
 WORKER_ROLES: tuple[str, ...] = get_args(WorkerRole)
 
-LoadSnapshot = Mapping[str, float]
+# A worker's load figures, and (when it serves LoRA) "lora_adapters": the adapters it holds.
+LoadSnapshot = Mapping[str, "float | list[str]"]
 
 # Delete the entry only if it still belongs to the caller's epoch: a restarted
 # process with the same worker id may already have registered.
@@ -97,7 +98,13 @@ class WorkerStatus:
     """A live worker and the load it reported in its last heartbeat (empty before the first)."""
 
     info: WorkerInfo
-    load: Mapping[str, float] = field(default_factory=dict)
+    load: LoadSnapshot = field(default_factory=dict)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters the worker held at its last heartbeat."""
+        adapters = self.load.get("lora_adapters", [])
+        return list(adapters) if isinstance(adapters, list) else []
 
 
 class WorkerRegistry:

@@ -21,7 +21,8 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from pdserve.kv_transfer.descriptor import handoff_from_proto
+from pdserve.engine.lora import LoRARequest
+from pdserve.kv_transfer.descriptor import handoff_from_proto, lora_from_proto
 from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
@@ -94,11 +95,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     ):
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
+        lora = lora_from_proto(request.lora)
         if not request.HasField("handoff"):
-            async for response in self._prefill_here(request.request_id, prompt, params):
+            async for response in self._prefill_here(request.request_id, prompt, params, lora):
                 yield response
             return
         handoff = handoff_from_proto(request.handoff)
+        if (lora and lora.lora_name) != (handoff.lora and handoff.lora.lora_name):
+            raise ValueError(f"lora.name {lora.lora_name if lora else ''!r} is not the handoff's LoRA adapter "
+                             f"{handoff.lora.lora_name if handoff.lora else ''!r}")
         if request.pushed_to and request.pushed_to != self.runtime.address:
             # The KV was pushed to another decode worker, and this one serves the request: what the push
             # holds there (and the request it started) ends now, not at the handoff deadline.
@@ -191,7 +196,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         abort = functools.partial(self.engine.abort, _engine_id(handoff))
         self.early.add(handoff.request_id, EarlyStart(start, stream, first, release_lease, abort))
 
-    async def _prefill_here(self, request_id: str, prompt: list[int], params: SamplingParams):
+    async def _prefill_here(self, request_id: str, prompt: list[int], params: SamplingParams,
+                            lora: LoRARequest | None = None):
         """Local prefill (a DecodeRequest without handoff): compute the prompt here and stream every token.
 
         The gateway chooses this when the prompt is short or mostly cached here
@@ -200,7 +206,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if params.prompt_logprobs is not None:
             raise ValueError("sampling_params.prompt_logprobs needs a prefill worker: send a handoff or leave it unset")
         # Its own engine id, as for a handoff: a colocated worker may still hold the client's id under a lease.
-        stream = self.engine.generate(prompt, params, f"{request_id}/local")
+        stream = self.engine.generate(prompt, params, f"{request_id}/local", lora_request=lora)
         try:
             # Counted as queued work until the prompt is computed.
             with self.runtime.admit(len(prompt)):
@@ -314,6 +320,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         report.kv_transfers = self.kv_transfers
         report.kv_recomputes = self.kv_recomputes
         return report
+
+    @grpc_errors
+    async def LoadLoRAAdapter(  # noqa: N802
+        self, request: worker_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadLoRAAdapterResponse:
+        return await self.runtime.load_lora(request)
+
+    @grpc_errors
+    async def UnloadLoRAAdapter(  # noqa: N802
+        self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadLoRAAdapterResponse:
+        return await self.runtime.unload_lora(request)
 
     async def _fetch(
         self, handoff: KVHandoff, first_block: int, stub: worker_pb2_grpc.PrefillWorkerStub

@@ -29,8 +29,10 @@ from pdserve.engine.block_manager import BlockEvent
 from pdserve.engine.errors import EngineDeadError
 from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVSlot
 from pdserve.engine.llm_engine import EngineStats, LLMEngine
+from pdserve.engine.lora import LoRARequest
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.shared_cores.openmp import on_a_passing_thread
 
 log = logging.getLogger(__name__)
 
@@ -164,20 +166,25 @@ class AsyncEngine:
         *,
         hold_kv: KVHoldParams | None = None,
         validate_as: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes. Raises ``ValueError`` on bad input.
 
         ``validate_as``: check the request against these parameters rather than
         ``params`` (a prefill worker runs one token of a longer request).
+        ``lora_request``: the LoRA adapter it runs under, read from its folder
+        first (off the engine thread) when the engine does not hold it.
         """
         stream = _Stream(asyncio.get_running_loop())
+        if lora_request is not None:
+            await self.load_lora(lora_request)
 
         def add(engine: LLMEngine) -> None:
             # One command, so admission costs one trip to the engine thread, not two.
             self._check_id_free(request_id)
             if validate_as is not None:
                 engine.validate_request(prompt, validate_as)
-            engine.add_request(prompt, params, request_id, hold_kv=hold_kv)
+            engine.add_request(prompt, params, request_id, hold_kv=hold_kv, lora_request=lora_request)
             self._attach(request_id, stream)
 
         await self._start(request_id, stream, add)
@@ -211,6 +218,13 @@ class AsyncEngine:
         landing: the handed-off first token and its text.
         """
         stream = _Stream(asyncio.get_running_loop())
+        if handoff.lora is not None:
+            try:
+                await self.load_lora(handoff.lora)
+            except ValueError:
+                await self.call(lambda engine: engine.kv_connector.drop_push(handoff.request_id,
+                                                                             refuse_later=not pushed))
+                raise
 
         def add(engine: LLMEngine) -> int:
             try:
@@ -231,6 +245,24 @@ class AsyncEngine:
         async with contextlib.aclosing(self._drain(request_id, stream, receive_kv)) as outputs:
             async for output in outputs:
                 yield output
+
+    async def load_lora(self, request: LoRARequest) -> None:
+        """Have the engine hold ``request``'s LoRA adapter in host memory: read from its folder on a thread of its
+        own while steps go on. ``ValueError`` naming the adapter when it cannot be served here."""
+        if self.engine.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: this worker serves no LoRA adapters "
+                             "(start it with --enable-lora)")
+        if await self.call(lambda engine: engine.lora.loaded(request) is not None):
+            return
+        manager = self.engine.lora
+        adapter = await asyncio.to_thread(on_a_passing_thread, lambda: manager.read(request), "pdserve-lora")
+        await self.call(lambda engine: engine.lora.add_loaded(request, adapter))
+
+    async def unload_lora(self, name: str) -> bool:
+        """Forget LoRA adapter ``name`` (running requests under it finish); False when it was not loaded."""
+        if self.engine.lora is None:
+            return False
+        return await self.call(lambda engine: engine.lora.unload(name))
 
     async def abort(self, request_id: str) -> None:
         if self.is_alive:

@@ -20,6 +20,12 @@ _HASH_SEED = b"pdserve.block-hash.v1"
 _ROOT_PARENT = BlockHash(b"")
 
 
+def adapter_model_id(model_id: str, lora_name: str | None) -> str:
+    """The model identity a request's blocks are hashed under: the base's, or the base's with its LoRA adapter's
+    name (a prefix computed under one adapter is never another's, or the base's)."""
+    return model_id if not lora_name else f"{model_id}+lora:{lora_name}"
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], model_id: str) -> BlockHash:
     """Hash of one full block given the hash of the block before it (``None`` for the first)."""
     digest = hashlib.blake2b(_HASH_SEED, digest_size=16)

@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine.hashing import BlockHash
 from pdserve.engine.kv_cache import KV_PARTS, SCALE_BYTES, bytes_per_block
+from pdserve.engine.lora import LoRARequest
 
 # Every transport a handoff may name. grpc streams with FetchKV; the others are
 # staged with StageKV and read out of band (kv_transfer.config re-exports these).
@@ -155,6 +156,8 @@ class KVHandoff:
     # How the sender is sharded (pdserve/engine/parallel/sharding.py places its KV heads); receivers ask
     # for heads by global index, so any sender size serves any receiver size.
     tensor_parallel_size: int = 1
+    # The LoRA adapter the KV was computed under (None: the base model): the receiver serves the request under it.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         _check_range("tensor_parallel_size", self.tensor_parallel_size, 1, _UINT32_MAX)

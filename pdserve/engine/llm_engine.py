@@ -22,7 +22,7 @@ from pdserve.engine.block_manager import BlockEvent, BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.default_model import DEFAULT_MODEL_ID
 from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.hashing import BlockHash, adapter_model_id
 from pdserve.engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from pdserve.engine.kv_pages import PageLayout, PagedBlockManager
 from pdserve.engine.kv_connector import DecodeKVConnector
@@ -69,6 +69,8 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA adapters held (in slots first, then in host memory only).
+    lora_adapters: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -169,6 +171,7 @@ class LLMEngine:
         self.scheduler.on_finish = self._finished
         # Requests whose adapter waits for a slot (every slot pinned by other adapters' requests).
         self._lora_waiting: list[Sequence] = []
+        self._lora_remote: set[str] = set()  # ids of those waiting whose prompt KV comes from another engine
         # Structured output: grammars compiled off the engine thread, once per distinct spec (None: no tokenizer).
         self.grammar_compiler = GrammarCompiler(self._grammar_tokenizer) if self.tokenizer is not None else None
         # Requests whose grammar is still compiling: they join the scheduler's queue when it is done.
@@ -271,21 +274,36 @@ class LLMEngine:
             self._queue(seq)
         return request_id
 
-    def _queue(self, seq: Sequence) -> None:
-        """Into the scheduler's queue, once the request's adapter (if any) holds a slot; else it waits for one."""
+    def _queue(self, seq: Sequence, remote: bool = False) -> None:
+        """Into the scheduler's queue, once the request's adapter (if any) holds a slot; else it waits for one.
+        ``remote``: its prompt KV comes from another engine (``Scheduler.add_remote``)."""
         if seq.lora_request is not None and seq.lora_slot is None:
-            assert self.lora is not None
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {seq.lora_request.lora_name!r}: this worker serves no LoRA adapters "
+                                 "(start it with --enable-lora)")
             seq.lora_slot = self.lora.acquire(seq.lora_request)
             if seq.lora_slot is None:
                 self._lora_waiting.append(seq)
+                if remote:
+                    self._lora_remote.add(seq.request_id)
                 return
-        self.scheduler.add(seq)
+        if remote:
+            self.scheduler.add_remote(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def queue_remote(self, seq: Sequence) -> None:
+        """Queue a request whose prompt KV comes from another engine (the KV connector's), once its adapter has
+        a slot."""
+        self._queue(seq, remote=True)
 
     def _admit_lora_waiting(self) -> None:
         """Requests whose adapter can have a slot now join the queue, in arrival order."""
         waiting, self._lora_waiting = self._lora_waiting, []
         for seq in waiting:
-            self._queue(seq)
+            remote = seq.request_id in self._lora_remote
+            self._lora_remote.discard(seq.request_id)
+            self._queue(seq, remote)
 
     def _finished(self, seq: Sequence) -> None:
         if seq.lora_slot is not None:
@@ -338,6 +356,7 @@ class LLMEngine:
             self._compiling.remove(seq)
         if seq in self._lora_waiting:
             self._lora_waiting.remove(seq)
+            self._lora_remote.discard(seq.request_id)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, self._detokenizers.pop(request_id, None))
 
@@ -365,6 +384,7 @@ class LLMEngine:
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            lora_adapters=tuple(self.lora.held()) if self.lora is not None else (),
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -500,6 +520,7 @@ class LLMEngine:
             draft_layout=self._handoff_draft.kv_layout if self._handoff_draft is not None else None,
             draft_model_id=self._handoff_draft.identity if self._handoff_draft is not None else "",
             tensor_parallel_size=self.tensor_parallel_size,
+            lora=seq.lora_request,
         )
 
     def _lease_s(self, hold: KVHoldParams) -> float:
@@ -598,7 +619,7 @@ class LLMEngine:
                 for _ in range(num_draws_done):
                     torch.empty(self.vocab_size).exponential_(generator=generator)
         # The prefix cache is keyed by adapter: blocks computed under one are never another's, or the base's.
-        model_id = self.model_id if lora_request is None else f"{self.model_id}+lora:{lora_request.lora_name}"
+        model_id = adapter_model_id(self.model_id, None if lora_request is None else lora_request.lora_name)
         seq = Sequence(request_id, token_ids, params, self.block_size, model_id, generator, block_hashes)
         seq.lora_request = lora_request
         return seq

@@ -91,8 +91,7 @@ class ModelRunner:
         masks = self._start_masks(items)
         if self.lora is not None:
             slots = [-1 if item.seq.lora_slot is None else item.seq.lora_slot for item in items]
-            self.lora.set_rows(slots, [item.num_new_tokens for item in items], self.device,
-                               self.model.model.norm.weight.dtype)
+            self.lora.set_rows(slots, [item.num_new_tokens for item in items], self.device)
         logits = None  # (num_sampled_rows, vocab)
         if self.parallel is None:
             hidden = self.forward(StepInputs(input_ids, positions, batch))

@@ -29,6 +29,7 @@ from pdserve.gateway.openai_responses import ChatFormat, CompletionFormat, Decod
 from pdserve.gateway.reasoning_parsers import ReasoningParser
 from pdserve.gateway.tool_parsers import ToolParser
 from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.service_common.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class _LocalContext:
 
 
 class OpenAIHttpApi:
-    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` over one servicer."""
+    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and ``/health`` over one servicer; with LoRA
+    adapters the ``model`` field selects one (``/v1/models`` lists them), and with runtime updating allowed,
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's) add and remove them."""
 
     def __init__(
         self,
@@ -108,6 +111,11 @@ class OpenAIHttpApi:
             web.get("/v1/models", self._models),
             web.get("/health", self._health),
         ])
+        if self.servicer.lora_adapters.allow_runtime_updating:
+            app.add_routes([
+                web.post("/v1/load_lora_adapter", self._load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", self._unload_lora_adapter),
+            ])
         # handler_cancellation: a client that disconnects cancels its handler, and so its generation.
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=self.grace_s, access_log=None)
         await self._runner.setup()
@@ -133,6 +141,8 @@ class OpenAIHttpApi:
             return await handler(request)
         except InvalidRequest as error:
             return error_response(400, str(error), "invalid_request_error", error.param)
+        except ModelNotFound as error:
+            return error_response(404, str(error), "invalid_request_error", "model", code="model_not_found")
         except RpcAbort as error:
             return self._rpc_error_response(error, request.path)
         except web.HTTPException as error:
@@ -168,15 +178,63 @@ class OpenAIHttpApi:
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
-        model: dict[str, Any] = {"id": self._model_name(), "object": "model", "created": now(), "owned_by": "pdserve"}
+        base = self._model_name()
+        created = now()
         report = self._report()
+        model: dict[str, Any] = {"id": base, "object": "model", "created": created, "owned_by": "pdserve",
+                                 "root": report.model_id if report is not None else base, "parent": None}
         if report is not None:
             # vLLM lists max_model_len; vocab_size is pdserve's (what `pdserve bench --backend http` draws ids from).
             model.update(max_model_len=report.max_model_len, vocab_size=report.vocab_size)
-        return web.json_response({"object": "list", "data": [model]})
+        # vLLM's shape: each adapter with its folder as root and the model it adapts as parent.
+        adapters = [{"id": adapter.name, "object": "model", "created": created, "owned_by": "pdserve",
+                     "root": adapter.path, "parent": adapter.base_model_name or base}
+                    for adapter in self.servicer.lora_adapters]
+        return web.json_response({"object": "list", "data": [model, *adapters]})
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        name, path = _adapter_fields(body, ("lora_name", "lora_path"))
+        try:
+            await self.servicer.load_lora_adapter(name, path)
+        except ValueError as error:  # taken name, or an adapter the workers cannot serve: the message names it
+            return error_response(400, str(error), "invalid_request_error", "lora_name")
+        except Unavailable as error:
+            return error_response(503, str(error), "service_unavailable")
+        log.info("LoRA adapter %r loaded from %s", name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        (name,) = _adapter_fields(body, ("lora_name",), optional=("lora_int_id",))
+        try:
+            await self.servicer.unload_lora_adapter(name)
+        except KeyError as error:
+            return error_response(404, error.args[0], "not_found_error", "lora_name")
+        except Unavailable as error:
+            return error_response(503, str(error), "service_unavailable")
+        log.info("LoRA adapter %r unloaded", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _lora_name(self, body: dict[str, Any]) -> str:
+        """The LoRA adapter the ``model`` field selects ("": the base model). Without LoRA, any name is the base
+        model; with it, the base answers to its id and to "pdserve", and any other name that is not an adapter
+        is ``ModelNotFound`` (404 model_not_found)."""
+        model = body.get("model")
+        adapters = self.servicer.lora_adapters
+        if not adapters.enabled or not isinstance(model, str):
+            return ""  # a model that is not a string is refused by the parser, naming it
+        if model in adapters:
+            return model
+        report = self._report()
+        if model in (self._model_name(), "pdserve", report.model_id if report is not None else None):
+            return ""
+        raise ModelNotFound(f"The model `{model}` does not exist.")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_completion(await _json_body(request), self.max_n)
+        body = await _json_body(request)
+        parsed = parse_completion(body, self.max_n)
+        parsed.generate.lora_name = self._lora_name(body)
         generate = parsed.generate
         prompt_text = generate.prompt
         if generate.prompt and self.tokenizer is not None:
@@ -190,13 +248,15 @@ class OpenAIHttpApi:
                 raise InvalidRequest("echo needs the model's tokenizer to give the prompt as text, and this gateway "
                                      "has none", "echo")
             prompt_text = prompt_text or self.tokenizer.decode(list(generate.prompt_token_ids))
-        form = CompletionFormat(self._model_name(), self._decoder, parsed, prompt_text)
+        form = CompletionFormat(generate.lora_name or self._model_name(), self._decoder, parsed, prompt_text)
         return await self._generate(request, parsed, form)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_chat(await _json_body(request), self.tokenizer, self.max_n, self.tool_parser is not None,
-                            self.reasoning_parser)
-        form = ChatFormat(self._model_name(), self._decoder, parsed, self.tool_parser, self.reasoning_parser)
+        body = await _json_body(request)
+        parsed = parse_chat(body, self.tokenizer, self.max_n, self.tool_parser is not None, self.reasoning_parser)
+        parsed.generate.lora_name = self._lora_name(body)
+        form = ChatFormat(parsed.generate.lora_name or self._model_name(), self._decoder, parsed, self.tool_parser,
+                          self.reasoning_parser)
         return await self._generate(request, parsed, form)
 
     # --- generation ---
@@ -347,6 +407,24 @@ async def _send_all(response: web.StreamResponse, events: list[dict[str, Any]]) 
 
 async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
     await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+
+class ModelNotFound(LookupError):
+    """The ``model`` field names neither the served model nor one of its LoRA adapters."""
+
+
+def _adapter_fields(body: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> list[str]:
+    """The named string fields of a load/unload body, each non-empty; ``InvalidRequest`` naming the field."""
+    unknown = sorted(set(body) - set(required) - set(optional))
+    if unknown:
+        raise InvalidRequest(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", unknown[0])
+    values = []
+    for name in required:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"{name} must be a non-empty string", name)
+        values.append(value)
+    return values
 
 
 def _error_body(message: str, kind: str, param: str | None, status: int, code: str | None = None) -> dict[str, Any]:

@@ -73,21 +73,21 @@ class Route:
 
 async def choose_route(
     policy: DisaggregationPolicy, router: Router, metrics: GatewayMetrics,
-    request: generation_pb2.GenerateRequest, token_ids: list[int],
+    request: generation_pb2.GenerateRequest, token_ids: list[int], lora_name: str | None = None,
 ) -> Route:
     """Where the prompt is prefilled: a prefill worker (remote) or the decode worker (local); counted in metrics."""
     prompt_logprobs = request.sampling_params.HasField("prompt_logprobs")
     has_prefill_worker = bool(router.pool.healthy("prefill"))
     if policy.mode != "auto" or prompt_logprobs or not has_prefill_worker:
         decision = policy.decide(None, has_prefill_worker=has_prefill_worker, prompt_logprobs=prompt_logprobs)
-        route = Route(decision, decode=_choose_decode(router) if decision.local else None)
+        route = Route(decision, decode=_choose_decode(router, lora_name) if decision.local else None)
     else:
         try:
-            choice = await router.choose_prefill(token_ids)
+            choice = await router.choose_prefill(token_ids, lora_name=lora_name)
         except NoWorkerAvailable as error:
             raise Unavailable(str(error)) from error
-        decode = _choose_decode(router)
-        local_cached = await router.decode_cached_tokens(decode, token_ids, choice.block_hashes)
+        decode = _choose_decode(router, lora_name)
+        local_cached = await router.decode_cached_tokens(decode, token_ids, choice.block_hashes, lora_name)
         report = decode.report
         inputs = RouteInputs(
             prompt_tokens=len(token_ids),
@@ -103,16 +103,16 @@ async def choose_route(
     return route
 
 
-def _choose_decode(router: Router) -> WorkerHandle:
+def _choose_decode(router: Router, lora_name: str | None = None) -> WorkerHandle:
     try:
-        return router.choose_decode()
+        return router.choose_decode(lora_name)
     except NoWorkerAvailable as error:
         raise Unavailable(str(error)) from error
 
 
 async def stream_local_prefill(
     router: Router, metrics: GatewayMetrics, route: Route, request: generation_pb2.GenerateRequest,
-    request_id: str, token_ids: list[int], timeout_s: float | None,
+    request_id: str, token_ids: list[int], timeout_s: float | None, lora: worker_pb2.LoRAAdapter | None = None,
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """Local prefill: the decode worker computes the prompt and streams every token, ending with usage."""
     decode = route.decode
@@ -121,7 +121,7 @@ async def stream_local_prefill(
     uncached = len(token_ids) - (route.inputs.local_cached_tokens if route.inputs is not None else 0)
     usage = generation_pb2.Usage(prompt_tokens=len(token_ids))
     decode_request = worker_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=token_ids, sampling_params=request.sampling_params
+        request_id=request_id, prompt_token_ids=token_ids, sampling_params=request.sampling_params, lora=lora
     )
     call = decode.stub.Decode(decode_request, timeout=timeout_s)
     prefilling = True  # its uncomputed prompt tokens count as queued work there until the first token

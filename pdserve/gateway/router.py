@@ -8,6 +8,13 @@ A hot prefix therefore attracts traffic until its holder's queue costs more
 than recomputing the prefix elsewhere. Decode: the fewest running sequences,
 then the most free KV blocks.
 
+LoRA: a request under an adapter hashes its blocks under the adapter (its
+prefix hits are that adapter's), and a worker that does not hold the adapter
+(its load report lists those it does) costs ``LORA_MISS_TOKENS`` more as a
+prefill worker and ``LORA_MISS_RUNNING`` more sequences as a decode worker:
+it would read the adapter from its folder first. Load and prefix hits still
+outweigh that.
+
 A worker publishes its new blocks to Redis a moment after it has computed
 them; what this gateway has just had prefilled (``RecentPrefills``) counts at
 once, so a request right behind another with the same prefix (the n choices of
@@ -24,10 +31,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster_index import PrefixIndexLookup
-from pdserve.engine.hashing import BlockHash, hash_prompt_blocks
+from pdserve.engine.hashing import BlockHash, adapter_model_id, hash_prompt_blocks
 from pdserve.gateway.workers import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
+
+# What reading a LoRA adapter on a worker that lacks it counts as: prompt tokens to compute (prefill), running
+# sequences (decode). Reading one takes about as long as a short prompt's prefill (BENCHMARKS.md, lora_w1's swap).
+LORA_MISS_TOKENS = 64
+LORA_MISS_RUNNING = 2
+
+
+def holds_adapter(worker: WorkerHandle, lora_name: str | None) -> bool:
+    """Whether ``worker`` reported holding adapter ``lora_name`` (always, for the base model)."""
+    return not lora_name or (worker.report is not None and lora_name in worker.report.lora_adapters)
 
 
 @dataclass(frozen=True)
@@ -94,8 +111,9 @@ class Router:
         self._decode_turns = itertools.count()
         self.recent = RecentPrefills()
 
-    async def choose_prefill(self, token_ids: list[int], exclude: set[str] = frozenset()) -> PrefillChoice:  # type: ignore[assignment]
-        """``exclude``: addresses that just failed this request."""
+    async def choose_prefill(self, token_ids: list[int], exclude: set[str] = frozenset(),  # type: ignore[assignment]
+                             lora_name: str | None = None) -> PrefillChoice:
+        """``exclude``: addresses that just failed this request; ``lora_name``: its LoRA adapter (None: base)."""
         workers = [w for w in self.pool.healthy("prefill") if w.address not in exclude]
         if not workers:
             raise NoWorkerAvailable("no prefill worker is available")
@@ -103,14 +121,14 @@ class Router:
         if self.policy == "round_robin":
             # The baseline prefix-aware routing is measured against: ignores caches and load.
             return PrefillChoice(workers[turn % len(workers)], 0)
-        hashes, cached_blocks = await self._cached_blocks(workers, token_ids)
+        hashes, cached_blocks = await self._cached_blocks(workers, token_ids, lora_name=lora_name)
         best: tuple[tuple[int, int, int], WorkerHandle, int, int] | None = None
         for index, worker in enumerate(workers):
             block_size = worker.report.block_size if worker.report else 16
             # One token is always computed, so a full-prompt hit still leaves the last block.
             cached = min(cached_blocks.get(worker.worker_id, 0) * block_size, (len(token_ids) - 1) // block_size * block_size)
             queued = max(worker.inflight_tokens, worker.report.num_queued_tokens if worker.report else 0)
-            cost = queued + len(token_ids) - cached
+            cost = queued + len(token_ids) - cached + (0 if holds_adapter(worker, lora_name) else LORA_MISS_TOKENS)
             key = (cost, worker.inflight_requests, (index - turn) % len(workers))
             if best is None or key < best[0]:
                 best = (key, worker, cached, queued)
@@ -123,14 +141,14 @@ class Router:
             self.recent.add(choice.worker.worker_id, choice.worker.epoch, choice.block_hashes)
 
     async def decode_cached_tokens(self, worker: WorkerHandle, token_ids: list[int],
-                                   block_hashes: Sequence[BlockHash] = ()) -> int:
+                                   block_hashes: Sequence[BlockHash] = (), lora_name: str | None = None) -> int:
         """What the index says decode ``worker`` caches of the prompt, in tokens (for a local prefill there).
 
         ``block_hashes``: the prompt's, when the prefill choice computed them already.
         """
         if self.policy != "prefix":
             return 0
-        hashes, cached_blocks = await self._cached_blocks([worker], token_ids, block_hashes)
+        hashes, cached_blocks = await self._cached_blocks([worker], token_ids, block_hashes, lora_name)
         if not hashes:
             return 0
         block_size = worker.report.block_size if worker.report else 16
@@ -142,7 +160,8 @@ class Router:
         if block_hashes:
             self.recent.add(worker.worker_id, worker.epoch, block_hashes)
 
-    def choose_decode(self) -> WorkerHandle:
+    def choose_decode(self, lora_name: str | None = None) -> WorkerHandle:
+        """``lora_name``: the request's LoRA adapter (None: the base model)."""
         workers = self.pool.healthy("decode")
         if not workers:
             raise NoWorkerAvailable("no decode worker is available")
@@ -151,19 +170,23 @@ class Router:
         def key(item: tuple[int, WorkerHandle]) -> tuple[int, int, int]:
             index, worker = item
             running = max(worker.inflight_requests, worker.report.num_running if worker.report else 0)
+            if not holds_adapter(worker, lora_name):
+                running += LORA_MISS_RUNNING
             free = worker.report.num_free_blocks if worker.report else 0
             return (running, -free, (index - turn) % len(workers))
 
         return min(enumerate(workers), key=key)[1]
 
     async def _cached_blocks(
-        self, workers: list[WorkerHandle], token_ids: list[int], block_hashes: Sequence[BlockHash] = ()
+        self, workers: list[WorkerHandle], token_ids: list[int], block_hashes: Sequence[BlockHash] = (),
+        lora_name: str | None = None,
     ) -> tuple[list[BlockHash], dict[str, int]]:
         """The prompt's block hashes, and the leading ones each worker holds (per the index and ``recent``)."""
         if self.lookup is None or not workers or workers[0].report is None:
             return [], {}
         report = workers[0].report
-        hashes = list(block_hashes) or hash_prompt_blocks(token_ids, report.block_size, report.model_id)
+        model_id = adapter_model_id(report.model_id, lora_name)
+        hashes = list(block_hashes) or hash_prompt_blocks(token_ids, report.block_size, model_id)
         if not hashes:
             return [], {}
         live = {w.worker_id: w.epoch for w in workers}

@@ -15,6 +15,7 @@ from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.disaggregation import DisaggregationPolicy
+from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.reasoning_parsers import reasoning_parser as build_reasoning_parser
@@ -51,6 +52,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         disaggregation: DisaggregationPolicy | None = None,
         kv_push: bool = True,
         max_decode_attempts: int = 2,
+        lora_adapters: LoRAAdapters | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -63,6 +65,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_decode_attempts = max_decode_attempts
         self.metrics = metrics or GatewayMetrics()
         self.disaggregation = disaggregation or DisaggregationPolicy()
+        # The LoRA adapters requests may name (lora_name); none unless the gateway serves LoRA.
+        self.lora_adapters = lora_adapters or LoRAAdapters(enabled=False)
         self._background: set[asyncio.Task[None]] = set()
 
     @grpc_errors
@@ -74,18 +78,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids = self.prompt_token_ids(request)
             validate_generate_request(request, token_ids, self._request_limits())
             assert token_ids is not None  # validation rejects a prompt it could not tokenize
+            lora = self.lora_of(request.lora_name)
+            lora_name = lora.name if lora is not None else None
             log.debug("generate: %d prompt tokens, max_tokens %d", len(token_ids), request.sampling_params.max_tokens)
             with self.admission.admit(len(token_ids)):
-                route = await choose_route(self.disaggregation, self.router, self.metrics, request, token_ids)
+                route = await choose_route(self.disaggregation, self.router, self.metrics, request, token_ids,
+                                           lora_name)
                 if route.decision.local:
                     responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
-                                                     token_ids, context.time_remaining())
+                                                     token_ids, context.time_remaining(), lora)
                 else:
-                    push_to = self._push_target(request, route.decode)
-                    push_cached = await self._push_cached_tokens(route, push_to, token_ids)
+                    push_to = self._push_target(request, route.decode, lora_name)
+                    push_cached = await self._push_cached_tokens(route, push_to, token_ids, lora_name)
                     prefill_response = await self._prefill(request, request_id, token_ids, context, route.prefill,
-                                                           push_to, push_cached)
-                    responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to)
+                                                           push_to, push_cached, lora)
+                    responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to,
+                                            lora)
                 async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
                     async for response in responses:
                         tracker.responded(response)
@@ -102,6 +110,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         choice: PrefillChoice | None = None,
         push_to: WorkerHandle | None = None,
         push_cached_tokens: int = 0,
+        lora: worker_pb2.LoRAAdapter | None = None,
     ) -> worker_pb2.PrefillResponse:
         """Prefill on the best worker (``choice``, when routing chose it already); when one is unreachable
         (crashed, partitioned), on the next best.
@@ -114,12 +123,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_token_ids=token_ids,
             sampling_params=request.sampling_params,
             transport=self.transport,
+            lora=lora,
         )
         failed: set[str] = set()
         while True:
             try:
                 if choice is None or failed:
-                    choice = await self.router.choose_prefill(token_ids, exclude=failed)
+                    choice = await self.router.choose_prefill(token_ids, exclude=failed,
+                                                              lora_name=lora.name if lora is not None else None)
             except NoWorkerAvailable as error:
                 raise Unavailable(str(error)) from error
             prefill = choice.worker
@@ -158,6 +169,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prefill_response: worker_pb2.PrefillResponse,
         context: grpc.aio.ServicerContext,
         push_to: WorkerHandle | None = None,
+        lora: worker_pb2.LoRAAdapter | None = None,
     ):
         """The first token at once, then the decode worker's stream, ending with usage.
 
@@ -195,6 +207,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             handoff=prefill_response.handoff,
             # The prefill worker pushed only to push_to; any other decode worker pulls.
             kv_pushed=prefill_response.kv_pushed and decode is not None,
+            lora=lora,
         )
         first_sent = finished = False
         attempts = 0
@@ -204,7 +217,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 attempts += 1
                 if decode is None:
                     try:
-                        decode = self.router.choose_decode()
+                        decode = self.router.choose_decode(lora.name if lora is not None else None)
                     except NoWorkerAvailable as error:
                         raise Unavailable(str(error)) from error
                 # Served elsewhere: the decode worker that serves it has push_to drop what the push holds there
@@ -276,17 +289,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int]) -> int:
+    async def _push_cached_tokens(self, route: Route, push_to: WorkerHandle | None, token_ids: list[int],
+                                  lora_name: str | None = None) -> int:
         """What ``push_to`` caches of the prompt, by the prefix index (auto routing looked it up already)."""
         if push_to is None:
             return 0
         if route.inputs is not None and route.decode is push_to:
             return route.inputs.local_cached_tokens
         hashes = route.prefill.block_hashes if route.prefill is not None else ()
-        return await self.router.decode_cached_tokens(push_to, token_ids, hashes)
+        return await self.router.decode_cached_tokens(push_to, token_ids, hashes, lora_name)
 
     def _push_target(
-        self, request: generation_pb2.GenerateRequest, chosen: WorkerHandle | None = None
+        self, request: generation_pb2.GenerateRequest, chosen: WorkerHandle | None = None, lora_name: str | None = None
     ) -> WorkerHandle | None:
         """The decode worker chosen before the prefill (``chosen``: the one routing weighed), for the
         prefill worker to push the KV to; None: pull."""
@@ -295,7 +309,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if chosen is not None and chosen.healthy:
             return chosen
         try:
-            return self.router.choose_decode()
+            return self.router.choose_decode(lora_name)
         except NoWorkerAvailable:
             return None  # _relay says so, if a decode worker is needed at all
 
@@ -314,6 +328,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             vocab_size=report.vocab_size,
             eos_token_ids=report.eos_token_ids,
         )
+
+    def lora_of(self, lora_name: str) -> worker_pb2.LoRAAdapter | None:
+        """The adapter a request's ``lora_name`` names (None: empty, the base model); ``UnknownAdapter``
+        (NOT_FOUND) when this gateway does not serve it."""
+        if not lora_name:
+            return None
+        if not self.lora_adapters.enabled:
+            raise UnknownAdapter(f"lora_name {lora_name!r}: this server serves no LoRA adapters (start it with "
+                                 "--enable-lora and --lora-modules)")
+        return self.lora_adapters.get(lora_name).to_proto()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """``/v1/load_lora_adapter``: see ``pdserve.gateway.lora.load_everywhere``."""
+        await load_everywhere(self.router.pool, self.lora_adapters, name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """``/v1/unload_lora_adapter``: see ``pdserve.gateway.lora.unload_everywhere``."""
+        await unload_everywhere(self.router.pool, self.lora_adapters, name)
 
     def prompt_token_ids(self, request: generation_pb2.GenerateRequest) -> list[int] | None:
         """The prompt as token ids; None for a text prompt this gateway cannot tokenize.
@@ -415,6 +447,7 @@ class GatewayServer:
         kv_push: bool = True,  # push KV to the decode worker while the prefill runs (grpc, shm); False: pull
         tool_call_parser: str | None = None,  # HTTP chat: tool_choice "auto" parses calls in this format; None: off
         reasoning_parser: str | None = None,  # HTTP chat: the thinking apart, in reasoning_content; None: off
+        lora_adapters: LoRAAdapters | None = None,  # the LoRA adapters requests may name; None: no LoRA
     ) -> None:
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         # Built here so that an unknown parser name fails the gateway before anything listens.
@@ -439,6 +472,7 @@ class GatewayServer:
             Admission(max_inflight_requests, max_inflight_tokens),
             disaggregation=DisaggregationPolicy(disaggregation, max_tpot_increase=max_tpot_increase),
             kv_push=kv_push,
+            lora_adapters=lora_adapters,
         )
         self.metrics_endpoint = (
             MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)

@@ -13,7 +13,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from pdserve.kv_transfer.descriptor import handoff_to_proto
+from pdserve.kv_transfer.descriptor import handoff_to_proto, lora_from_proto
 from pdserve.kv_transfer.pusher import PUSH_TRANSPORTS, KVPusher
 from pdserve.kv_transfer.sender import KVSenderServicer
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
@@ -59,6 +59,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         params = sampling_params_from_proto(request.sampling_params)
         prompt = list(request.prompt_token_ids)
+        lora = lora_from_proto(request.lora)
         transport = request.transport or "grpc"
         # Push while the prefill runs when the gateway chose the decode worker already, the
         # transport can push, and a second token will be needed. A tensor-parallel engine holds
@@ -93,7 +94,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     self.pusher.start(request.request_id, request.push_address, transport, layout, num_blocks,
                                       first_block)
                 async for output in self.engine.generate(
-                    prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params
+                    prompt, _first_token_params(params), request.request_id, hold_kv=hold, validate_as=params,
+                    lora_request=lora,
                 ):
                     final = output
             assert final is not None and final.token_ids
@@ -164,6 +166,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadReport:
         return self.runtime.load_report()
+
+    @grpc_errors
+    async def LoadLoRAAdapter(  # noqa: N802
+        self, request: worker_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadLoRAAdapterResponse:
+        return await self.runtime.load_lora(request)
+
+    @grpc_errors
+    async def UnloadLoRAAdapter(  # noqa: N802
+        self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadLoRAAdapterResponse:
+        return await self.runtime.unload_lora(request)
 
     def _release(self, request_id: str) -> None:
         """End a lease between two steps (the lease table lives on the engine thread); idempotent."""

@@ -24,6 +24,7 @@ from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
 from pdserve.engine.block_manager import BlockEvent, BlockStored
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.shared_cores.openmp import spin_governor
+from pdserve.kv_transfer.descriptor import lora_from_proto
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.server import Server, ServerConfig
 
@@ -148,7 +149,7 @@ class WorkerRuntime:
         if self.spin_governor is not None:
             self.spin_governor.close()
 
-    def load_fields(self) -> dict[str, float]:
+    def load_fields(self) -> dict[str, float | list[str]]:
         stats = self.async_engine.latest_stats
         return {
             "num_running": stats.num_running,
@@ -156,6 +157,8 @@ class WorkerRuntime:
             "num_queued_tokens": stats.num_queued_tokens,
             "num_free_blocks": stats.num_free_blocks,
             "num_total_blocks": stats.num_total_blocks,
+            # The adapters it holds, recorded in the registry beside its load (the gateway routes by them).
+            **({"lora_adapters": list(stats.lora_adapters)} if self.engine.lora is not None else {}),
         }
 
     def load_report(self) -> worker_pb2.LoadReport:
@@ -177,7 +180,19 @@ class WorkerRuntime:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size,
             eos_token_ids=sorted(self.engine.eos_token_ids),
+            lora_adapters=stats.lora_adapters,
         )
+
+    async def load_lora(self, request: worker_pb2.LoadLoRAAdapterRequest) -> worker_pb2.LoadLoRAAdapterResponse:
+        """``LoadLoRAAdapter``: the adapter read into host memory; ``ValueError`` (INVALID_ARGUMENT) naming it."""
+        lora = lora_from_proto(request.lora)
+        if lora is None:
+            raise ValueError("lora.name must be set")
+        await self.async_engine.load_lora(lora)
+        return worker_pb2.LoadLoRAAdapterResponse()
+
+    async def unload_lora(self, request: worker_pb2.UnloadLoRAAdapterRequest) -> worker_pb2.UnloadLoRAAdapterResponse:
+        return worker_pb2.UnloadLoRAAdapterResponse(unloaded=await self.async_engine.unload_lora(request.name))
 
     # ---- prefix index -----------------------------------------------------------------
 

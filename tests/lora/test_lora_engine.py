@@ -153,7 +153,7 @@ def test_a_quantized_base_adds_each_rows_float_update_to_its_int8_projection(
     adapter = load_adapter(request, 8, len(manager.layers))
     projection = manager.layers[1]["qkv_proj"]
     x = torch.randn(3, projection.lora_a.shape[1], generator=torch.Generator().manual_seed(0))
-    manager.set_rows([slot, -1, slot], [1, 1, 1], torch.device("cpu"), torch.float32)
+    manager.set_rows([slot, -1, slot], [1, 1, 1], torch.device("cpu"))
     out, base = projection(x), projection.base(x)
     expected = base.clone()
     for module, (start, end) in projection.slices.items():
@@ -165,3 +165,32 @@ def test_a_quantized_base_adds_each_rows_float_update_to_its_int8_projection(
     prompt = random_prompts([20], seed=84)[0]
     (plain,), (tuned,) = llm.generate([prompt], GREEDY), llm.generate([prompt], GREEDY, request)
     assert plain.token_ids != tuned.token_ids
+
+
+def test_a_bf16_engine_keeps_the_fused_decode_step_for_steps_without_an_adapter(
+    llama_checkpoint: Path, adapters: dict[str, Path]
+) -> None:
+    from pdserve.engine.lora import BaseStepsOnly
+
+    prompts = random_prompts([7, 30, 61], seed=85)
+    llm = LLM(model=str(llama_checkpoint), dtype="bfloat16", num_kv_blocks=64, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    plain = LLM(model=str(llama_checkpoint), dtype="bfloat16", num_kv_blocks=64)
+    fused = llm.engine.model.fused_decoder
+    assert isinstance(fused, BaseStepsOnly), "a bf16 model on pdserve's CPU kernels gets the fused step"
+    steps: list[int] = []
+    run = fused.decoder
+
+    def counted(residual: torch.Tensor, *args: object) -> torch.Tensor:
+        steps.append(residual.shape[0])
+        return run(residual, *args)
+
+    fused.decoder = type("Counted", (), {"serves": staticmethod(run.serves), "__call__": staticmethod(counted)})()
+    assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == [
+        out.token_ids for out in plain.generate(prompts, GREEDY)]
+    assert len(steps) >= MAX_TOKENS - 1  # the decode steps of base rows only ran fused
+    steps.clear()
+    request = _requests(adapters)["attn"]
+    tuned = llm.generate(prompts, GREEDY, [None, request, None])
+    assert steps == []  # every step had the adapter's row: layer by layer, through the wrappers
+    assert tuned[1].token_ids != plain.generate(prompts[1:2], GREEDY)[0].token_ids

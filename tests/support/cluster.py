@@ -28,6 +28,7 @@ from pdserve.decode_service.server import DecodeServer
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora import LoRAConfig
 from pdserve.gateway.server import GatewayServer
 from pdserve.prefill_service.server import PrefillServer
 from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -56,6 +57,7 @@ def tiny_engine(
     handoff_draft_kv: bool = False,
     tensor_parallel_size: int = 1,
     kv_handoff_timeout_s: float = 30.0,
+    lora_config: LoRAConfig | None = None,
 ) -> LLMEngine:
     """A float32 engine over ``checkpoint`` with a pool of ``num_kv_blocks`` KV blocks."""
     model = ModelConfig(model=str(checkpoint), dtype="float32")
@@ -63,7 +65,7 @@ def tiny_engine(
         EngineConfig(model=model, cache=CacheConfig(num_kv_blocks=num_kv_blocks), speculative_config=speculative_config,
                      handoff_draft_kv=handoff_draft_kv,
                      parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-                     kv_handoff_timeout_s=kv_handoff_timeout_s)
+                     kv_handoff_timeout_s=kv_handoff_timeout_s, lora_config=lora_config)
     )
 
 
@@ -102,6 +104,7 @@ class ClusterOptions:
     disaggregation: str = "always"
     prefill_tp: int = 1  # tensor_parallel_size of the prefill workers' engines
     decode_tp: int = 1  # of the decode and colocated workers' engines
+    lora_config: LoRAConfig | None = None  # every worker's engine serves LoRA adapters with it; None: no LoRA
 
 
 class InProcessCluster:
@@ -213,10 +216,12 @@ class InProcessCluster:
         timeout_s = self.options.kv_handoff_timeout_s
         if decodes:
             return tiny_engine(self.checkpoint, self.options.num_kv_blocks, self.options.speculative_config,
-                               tensor_parallel_size=self.options.decode_tp, kv_handoff_timeout_s=timeout_s)
+                               tensor_parallel_size=self.options.decode_tp, kv_handoff_timeout_s=timeout_s,
+                               lora_config=self.options.lora_config)
         spec = self.options.prefill_speculative_config
         return tiny_engine(self.checkpoint, self.options.num_kv_blocks, spec, handoff_draft_kv=spec is not None,
-                           tensor_parallel_size=self.options.prefill_tp, kv_handoff_timeout_s=timeout_s)
+                           tensor_parallel_size=self.options.prefill_tp, kv_handoff_timeout_s=timeout_s,
+                           lora_config=self.options.lora_config)
 
     def _worker_config(self, role: str, worker_id: str) -> WorkerConfig:
         limits = {

@@ -120,3 +120,37 @@ def test_recent_prefills_expire_count_leading_blocks_only_and_are_bounded() -> N
     now[0] = 110.0  # a's entries expire; b's (added at 105) do not
     assert recent.longest_prefix(h, {"a": 1, "b": 1}) == {"b": 2}
     assert recent.longest_prefix(h[1:], {"a": 1}) == {}
+
+
+def _hold(pool: WorkerPool, worker_id: str, *adapters: str) -> None:
+    next(w for w in pool.workers.values() if w.worker_id == worker_id).report.lora_adapters.extend(adapters)  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_request_prefers_the_workers_holding_it_while_load_and_prefix_hits_still_count() -> None:
+    pool = _pool([("prefill", "a", 0, 0, 100), ("prefill", "b", 0, 0, 100),
+                  ("decode", "c", 0, 1, 100), ("decode", "d", 0, 2, 100)])
+    _hold(pool, "b", "sql")
+    _hold(pool, "d", "sql")
+    router = Router(pool, _FakeLookup({}))  # type: ignore[arg-type]
+    # Equal queues: the adapter decides. The base model ignores adapters.
+    assert (await router.choose_prefill(list(range(100)), lora_name="sql")).worker.worker_id == "b"
+    assert router.choose_decode("sql").worker_id == "d"  # 2 running beats 1 running + LORA_MISS_RUNNING
+    assert router.choose_decode().worker_id == "c"
+    # A worker without it that is more than LORA_MISS_TOKENS tokens less loaded still wins.
+    next(w for w in pool.workers.values() if w.worker_id == "b").report.num_queued_tokens = 65  # type: ignore[union-attr]
+    assert (await router.choose_prefill(list(range(100)), lora_name="sql")).worker.worker_id == "a"
+    # A prefix cached under the adapter (on a) outweighs holding it (b, 65 queued).
+    router = Router(pool, _FakeLookup({"a": 4}))  # type: ignore[arg-type]
+    choice = await router.choose_prefill(list(range(100)), lora_name="sql")
+    assert (choice.worker.worker_id, choice.expected_cached_tokens) == ("a", 64)
+
+
+def test_an_adapters_blocks_hash_apart_from_the_bases_and_other_adapters() -> None:
+    from pdserve.engine.hashing import adapter_model_id, hash_prompt_blocks
+
+    tokens = list(range(32))
+    hashes = {name: hash_prompt_blocks(tokens, 16, adapter_model_id("m", name)) for name in (None, "a", "b")}
+    assert adapter_model_id("m", None) == adapter_model_id("m", "") == "m"
+    assert adapter_model_id("m", "a") == "m+lora:a"
+    assert len({tuple(h) for h in hashes.values()}) == 3 and all(len(h) == 2 for h in hashes.values())

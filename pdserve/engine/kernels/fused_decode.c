@@ -25,6 +25,7 @@
  */
 #include "quant_gemv.c"
 #include "dense_gemm.c"
+#include "lora.c" /* not a step of the decoder: built here, as setup.py builds every kernel from this file */
 #include "paged_attention.c"
 #include "fused_ops.c"
 

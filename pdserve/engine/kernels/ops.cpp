@@ -47,6 +47,10 @@ extern "C" int pdserve_openmp_team(int threads);
                                float *, float *, const int64_t *, int64_t, int64_t, int64_t, int64_t);           \
     void pdserve_##v##_rms_norm(void *, void *, const void *, const void *, int64_t, int64_t, float, int64_t);   \
     void pdserve_##v##_silu_mul(void *, const void *, int64_t, int64_t, int64_t);                               \
+    int64_t pdserve_##v##_lora_shrink_expand(void *, const void *, const float *, const float *,                 \
+                                             const int64_t *, const int64_t *, const int64_t *, const float *,   \
+                                             const int64_t *, const int64_t *, int64_t, int64_t, int64_t,        \
+                                             int64_t, int64_t, int64_t, int64_t);                                \
     int64_t pdserve_##v##_fused_decode(const void *, void *, void *, const int64_t *, const int64_t *,          \
                                        const int64_t *, const int64_t *, const int64_t *, const int64_t *,       \
                                        const int64_t *, int64_t, int64_t, int64_t, int64_t);                     \
@@ -70,6 +74,7 @@ extern "C" int pdserve_openmp_team(int threads);
             pdserve_##v##_store_kv,                                                                              \
             pdserve_##v##_rms_norm,                                                                              \
             pdserve_##v##_silu_mul,                                                                              \
+            pdserve_##v##_lora_shrink_expand,                                                                    \
             pdserve_##v##_fused_decode,                                                                          \
             pdserve_##v##_fused_decode_struct_sizes}
 
@@ -102,6 +107,9 @@ struct Kernels {
                     float *, const int64_t *, int64_t, int64_t, int64_t, int64_t);
     void (*rms_norm)(void *, void *, const void *, const void *, int64_t, int64_t, float, int64_t);
     void (*silu_mul)(void *, const void *, int64_t, int64_t, int64_t);
+    int64_t (*lora_shrink_expand)(void *, const void *, const float *, const float *, const int64_t *,
+                                  const int64_t *, const int64_t *, const float *, const int64_t *, const int64_t *,
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
     int64_t (*fused_decode)(const void *, void *, void *, const int64_t *, const int64_t *, const int64_t *,
                             const int64_t *, const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
                             int64_t, int64_t);
@@ -242,6 +250,19 @@ void silu_mul(int64_t v, const at::Tensor &out, const at::Tensor &gate_up, int64
     kernels(v).silu_mul(ptr(out), ptr<const void>(gate_up), rows, width, is_bf16);
 }
 
+int64_t lora_shrink_expand(int64_t v, const at::Tensor &out, const at::Tensor &x, const at::Tensor &lora_a,
+                           const at::Tensor &lora_b, const at::Tensor &ranks, const at::Tensor &columns,
+                           const at::Tensor &row_slots, const at::Tensor &row_scales, const at::Tensor &order,
+                           const at::Tensor &group_offsets, int64_t groups, int64_t modules, int64_t max_rank,
+                           int64_t in_features, int64_t out_features, int64_t is_bf16, int64_t threads) {
+    return kernels(v).lora_shrink_expand(ptr(out), ptr<const void>(x), ptr<const float>(lora_a),
+                                         ptr<const float>(lora_b), ptr<const int64_t>(ranks),
+                                         ptr<const int64_t>(columns), ptr<const int64_t>(row_slots),
+                                         ptr<const float>(row_scales), ptr<const int64_t>(order),
+                                         ptr<const int64_t>(group_offsets), groups, modules, max_rank, in_features,
+                                         out_features, is_bf16, threads);
+}
+
 int64_t fused_decode(int64_t v, const at::Tensor &model, const at::Tensor &residual, const at::Tensor &hidden_out,
                      const at::Tensor &positions, const at::Tensor &slots, const at::Tensor &block_tables,
                      const at::Tensor &context_lens, const at::Tensor &query_rows, const at::Tensor &query_lens,
@@ -304,6 +325,10 @@ TORCH_LIBRARY(pdserve, m) {
           &rms_norm);
     m.def("silu_mul(int variant, Tensor(a!) out, Tensor gate_up, int rows, int width, int is_bf16) -> ()",
           &silu_mul);
+    m.def("lora_shrink_expand(int variant, Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor ranks, "
+          "Tensor columns, Tensor row_slots, Tensor row_scales, Tensor order, Tensor group_offsets, int groups, "
+          "int modules, int max_rank, int in_features, int out_features, int is_bf16, int threads) -> int",
+          &lora_shrink_expand);
     m.def("fused_decode(int variant, Tensor model, Tensor(a!) residual, Tensor(b!) hidden_out, Tensor positions, "
           "Tensor slots, Tensor block_tables, Tensor context_lens, Tensor query_rows, Tensor query_lens, "
           "Tensor range_points, int num_ranges, int max_blocks, int rows, int threads) -> int",

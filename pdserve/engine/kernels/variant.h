@@ -22,6 +22,7 @@
 #define pdserve_int8_gemm PDSERVE_JOIN(PDSERVE_VARIANT, int8_gemm)
 #define pdserve_int4_grouped_gemm PDSERVE_JOIN(PDSERVE_VARIANT, int4_grouped_gemm)
 #define pdserve_int8_grouped_gemm PDSERVE_JOIN(PDSERVE_VARIANT, int8_grouped_gemm)
+#define pdserve_lora_shrink_expand PDSERVE_JOIN(PDSERVE_VARIANT, lora_shrink_expand)
 #define pdserve_paged_attention PDSERVE_JOIN(PDSERVE_VARIANT, paged_attention)
 #define pdserve_paged_attention_openmp PDSERVE_JOIN(PDSERVE_VARIANT, paged_attention_openmp)
 #define pdserve_paged_attention_ranges PDSERVE_JOIN(PDSERVE_VARIANT, paged_attention_ranges)

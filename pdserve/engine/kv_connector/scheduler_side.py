@@ -65,7 +65,7 @@ class ConnectorScheduler:
         self._engine.register(seq)
         if not self.accepts_draft_kv(handoff):
             self._land_when_present.add(seq.request_id)
-        self._engine.scheduler.add_remote(seq)
+        self._engine.queue_remote(seq)
         return 0 if reservation is None else len(reservation.block_ids)
 
     def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
@@ -141,7 +141,13 @@ class ConnectorScheduler:
             raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt_token_ids)}")
         request_id = engine.new_request_id(request_id)
         token_ids = engine.validate_request(prompt_token_ids, params)
-        seq = engine.new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes)
+        if handoff.lora is not None:
+            if engine.lora is None:
+                raise ValueError(f"handoff.lora {handoff.lora.lora_name!r}: this worker serves no LoRA adapters "
+                                 "(start it with --enable-lora)")
+            engine.lora.load(handoff.lora)  # ValueError naming the adapter when it cannot be served
+        seq = engine.new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes,
+                                  lora_request=handoff.lora)
         seq.prompt_logprobs = None  # delivered by the engine that prefilled it
         seq.append_token(handoff.first_token_id)
         seq.num_cached_tokens = 0

@@ -24,7 +24,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
-    __slots__ = ("request_id", "model_id", "layout", "block_hashes", "num_tokens", "first_token_id", "transport", "address", "lease_deadline_ms", "worker_id", "epoch", "draft_layout", "draft_model_id", "tensor_parallel_size")
+    __slots__ = ("request_id", "model_id", "layout", "block_hashes", "num_tokens", "first_token_id", "transport", "address", "lease_deadline_ms", "worker_id", "epoch", "draft_layout", "draft_model_id", "tensor_parallel_size", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class KVHandoff(_message.Message):
     DRAFT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     layout: KVLayout
@@ -53,23 +54,58 @@ class KVHandoff(_message.Message):
     draft_layout: KVLayout
     draft_model_id: str
     tensor_parallel_size: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., draft_model_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., lease_deadline_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., draft_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., draft_model_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora",)
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    lora: LoRAAdapter
+    def __init__(self, lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class LoadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport", "push_address", "push_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "transport", "push_address", "push_cached_tokens", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PUSH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PUSH_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     transport: str
     push_address: str
     push_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., push_address: _Optional[str] = ..., push_cached_tokens: _Optional[int] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transport: _Optional[str] = ..., push_address: _Optional[str] = ..., push_cached_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "text", "logprobs", "finish_reason", "cached_prompt_tokens", "handoff", "prompt_logprobs", "kv_pushed")
@@ -174,20 +210,22 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed", "pushed_to")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed", "pushed_to", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
     PUSHED_TO_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
     handoff: KVHandoff
     kv_pushed: bool
     pushed_to: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ..., pushed_to: _Optional[str] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ..., pushed_to: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class KVPushMessage(_message.Message):
     __slots__ = ("header", "piece", "start", "abandon")
@@ -280,7 +318,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "kv_bytes_received", "kv_receive_seconds", "kv_transfers", "kv_recomputes", "kv_pushes")
+    __slots__ = ("worker_id", "role", "epoch", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "model_id", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "kv_bytes_received", "kv_receive_seconds", "kv_transfers", "kv_recomputes", "kv_pushes", "lora_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +337,7 @@ class LoadReport(_message.Message):
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     epoch: int
@@ -317,4 +356,5 @@ class LoadReport(_message.Message):
     kv_transfers: int
     kv_recomputes: int
     kv_pushes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., kv_receive_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_recomputes: _Optional[int] = ..., kv_pushes: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., kv_receive_seconds: _Optional[float] = ..., kv_transfers: _Optional[int] = ..., kv_recomputes: _Optional[int] = ..., kv_pushes: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

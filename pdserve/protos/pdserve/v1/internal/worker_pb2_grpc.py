@@ -61,6 +61,16 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.internal.PrefillWorker/LoadLoRAAdapter',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.internal.PrefillWorker/UnloadLoRAAdapter',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -106,6 +116,22 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Reads a LoRA adapter into host memory (it must load here for the
+        gateway's /v1/load_lora_adapter to succeed); INVALID_ARGUMENT naming the
+        adapter when it cannot be served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Forgets a LoRA adapter: no new request runs under it; running ones finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +159,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +318,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.internal.PrefillWorker/LoadLoRAAdapter',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.internal.PrefillWorker/UnloadLoRAAdapter',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker: imports handed-off KV and generates with continuous batching.
@@ -317,6 +407,16 @@ class DecodeWorkerStub:
                 '/pdserve.v1.internal.DecodeWorker/Load',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadReport.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.internal.DecodeWorker/LoadLoRAAdapter',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.internal.DecodeWorker/UnloadLoRAAdapter',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -373,6 +473,22 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Reads a LoRA adapter into host memory (it must load here for the
+        gateway's /v1/load_lora_adapter to succeed); INVALID_ARGUMENT naming the
+        adapter when it cannot be served.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Forgets a LoRA adapter: no new request runs under it; running ones finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -400,6 +516,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -538,6 +664,60 @@ class DecodeWorker:
             '/pdserve.v1.internal.DecodeWorker/Load',
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.internal.DecodeWorker/LoadLoRAAdapter',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.internal.DecodeWorker/UnloadLoRAAdapter',
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_internal_dot_worker__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
