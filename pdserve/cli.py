@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from pdserve.gateway.disaggregation import MODES as DISAGGREGATION_MODES
+from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.security_flags import (
     add_auth_token_argument,
     add_client_tls_arguments,
@@ -294,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest n (choices per request) the HTTP API accepts; each choice is one generation")
     gateway.add_argument("--http-max-body-bytes", type=int, default=8 << 20,
                          help="largest HTTP request body; larger ones are answered 413 unread")
+    gateway.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
+                         help="times a stream moves to another decode worker when its own fails mid-stream (the "
+                         "new one computes the tokens sent so far and continues exactly); 0: such streams end "
+                         "with UNAVAILABLE (default 3)")
     _tool_arguments(gateway)
     _add_lora_args(gateway, "(the workers need --enable-lora too) ", engine=False, gateway=True)
     gateway.set_defaults(func=run_gateway)
@@ -357,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics of every process: the gateway on this port, the workers on the next "
                     "ones in start order (0: a free port each); listed at start (default: off)")
+    up.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
+                    help="the gateway's --max-migrations: moves of a stream whose decode worker fails (default 3)")
     _add_lora_args(up, "on every worker ", gateway=True)
     _add_supervision_args(up)
     up.set_defaults(func=run_up)

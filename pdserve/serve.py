@@ -225,7 +225,8 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    http_port=args.http_port, metrics_port=args.metrics_port, http_max_n=args.max_n,
                                    http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push,
                                    tool_call_parser=tool_call_parser_from_args(args),
-                                   reasoning_parser=args.reasoning_parser, lora_adapters=lora_adapters), args)
+                                   reasoning_parser=args.reasoning_parser, lora_adapters=lora_adapters,
+                                   max_migrations=args.max_migrations), args)
 
 
 def tool_call_parser_from_args(args: argparse.Namespace) -> str | None:

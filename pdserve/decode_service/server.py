@@ -97,7 +97,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         lora = lora_from_proto(request.lora)
         if not request.HasField("handoff"):
-            async for response in self._prefill_here(request.request_id, prompt, params, lora):
+            resume = list(request.resume_token_ids)
+            async for response in self._prefill_here(request.request_id, prompt, params, lora, resume):
                 yield response
             return
         handoff = handoff_from_proto(request.handoff)
@@ -197,8 +198,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.early.add(handoff.request_id, EarlyStart(start, stream, first, release_lease, abort))
 
     async def _prefill_here(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            lora: LoRARequest | None = None):
+                            lora: LoRARequest | None = None, resume: list[int] | None = None):
         """Local prefill (a DecodeRequest without handoff): compute the prompt here and stream every token.
+
+        ``resume``: the tokens a failed worker already streamed; computed after the prompt, and only the tokens
+        after them are streamed (the first response holds the first new token).
 
         The gateway chooses this when the prompt is short or mostly cached here
         (pdserve/gateway/disaggregation.py). Prompt logprobs come from prefill workers only.
@@ -206,13 +210,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if params.prompt_logprobs is not None:
             raise ValueError("sampling_params.prompt_logprobs needs a prefill worker: send a handoff or leave it unset")
         # Its own engine id, as for a handoff: a colocated worker may still hold the client's id under a lease.
-        stream = self.engine.generate(prompt, params, f"{request_id}/local", lora_request=lora)
+        stream = self.engine.generate(prompt, params, f"{request_id}/local", lora_request=lora,
+                                      resume_token_ids=resume or ())
         try:
+            # The state at admission: the resumed tokens, already with the client.
+            previous: RequestOutput | None = await anext(stream) if resume else None
             # Counted as queued work until the prompt is computed.
-            with self.runtime.admit(len(prompt)):
+            with self.runtime.admit(len(prompt) + len(resume or ())):
                 first = await anext(stream)
             self.runtime.metrics.prefilled(len(prompt), first.num_cached_tokens)
-            previous: RequestOutput | None = None
             output: RequestOutput | None = first
             while output is not None:
                 response = _new_tokens(output, previous)

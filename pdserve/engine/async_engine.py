@@ -167,6 +167,7 @@ class AsyncEngine:
         hold_kv: KVHoldParams | None = None,
         validate_as: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
+        resume_token_ids: list[int] | tuple[int, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes. Raises ``ValueError`` on bad input.
 
@@ -174,6 +175,9 @@ class AsyncEngine:
         ``params`` (a prefill worker runs one token of a longer request).
         ``lora_request``: the LoRA adapter it runs under, read from its folder
         first (off the engine thread) when the engine does not hold it.
+        ``resume_token_ids``: output generated elsewhere to continue after
+        (``LLMEngine.add_request``); the first output is then the state at
+        admission (those tokens and their text), before any step.
         """
         stream = _Stream(asyncio.get_running_loop())
         if lora_request is not None:
@@ -184,8 +188,11 @@ class AsyncEngine:
             self._check_id_free(request_id)
             if validate_as is not None:
                 engine.validate_request(prompt, validate_as)
-            engine.add_request(prompt, params, request_id, hold_kv=hold_kv, lora_request=lora_request)
+            engine.add_request(prompt, params, request_id, hold_kv=hold_kv, lora_request=lora_request,
+                               resume_token_ids=resume_token_ids)
             self._attach(request_id, stream)
+            if resume_token_ids:
+                stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, engine.state_of(request_id))])
 
         await self._start(request_id, stream, add)
         async with contextlib.aclosing(self._drain(request_id, stream)) as outputs:

@@ -250,6 +250,7 @@ class LLMEngine:
         *,
         hold_kv: KVHoldParams | None = None,
         lora_request: LoRARequest | None = None,
+        resume_token_ids: list[int] | tuple[int, ...] = (),
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` naming the bad argument.
 
@@ -257,14 +258,21 @@ class LLMEngine:
         (pinned until released or expired) and its last output carries the
         ``KVHandoff`` — what a prefill worker does while a decode worker fetches them.
         ``lora_request``: the LoRA adapter the request runs under (None: the base model).
+        ``resume_token_ids``: output the request already generated elsewhere (a stream moved from a worker that
+        failed): computed here after the prompt, as a preempted request's are, and continued from, with a seeded
+        request's random stream where it stood and its stop strings, grammar and limits counting them.
         """
         request_id = self.new_request_id(request_id)
         token_ids = self.validate_request(prompt, params)
+        self._check_resume(resume_token_ids, params)
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine built with LoRA (enable_lora=True)")
             self.lora.load(lora_request)  # ValueError naming the adapter when it cannot be served
-        seq = self.new_sequence(request_id, token_ids, params, lora_request=lora_request)
+        seq = self.new_sequence(request_id, token_ids, params, num_draws_done=len(resume_token_ids),
+                                lora_request=lora_request)
+        for token_id in resume_token_ids:
+            seq.append_token(token_id)
         seq.kv_hold = hold_kv
         self.register(seq)
         if seq.grammar is not None and not seq.grammar.is_ready:
@@ -273,6 +281,14 @@ class LLMEngine:
         else:
             self._queue(seq)
         return request_id
+
+    def _check_resume(self, resume_token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
+        if len(resume_token_ids) >= params.max_tokens:
+            raise ValueError(f"resume_token_ids holds {len(resume_token_ids)} tokens: nothing is left of max_tokens "
+                             f"({params.max_tokens})")
+        for token_id in resume_token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"resume token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
 
     def _queue(self, seq: Sequence, remote: bool = False) -> None:
         """Into the scheduler's queue, once the request's adapter (if any) holds a slot; else it waits for one.
@@ -638,9 +654,16 @@ class LLMEngine:
             seq.grammar = RequestGrammar(spec, self.grammar_compiler.submit(spec), activation)
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer)
-            if seq.output_token_ids:  # a request prefilled elsewhere comes with its first token
-                detokenizer.add(seq.output_token_ids)
+            # A request prefilled elsewhere comes with its first token, a resumed one with its output so far:
+            # token by token, so the text and its held-back tail are what they were where they were generated.
+            outputs = seq.output_token_ids
+            for end in range(1, len(outputs) + 1):
+                detokenizer.add(outputs[:end])
             self._detokenizers[seq.request_id] = detokenizer
+
+    def state_of(self, request_id: str) -> RequestOutput:
+        """The state of the unfinished request ``request_id`` now, as a step would report it."""
+        return self.output_of(self._requests[request_id])
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         """The state of the running request ``seq``, as a step would report it."""

@@ -9,6 +9,7 @@ cost model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate
 from pdserve.gateway.disaggregation import DisaggregationPolicy, MeasuredCosts, RouteDecision, RouteInputs
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.workers import WorkerHandle
@@ -112,9 +114,11 @@ def _choose_decode(router: Router, lora_name: str | None = None) -> WorkerHandle
 
 async def stream_local_prefill(
     router: Router, metrics: GatewayMetrics, route: Route, request: generation_pb2.GenerateRequest,
-    request_id: str, token_ids: list[int], timeout_s: float | None, lora: worker_pb2.LoRAAdapter | None = None,
+    request_id: str, token_ids: list[int], time_remaining: Callable[[], float | None],
+    lora: worker_pb2.LoRAAdapter | None = None, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-    """Local prefill: the decode worker computes the prompt and streams every token, ending with usage."""
+    """Local prefill: the decode worker computes the prompt and streams every token, ending with usage. When
+    it fails after the client received tokens, the stream moves to another decode worker (``migrate``)."""
     decode = route.decode
     assert decode is not None, "a local route names its decode worker"
     metrics.routed("decode", decode.worker_id)
@@ -123,38 +127,58 @@ async def stream_local_prefill(
     decode_request = worker_pb2.DecodeRequest(
         request_id=request_id, prompt_token_ids=token_ids, sampling_params=request.sampling_params, lora=lora
     )
-    call = decode.stub.Decode(decode_request, timeout=timeout_s)
+    call = decode.stub.Decode(decode_request, timeout=time_remaining())
+    generated: list[int] = []
     prefilling = True  # its uncomputed prompt tokens count as queued work there until the first token
     decode.inflight_requests += 1
     decode.inflight_tokens += uncached
+    failure: grpc.aio.AioRpcError | None = None
     try:
         async for piece in call:
+            generated.extend(piece.token_ids)
             if prefilling:
                 prefilling = False
                 decode.inflight_tokens -= uncached
                 usage.cached_prompt_tokens = piece.cached_prompt_tokens
                 if route.prefill is not None:
                     router.prefilled_locally(decode, route.prefill.block_hashes)
-            usage.completion_tokens += len(piece.token_ids)
-            response = generation_pb2.GenerateResponse(
-                request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
-            )
-            if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                response.finish_reason = piece.finish_reason
-                usage.spec_decode_drafts = piece.spec_decode_drafts
-                usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
-                usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
-                response.usage.CopyFrom(usage)
-            yield response
+            yield _relayed(piece, request_id, usage)
     except grpc.aio.AioRpcError as error:
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
-            decode.healthy = False  # out of rotation now, not at the next load poll
-        raise
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        decode.healthy = False  # out of rotation now, not at the next load poll
+        if not generated or max_migrations < 1:
+            raise
+        failure = error
     finally:
         decode.inflight_requests -= 1
         if prefilling:
             decode.inflight_tokens -= uncached
         call.cancel()  # a no-op once the stream ended; stops the decode worker's request otherwise
+    if failure is None:
+        return
+    # The client has tokens: the rest comes from another decode worker (pdserve/gateway/migration.py).
+    rest = migrate(router, metrics, request, request_id, token_ids, generated, lora, {decode.address},
+                   time_remaining, max_migrations, "decode_unavailable")
+    async with contextlib.aclosing(rest):
+        async for piece in rest:
+            yield _relayed(piece, request_id, usage)
+
+
+def _relayed(piece: worker_pb2.DecodeResponse, request_id: str, usage: generation_pb2.Usage
+             ) -> generation_pb2.GenerateResponse:
+    """A decode worker's piece as the client's response; the last carries ``usage``, counted here."""
+    usage.completion_tokens += len(piece.token_ids)
+    response = generation_pb2.GenerateResponse(
+        request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
+    )
+    if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+        response.finish_reason = piece.finish_reason
+        usage.spec_decode_drafts = piece.spec_decode_drafts
+        usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
+        usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
+        response.usage.CopyFrom(usage)
+    return response
 
 
 def learn(policy: DisaggregationPolicy, route: Route) -> None:

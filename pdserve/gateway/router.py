@@ -160,9 +160,10 @@ class Router:
         if block_hashes:
             self.recent.add(worker.worker_id, worker.epoch, block_hashes)
 
-    def choose_decode(self, lora_name: str | None = None) -> WorkerHandle:
-        """``lora_name``: the request's LoRA adapter (None: the base model)."""
-        workers = self.pool.healthy("decode")
+    def choose_decode(self, lora_name: str | None = None, exclude: set[str] = frozenset()) -> WorkerHandle:  # type: ignore[assignment]
+        """``lora_name``: the request's LoRA adapter (None: the base model); ``exclude``: addresses that just
+        failed this request."""
+        workers = [w for w in self.pool.healthy("decode") if w.address not in exclude]
         if not workers:
             raise NoWorkerAvailable("no decode worker is available")
         turn = next(self._decode_turns)

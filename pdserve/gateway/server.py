@@ -15,6 +15,7 @@ from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.disaggregation import DisaggregationPolicy
+from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate
 from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
@@ -53,6 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         kv_push: bool = True,
         max_decode_attempts: int = 2,
         lora_adapters: LoRAAdapters | None = None,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -63,6 +65,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Choose the decode worker before the prefill, so the prefill worker pushes the KV there as it computes it.
         self.kv_push = kv_push and transport in PUSH_TRANSPORTS
         self.max_decode_attempts = max_decode_attempts
+        # Moves of a stream to another decode worker when its own fails mid-stream (0: the stream ends instead).
+        self.max_migrations = max_migrations
         self.metrics = metrics or GatewayMetrics()
         self.disaggregation = disaggregation or DisaggregationPolicy()
         # The LoRA adapters requests may name (lora_name); none unless the gateway serves LoRA.
@@ -86,7 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                            lora_name)
                 if route.decision.local:
                     responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
-                                                     token_ids, context.time_remaining(), lora)
+                                                     token_ids, context.time_remaining, lora, self.max_migrations)
                 else:
                     push_to = self._push_target(request, route.decode, lora_name)
                     push_cached = await self._push_cached_tokens(route, push_to, token_ids, lora_name)
@@ -212,6 +216,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         first_sent = finished = False
         attempts = 0
         answered: WorkerHandle | None = None  # the decode worker that sent a token back
+        generated = [prefill_response.first_token_id]  # what the client has received
+        failed: set[str] = set()
+
+        def relayed(piece: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
+            nonlocal finished
+            usage.completion_tokens += len(piece.token_ids)
+            response = generation_pb2.GenerateResponse(
+                request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs,
+            )
+            if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+                response.finish_reason = piece.finish_reason
+                usage.spec_decode_drafts = piece.spec_decode_drafts
+                usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
+                usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
+                response.usage.CopyFrom(usage)
+                finished = True
+            return response
+
         try:
             while True:
                 attempts += 1
@@ -235,19 +257,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             yield first
                         async for piece in call:
                             received, answered = True, decode
-                            usage.completion_tokens += len(piece.token_ids)
-                            response = generation_pb2.GenerateResponse(
-                                request_id=request_id, token_ids=piece.token_ids, text=piece.text,
-                                logprobs=piece.logprobs,
-                            )
-                            if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                                response.finish_reason = piece.finish_reason
-                                usage.spec_decode_drafts = piece.spec_decode_drafts
-                                usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
-                                usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
-                                response.usage.CopyFrom(usage)
-                                finished = True
-                            yield response
+                            generated.extend(piece.token_ids)
+                            yield relayed(piece)
                         return
                     except grpc.aio.AioRpcError as error:
                         if error.code() != grpc.StatusCode.UNAVAILABLE:
@@ -255,8 +266,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         # Crashed or its engine died: out of rotation now, not at the next load poll,
                         # so requests arriving meanwhile go to the other decode workers.
                         decode.healthy = False
+                        failed.add(decode.address)
                         if received or attempts >= self.max_decode_attempts:
-                            raise
+                            # The client has tokens: the stream moves to another decode worker, which
+                            # computes them after the prompt and continues (pdserve/gateway/migration.py).
+                            break
                         # Nothing came from it yet: another decode worker pulls the KV the prefill worker holds.
                         log.warning("decode worker %s failed for %s (%s); retrying on another worker",
                                     decode.address, request_id, error.details())
@@ -265,6 +279,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     finally:
                         if not finished:
                             call.cancel()
+            if self.max_migrations < 1:
+                raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens "
+                                  "(--max-migrations 0: streams are not moved)")
+            rest = migrate(self.router, self.metrics, request, request_id, token_ids, generated, lora, failed,
+                           context.time_remaining, self.max_migrations, "decode_unavailable")
+            async with contextlib.aclosing(rest):
+                async for piece in rest:
+                    yield relayed(piece)
         finally:
             if not finished and answered is None:
                 # Cancelled, past its deadline, or failed before any decode worker answered: the Decode may
@@ -448,7 +470,10 @@ class GatewayServer:
         tool_call_parser: str | None = None,  # HTTP chat: tool_choice "auto" parses calls in this format; None: off
         reasoning_parser: str | None = None,  # HTTP chat: the thinking apart, in reasoning_content; None: off
         lora_adapters: LoRAAdapters | None = None,  # the LoRA adapters requests may name; None: no LoRA
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,  # moves of a stream whose decode worker fails mid-stream
     ) -> None:
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         # Built here so that an unknown parser name fails the gateway before anything listens.
         self.tool_parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
@@ -473,6 +498,7 @@ class GatewayServer:
             disaggregation=DisaggregationPolicy(disaggregation, max_tpot_increase=max_tpot_increase),
             kv_push=kv_push,
             lora_adapters=lora_adapters,
+            max_migrations=max_migrations,
         )
         self.metrics_endpoint = (
             MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)

@@ -103,6 +103,16 @@ class GatewayMetrics:
         )
         for role in ("prefill", "decode"):
             self.worker_retries.labels(role)  # exported from the start, at 0
+        # Streams moved to another decode worker after theirs failed mid-stream (pdserve/gateway/migration.py).
+        self.migrations = Counter(
+            "pdserve_gateway_migrations", "Streams moved to another worker after theirs failed, by cause and outcome",
+            ["cause", "outcome"], registry=self.registry,
+        )
+        self.migration_pause = Histogram(
+            "pdserve_gateway_migration_pause_seconds",
+            "From a stream's worker failing to the first token from the worker it moved to",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=self.registry,
+        )
 
     def routed(self, role: str, worker_id: str) -> None:
         self.routing_decisions.labels(role, worker_id).inc()
@@ -112,6 +122,11 @@ class GatewayMetrics:
 
     def retried(self, role: str) -> None:
         self.worker_retries.labels(role).inc()
+
+    def migrated(self, cause: str, outcome: str, pause_s: float | None = None) -> None:
+        self.migrations.labels(cause, outcome).inc()
+        if pause_s is not None:
+            self.migration_pause.observe(pause_s)
 
     @contextlib.contextmanager
     def track(self, deadline_passed: Callable[[], bool]) -> Iterator[RequestTracker]:

@@ -41,7 +41,7 @@ async def test_a_decode_worker_failing_before_its_first_token_is_retried_elsewhe
     # The first choice is the stopped worker, whatever the load polls have seen of it since.
     choices = iter([victim, survivor])
 
-    def choose_decode() -> WorkerHandle:
+    def choose_decode(*args: object, **kwargs: object) -> WorkerHandle:
         return next(choices)
 
     router.choose_decode = choose_decode

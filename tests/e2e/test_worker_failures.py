@@ -16,10 +16,11 @@ from tests.support.waiting import wait_until
 
 
 @pytest.mark.asyncio
-async def test_killed_decode_worker_fails_its_streams_with_unavailable_and_traffic_moves_on(
+async def test_without_migration_a_killed_decode_worker_fails_its_streams_with_unavailable_and_traffic_moves_on(
     llama_checkpoint: Path, start_cluster
 ) -> None:
-    cluster = start_cluster(cluster_config(llama_checkpoint, decode_workers=2))
+    # --max-migrations 0: streams do not move (tests/e2e/test_stream_migration.py covers the default).
+    cluster = start_cluster(cluster_config(llama_checkpoint, decode_workers=2, gateway_args=("--max-migrations", "0")))
     prompts = random_prompts([40, 60, 80, 100], seed=70)
     long_run = generation_pb2.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
     async with grpc.aio.insecure_channel(cluster.endpoint, options=channel_options()) as channel:

@@ -210,7 +210,7 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed", "pushed_to", "lora")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "handoff", "kv_pushed", "pushed_to", "lora", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,7 @@ class DecodeRequest(_message.Message):
     KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
     PUSHED_TO_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _generation_pb2.SamplingParams
@@ -225,7 +226,8 @@ class DecodeRequest(_message.Message):
     kv_pushed: bool
     pushed_to: str
     lora: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ..., pushed_to: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., kv_pushed: _Optional[bool] = ..., pushed_to: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVPushMessage(_message.Message):
     __slots__ = ("header", "piece", "start", "abandon")

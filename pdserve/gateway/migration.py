@@ -1,0 +1,90 @@
+"""Streams that outlive their decode worker: a request whose worker fails mid-stream continues on another.
+
+When a decode worker becomes unreachable (killed, its engine dead, its
+connection gone) after the client has received tokens, the gateway sends the
+request to another decode worker (or a colocated one) with the prompt and
+every token already sent (``DecodeRequest.resume_token_ids``). That worker
+computes them (reusing what its prefix cache holds), continues after them with
+the request's sampling state where it stood (a seeded request's random stream
+is a function of its seed and the token's position), and streams only what
+comes after: the client sees a pause, no error, no repeated or missing token.
+Usage counts the prompt once. At most ``max_migrations`` moves per request,
+within the client's deadline; past them the stream ends with UNAVAILABLE
+saying why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
+from pdserve.service_common.errors import Unavailable
+from pdserve.service_common.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MIGRATIONS = 3
+
+
+def resume_request(
+    request: generation_pb2.GenerateRequest, request_id: str, token_ids: list[int], generated: list[int],
+    lora: worker_pb2.LoRAAdapter | None,
+) -> worker_pb2.DecodeRequest:
+    """The Decode that continues ``request`` after ``generated`` on another worker (computed there, no handoff)."""
+    params = generation_pb2.SamplingParams()
+    params.CopyFrom(request.sampling_params)
+    params.ClearField("prompt_logprobs")  # delivered with the first token already
+    return worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                                    lora=lora, resume_token_ids=generated)
+
+
+async def migrate(
+    router: Router, metrics: GatewayMetrics, request: generation_pb2.GenerateRequest, request_id: str,
+    token_ids: list[int], generated: list[int], lora: worker_pb2.LoRAAdapter | None, failed: set[str],
+    time_remaining: Callable[[], float | None], max_migrations: int, cause: str,
+) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    """The rest of a stream whose decode worker (an address in ``failed``) failed after the client received
+    ``generated``: pieces from the workers it moves to, ``generated`` extended as they come. Raises
+    ``Unavailable`` saying why once ``max_migrations`` moves have failed or no decode worker is left."""
+    failed_at = time.monotonic()
+    for migration in range(1, max_migrations + 1):
+        try:
+            decode = router.choose_decode(lora.name if lora is not None else None, exclude=failed)
+        except NoWorkerAvailable as error:
+            metrics.migrated(cause, "no_worker")
+            raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens and no "
+                              f"other decode worker is available to continue it ({error})") from error
+        log.warning("moving %s to decode worker %s after %d tokens (migration %d of at most %d)",
+                    request_id, decode.address, len(generated), migration, max_migrations)
+        metrics.routed("decode", decode.worker_id)
+        call = decode.stub.Decode(resume_request(request, request_id, token_ids, generated, lora),
+                                  timeout=time_remaining())
+        decode.inflight_requests += 1
+        answered = False
+        try:
+            async for piece in call:
+                if not answered:
+                    answered = True
+                    metrics.migrated(cause, "resumed", time.monotonic() - failed_at)
+                generated.extend(piece.token_ids)
+                yield piece
+            return
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            decode.healthy = False
+            failed.add(decode.address)
+            failed_at = time.monotonic()
+            cause = "decode_unavailable"
+        finally:
+            decode.inflight_requests -= 1
+            call.cancel()  # a no-op once the stream ended; stops the request there otherwise
+    metrics.migrated(cause, "gave_up")
+    raise Unavailable(f"the decode workers of this stream failed {max_migrations + 1} times "
+                      f"(--max-migrations {max_migrations}); it ends after {len(generated)} tokens")

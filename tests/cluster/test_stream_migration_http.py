@@ -1,0 +1,64 @@
+"""An OpenAI streaming (SSE) completion whose decode worker goes away mid-stream goes on: the gateway moves it to
+the other decode worker, and the client reads the same text as an undisturbed run, with no error event; the move is
+counted in the gateway's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+
+from pdserve.gateway.tokenizer import load_tokenizer
+from tests.conftest import random_prompts
+from tests.support.cluster import ClusterOptions, InProcessCluster
+
+MAX_TOKENS = 60
+
+
+@pytest.mark.asyncio
+async def test_sse_streams_survive_their_decode_worker_going_away(chat_checkpoint: Path) -> None:
+    options = ClusterOptions(num_kv_blocks=128, decode_workers=2, http=True,
+                             tokenizer=load_tokenizer(str(chat_checkpoint)))
+    prompts = random_prompts([15, 25, 35, 45], seed=97)
+    async with InProcessCluster(chat_checkpoint, options) as cluster:
+        assert cluster.gateway is not None
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.gateway.http_port}/v1", api_key="unused",
+                                      max_retries=0) as client:
+            async def complete(prompt: list[int]) -> str:
+                reply = await client.completions.create(model="pdserve", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                        temperature=0.0, extra_body={"ignore_eos": True})
+                return reply.choices[0].text
+
+            undisturbed = [await complete(prompt) for prompt in prompts]
+            metrics = cluster.gateway.servicer.metrics
+            victim = cluster.decodes[0].runtime.config.worker_id
+            routed_before = metrics.routing_decisions.labels("decode", victim)._value.get()
+            streams = [await client.completions.create(model="pdserve", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                       temperature=0.0, stream=True, stream_options={"include_usage": True},
+                                                       extra_body={"ignore_eos": True}) for prompt in prompts]
+            texts = ["" for _ in streams]
+            iterators = [stream.__aiter__() for stream in streams]
+            for index, iterator in enumerate(iterators):
+                for _ in range(8):
+                    texts[index] += (await anext(iterator)).choices[0].text
+            on_victim = metrics.routing_decisions.labels("decode", victim)._value.get() - routed_before
+            assert on_victim >= 1  # the router spreads the streams over both decode workers
+            # Decode worker 0 goes away at once: its streams' calls fail UNAVAILABLE at the gateway.
+            await cluster.decodes[0].server.grpc_server.stop(0)
+
+            async def rest(index: int) -> int:
+                completion_tokens = 0
+                async for chunk in iterators[index]:
+                    if chunk.choices:
+                        texts[index] += chunk.choices[0].text
+                    if chunk.usage is not None:
+                        completion_tokens = chunk.usage.completion_tokens
+                return completion_tokens
+
+            counts = await asyncio.gather(*(rest(index) for index in range(len(streams))))
+        assert texts == undisturbed
+        assert counts == [MAX_TOKENS] * len(prompts)
+        # Each stream that was on the victim moved once.
+        assert metrics.migrations.labels("decode_unavailable", "resumed")._value.get() == on_victim

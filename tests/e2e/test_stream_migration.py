@@ -1,0 +1,78 @@
+"""Streams that outlive their decode worker: kill -9 of a decode worker mid-stream, and every stream it served
+continues on the other one, token for token as an undisturbed run (greedy: transformers' continuation; seeded
+sampling: the same cluster's run before the kill), with usage counting the prompt once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.service_common.server import channel_options
+from tests.conftest import random_prompts
+from tests.e2e.conftest import cluster_config, generate
+
+MAX_TOKENS = 160
+KILL_AFTER = 40
+
+
+def _greedy_continuations(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # ignore_eos generates past EOS without masking it (vLLM's meaning): no EOS here, rather than min_new_tokens.
+    model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+async def _read_all(call: grpc.aio.UnaryStreamCall, received: list[generation_pb2.GenerateResponse]) -> None:
+    while (response := await call.read()) is not grpc.aio.EOF:
+        received.append(response)
+
+
+@pytest.mark.asyncio
+async def test_streams_of_a_killed_decode_worker_continue_on_another_token_for_token(
+    llama_checkpoint: Path, start_cluster
+) -> None:
+    cluster = start_cluster(cluster_config(llama_checkpoint, decode_workers=2))
+    prompts = random_prompts([20 + 7 * i for i in range(12)], seed=95)
+    greedy = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def seeded(index: int) -> generation_pb2.SamplingParams:
+        return generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=1000 + index,
+                                             ignore_eos=True)
+
+    requests = [generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=greedy) for p in prompts]
+    requests += [generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=seeded(i))
+                 for i, p in enumerate(prompts)]
+    # The seeded streams undisturbed, first.
+    undisturbed = await asyncio.gather(*(generate(cluster.endpoint, r) for r in requests[12:]))
+    async with grpc.aio.insecure_channel(cluster.endpoint, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        calls = [stub.Generate(request, timeout=120) for request in requests]
+        received: list[list[generation_pb2.GenerateResponse]] = [[] for _ in calls]
+        for call, responses in zip(calls, received):
+            while sum(len(r.token_ids) for r in responses) < KILL_AFTER:
+                responses.append(await call.read())
+        cluster.kill("decode-0")
+        await asyncio.gather(*(_read_all(call, responses) for call, responses in zip(calls, received)))
+    tokens = [[t for r in responses for t in r.token_ids] for responses in received]
+    assert tokens[:12] == _greedy_continuations(llama_checkpoint, prompts)
+    assert tokens[12:] == [[t for r in responses for t in r.token_ids] for responses in undisturbed]
+    for request, responses in zip(requests, received):
+        last = responses[-1]
+        assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(request.prompt_token_ids), MAX_TOKENS)
+    # Some streams were on decode-0 and moved.
+    assert "moving gw-" in cluster.log_of("gateway")
