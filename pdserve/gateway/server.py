@@ -14,7 +14,7 @@ import grpc
 from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
-from pdserve.gateway.disaggregation import DisaggregationPolicy
+from pdserve.gateway.disaggregation import LOCAL, DisaggregationPolicy, RouteDecision
 from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate
 from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
@@ -94,10 +94,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 else:
                     push_to = self._push_target(request, route.decode, lora_name)
                     push_cached = await self._push_cached_tokens(route, push_to, token_ids, lora_name)
-                    prefill_response = await self._prefill(request, request_id, token_ids, context, route.prefill,
-                                                           push_to, push_cached, lora)
-                    responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to,
-                                            lora)
+                    try:
+                        prefill_response = await self._prefill(request, request_id, token_ids, context,
+                                                               route.prefill, push_to, push_cached, lora)
+                    except PrefillWorkersFailed:
+                        # Every prefill worker failed it: --disaggregation auto prefills on a decode worker.
+                        if (self.disaggregation.mode != "auto"
+                                or request.sampling_params.HasField("prompt_logprobs")):
+                            raise
+                        route = Route(RouteDecision(LOCAL, "no_prefill_worker"),
+                                      decode=self._decode_for_local(lora_name))
+                        self.metrics.prefill_routed(LOCAL, "no_prefill_worker")
+                        responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
+                                                         token_ids, context.time_remaining, lora, self.max_migrations)
+                    else:
+                        responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to,
+                                                lora)
                 async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
                     async for response in responses:
                         tracker.responded(response)
@@ -136,6 +148,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     choice = await self.router.choose_prefill(token_ids, exclude=failed,
                                                               lora_name=lora.name if lora is not None else None)
             except NoWorkerAvailable as error:
+                if failed:
+                    raise PrefillWorkersFailed(f"every prefill worker failed this request ({error})") from error
                 raise Unavailable(str(error)) from error
             prefill = choice.worker
             self.metrics.routed("prefill", prefill.worker_id)
@@ -351,6 +365,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=report.eos_token_ids,
         )
 
+    def _decode_for_local(self, lora_name: str | None) -> WorkerHandle:
+        try:
+            return self.router.choose_decode(lora_name)
+        except NoWorkerAvailable as error:
+            raise Unavailable(str(error)) from error
+
     def lora_of(self, lora_name: str) -> worker_pb2.LoRAAdapter | None:
         """The adapter a request's ``lora_name`` names (None: empty, the base model); ``UnknownAdapter``
         (NOT_FOUND) when this gateway does not serve it."""
@@ -390,6 +410,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not reports:
             return self.limits
         return self.limits.for_model(min(r.vocab_size for r in reports), min(r.max_model_len for r in reports))
+
+
+class PrefillWorkersFailed(Unavailable):
+    """A request's prefill failed on every prefill worker there is (each UNAVAILABLE): nothing was sent yet."""
 
 
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:

@@ -76,3 +76,33 @@ async def test_streams_of_a_killed_decode_worker_continue_on_another_token_for_t
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(request.prompt_token_ids), MAX_TOKENS)
     # Some streams were on decode-0 and moved.
     assert "moving gw-" in cluster.log_of("gateway")
+
+
+@pytest.mark.asyncio
+async def test_requests_of_a_killed_only_prefill_worker_are_prefilled_on_a_decode_worker_and_exact(
+    llama_checkpoint: Path, start_cluster
+) -> None:
+    import signal
+
+    from tests.support.waiting import wait_until
+
+    # One prefill worker, --disaggregation auto: when it fails a prefill, the decode workers prefill locally.
+    cluster = start_cluster(cluster_config(llama_checkpoint, decode_workers=2, disaggregation="auto"))
+    prompts = random_prompts([300 + 25 * i for i in range(12)], seed=98)
+    params = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    frozen = cluster.process("prefill-0")
+    frozen.send_signal(signal.SIGSTOP)  # requests routed to it hang there, as in a crash mid-prefill
+    try:
+        pending = [asyncio.create_task(generate(cluster.endpoint, generation_pb2.GenerateRequest(
+            prompt_token_ids=p, sampling_params=params), timeout=120)) for p in prompts]
+        address = cluster.prefill_addresses[0]
+        await wait_until(lambda: f"prefill worker at {address} is unreachable" in cluster.log_of("gateway"),
+                         "the gateway to mark the frozen prefill-0 unreachable")
+    finally:
+        cluster.kill("prefill-0")
+    results = await asyncio.gather(*pending)
+    for responses, expected in zip(results, _greedy_continuations(llama_checkpoint, prompts)):
+        assert [t for r in responses for t in r.token_ids] == expected
+        assert responses[-1].usage.completion_tokens == MAX_TOKENS
+    # Some had been sent to the frozen worker and were prefilled again after it died.
+    assert f"prefill worker {cluster.prefill_addresses[0]} failed for" in cluster.log_of("gateway")
