@@ -11,7 +11,7 @@ import grpc
 from pdserve.cluster_index import IndexUnavailable, WorkerRegistry, cancel_and_wait
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from pdserve.service_common.security import TlsConfig, open_channel
-from pdserve.service_common.server import channel_options
+from pdserve.service_common.server import WORKER_KEEPALIVE_MS, channel_options
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ class WorkerPool:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # A worker that stops answering (partitioned, frozen) fails its calls within about 2 keepalives,
+            # so its streams move to another worker (pdserve/gateway/migration.py) instead of hanging.
+            ("grpc.keepalive_time_ms", WORKER_KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", WORKER_KEEPALIVE_MS),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         self.workers: dict[str, WorkerHandle] = {}
         for address in prefill_addresses:

@@ -30,6 +30,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 LIVENESS_SERVICE = "liveness"
 
 
+# The gateway pings a worker this often during its calls, and drops the connection when a ping goes unanswered this
+# long: a partitioned or frozen worker's streams fail UNAVAILABLE (and move) within about twice this.
+WORKER_KEEPALIVE_MS = 5000
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Where a server listens, how large a message it accepts, and who may call it."""
@@ -47,7 +52,11 @@ class ServerConfig:
 
     @property
     def options(self) -> list[tuple[str, int]]:
-        return channel_options(self.max_message_bytes)
+        # Callers ping during their calls (the gateway every WORKER_KEEPALIVE_MS, to see a partitioned worker):
+        # pings that often are welcome even while a stream sends no data, not answered with a GOAWAY.
+        return [*channel_options(self.max_message_bytes),
+                ("grpc.http2.min_ping_interval_without_data_ms", WORKER_KEEPALIVE_MS // 2),
+                ("grpc.http2.max_ping_strikes", 0)]
 
 
 def install_uvloop() -> bool:

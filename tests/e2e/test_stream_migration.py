@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.server import channel_options
 from tests.conftest import random_prompts
 from tests.e2e.conftest import cluster_config, generate
@@ -106,3 +107,44 @@ async def test_requests_of_a_killed_only_prefill_worker_are_prefilled_on_a_decod
         assert responses[-1].usage.completion_tokens == MAX_TOKENS
     # Some had been sent to the frozen worker and were prefilled again after it died.
     assert f"prefill worker {cluster.prefill_addresses[0]} failed for" in cluster.log_of("gateway")
+
+
+@pytest.mark.asyncio
+async def test_streams_of_a_frozen_decode_worker_move_and_it_frees_their_kv_when_it_wakes(
+    llama_checkpoint: Path, start_cluster
+) -> None:
+    """SIGSTOP: the worker holds its connections but answers nothing, as behind a partition. The gateway's keepalive
+    (pdserve/service_common/server.py, WORKER_KEEPALIVE_MS) drops it, its streams move; woken, it finds their
+    calls gone, ends them and frees their blocks."""
+    import signal
+
+    from tests.e2e.conftest import load
+    from tests.support.waiting import wait_until
+
+    cluster = start_cluster(cluster_config(llama_checkpoint, decode_workers=2))
+    prompts = random_prompts([30 + 9 * i for i in range(6)], seed=99)
+    greedy = generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    async with grpc.aio.insecure_channel(cluster.endpoint, options=channel_options()) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        calls = [stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=greedy), timeout=120)
+                 for p in prompts]
+        received: list[list[generation_pb2.GenerateResponse]] = [[] for _ in calls]
+        for call, responses in zip(calls, received):
+            while sum(len(r.token_ids) for r in responses) < KILL_AFTER:
+                responses.append(await call.read())
+        frozen = cluster.process("decode-0")
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.gather(*(_read_all(call, responses) for call, responses in zip(calls, received)))
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+    tokens = [[t for r in responses for t in r.token_ids] for responses in received]
+    assert tokens == _greedy_continuations(llama_checkpoint, prompts)
+    assert "moving gw-" in cluster.log_of("gateway")
+
+    async def idle() -> worker_pb2.LoadReport:
+        return await load(cluster.decode_addresses[0], "decode")
+
+    report = await wait_until(idle, "the woken decode worker to end the moved streams and free their blocks", 30,
+                              until=lambda r: r.num_running == 0 and r.num_free_blocks == r.num_total_blocks)
+    assert (report.num_running, report.num_waiting) == (0, 0)
