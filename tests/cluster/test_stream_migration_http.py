@@ -1,6 +1,7 @@
 """An OpenAI streaming (SSE) completion whose decode worker goes away mid-stream goes on: the gateway moves it to
 the other decode worker, and the client reads the same text as an undisturbed run, with no error event; the move is
-counted in the gateway's metrics."""
+counted in the gateway's metrics. A client that goes away while its stream moves leaves nothing behind: no request
+running, no block held on the surviving workers, nothing in flight at the gateway."""
 
 from __future__ import annotations
 
@@ -62,3 +63,35 @@ async def test_sse_streams_survive_their_decode_worker_going_away(chat_checkpoin
         assert counts == [MAX_TOKENS] * len(prompts)
         # Each stream that was on the victim moved once.
         assert metrics.migrations.labels("decode_unavailable", "resumed")._value.get() == on_victim
+
+
+@pytest.mark.asyncio
+async def test_a_client_gone_during_a_migration_leaves_nothing_behind(llama_checkpoint: Path) -> None:
+    from pdserve.protos.pdserve.v1 import generation_pb2
+    from pdserve.protos.pdserve.v1.internal import worker_pb2
+    from tests.support.waiting import wait_until
+
+    options = ClusterOptions(num_kv_blocks=128, decode_workers=2)
+    prompts = random_prompts([20, 30, 40, 50, 60, 70], seed=98)
+    params = generation_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    async with InProcessCluster(llama_checkpoint, options) as cluster:
+        assert cluster.stub is not None and cluster.gateway is not None
+        calls = [cluster.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=params),
+                                       timeout=60) for p in prompts]
+        for call in calls:
+            for _ in range(5):
+                await call.read()
+        await cluster.decodes[0].server.grpc_server.stop(0)
+        await asyncio.sleep(0.05)  # the gateway sees the failures and starts moving the streams
+        for call in calls:
+            call.cancel()
+        survivors = [cluster.worker_stubs[0], cluster.worker_stubs[2]]  # the prefill worker, decode worker 1
+
+        async def loads() -> list[worker_pb2.LoadReport]:
+            return [await stub.Load(worker_pb2.LoadRequest(), timeout=5) for stub in survivors]
+
+        reports = await wait_until(loads, "the surviving workers to hold nothing of the cancelled streams", 30,
+                                   until=lambda rs: all(r.num_running == r.num_waiting == 0
+                                                        and r.num_free_blocks == r.num_total_blocks for r in rs))
+        assert [r.num_running for r in reports] == [0, 0]
+        assert cluster.gateway.servicer.admission.requests == 0  # the gateway's in-flight count too
