@@ -6,9 +6,11 @@ an adapter in.
 The default model with ``--adapters`` adapters of rank ``--rank`` on all seven projections (written with PEFT at
 start, random weights), all resident (``max_loras`` = ``--adapters``). W1 (32 seeded prompts, 64 greedy output
 tokens each, EOS ignored): ``base`` on an engine without LoRA, ``base, LoRA on`` with no adapter on the engine that
-serves them (its projections wrapped, the fused decode step off), ``adapters`` with request ``i`` under adapter
-``i % N``; rounds alternate, best of ``--repeats``, output tokens/s and the ratio to ``base``. Then one more adapter swapped into a slot:
-from host memory (loaded before) and from its folder (read, checked and copied in).
+serves them (its projections wrapped; decode steps fused, as the base's are), ``adapters`` with request ``i`` under
+adapter ``i % N``; rounds alternate, best of ``--repeats``, output tokens/s and the ratio to ``base``, with the
+spread over the rounds (each round's run over its own ``base``: a noisy machine slows a round's runs alike). Then
+one more adapter swapped into a slot: from host memory (loaded before) and from its folder (read, checked and
+copied in).
 
 Target (the issue of LoRA serving): ``adapters`` at least 0.8x ``base`` with 8 rank-16 adapters.
 """
@@ -71,13 +73,14 @@ def main(argv: list[str] | None = None) -> None:
         spread = [requests[i % args.adapters] for i in range(len(prompts))]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), spread[:2])  # warm-up
         plain.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
-        best = {"base": 0.0, "base, LoRA on": 0.0, "adapters": 0.0}
+        rounds: dict[str, list[float]] = {"base": [], "base, LoRA on": [], "adapters": []}
         for _ in range(args.repeats):
             for name, engine, loras in (("base", plain, None), ("base, LoRA on", llm, None), ("adapters", llm, spread)):
                 start = time.perf_counter()
                 outputs = engine.generate(prompts, greedy, loras)
                 seconds = time.perf_counter() - start
-                best[name] = max(best[name], sum(len(out.token_ids) for out in outputs) / seconds)
+                rounds[name].append(sum(len(out.token_ids) for out in outputs) / seconds)
+        best = {name: max(rates) for name, rates in rounds.items()}
         manager = llm.engine.lora
         assert manager is not None
         spare = requests[-1]
@@ -100,9 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         manager.release(again)
     print(f"W1: {len(prompts)} prompts x {w1.output_len} tokens; {args.adapters} adapters of rank {args.rank} on "
           f"{', '.join(MODULES)}; dtype {llm.engine.dtype}; best of {args.repeats}")
-    print("| run | output tok/s | x base |")
+    print("| run | output tok/s | x base | rounds: tok/s | rounds: x that round's base |")
     for name, rate in best.items():
-        print(f"| {name} | {rate:.1f} | {rate / best['base']:.3f} |")
+        ratios = [r / b for r, b in zip(rounds[name], rounds["base"])]
+        print(f"| {name} | {rate:.1f} | {rate / best['base']:.3f} | {min(rounds[name]):.1f}-{max(rounds[name]):.1f} "
+              f"| {min(ratios):.3f}-{max(ratios):.3f} |")
     print(f"swap in: from its folder {from_disk * 1e3:.1f} ms, from host memory {from_host * 1e3:.1f} ms")
 
 

@@ -4,14 +4,8 @@
   ``adapter_config.json`` and ``adapter_model.safetensors``. ``load_adapter`` reads it, refusing with a message
   naming the adapter what pdserve does not serve (``modules_to_save``, DoRA, embedding or LM-head adapters,
   biases, per-module ranks, a rank above ``max_lora_rank``).
-- ``LoRALinear`` wraps a packed projection (q/k/v, o, gate/up, down): the base projection runs once for the
-  whole batch; every row then adds its own adapter's update, ``scale * B (A x)`` per module of the pack (the
-  shrink and expand of Punica and S-LoRA). On CPU a C kernel (pdserve/engine/kernels/lora.c, Punica's BGMV)
-  computes each row with its own slot's ``A`` and ``B`` only, the rows grouped by slot so that a slot's weights
-  are read once per step; elsewhere two dense products over all resident adapters, ``(x @ A_all^T) * M`` then
-  each module's ``B_all``, where ``M`` holds each row's scale in its slot's columns and zeros elsewhere: a row
-  of the base model, or of another adapter, adds exactly nothing from the columns it does not own. A step with
-  no adapter row keeps the fused decode step (``BaseStepsOnly``).
+- The per-step machinery (``LoRALinear``: each row's update after its packed projection, on CPU by a C kernel;
+  ``LoRARows``, ``LoRAState``, ``install``) is in pdserve/engine/lora_layers.py.
 - ``LoRAManager`` keeps ``max_loras`` adapters resident in slots (least recently used out, never one a running
   request uses) and up to ``max_cpu_loras`` loaded in host memory.
 """
@@ -24,15 +18,15 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pdserve.engine.native import KernelOps, load_kernel_ops
+# The per-step machinery, importable from here too (LoRALinear is used by callers only).
+from pdserve.engine.lora_layers import LoRALinear, LoRARows, LoRAState, install
 
-if TYPE_CHECKING:
-    from pdserve.engine.models.fused_decode import FusedDecoder
+__all__ = ["LoRAAdapter", "LoRAConfig", "LoRALinear", "LoRAManager", "LoRARequest", "LoRARows", "LoRAState",
+           "TARGETS", "install", "load_adapter"]
 
 # The projections an adapter may target, as PEFT names them, and the packed projection each one is part of.
 TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
@@ -148,120 +142,6 @@ def load_adapter(request: LoRARequest, max_rank: int, num_layers: int) -> LoRAAd
     return adapter
 
 
-@dataclass(frozen=True)
-class LoRARows:
-    """A step's tokens as the projections read them: each one's slot and scale, and the tokens under an adapter
-    grouped by slot (the kernel reads a slot's weights once for all its tokens)."""
-
-    slots: torch.Tensor  # (num_tokens,) int64: each token's slot, -1 for the base model
-    scales: torch.Tensor  # (num_tokens,) float32: its adapter's scale, 0 for the base model
-    order: torch.Tensor  # (num_adapter_tokens,) int64: the tokens with a slot, grouped by slot, in order within one
-    group_offsets: torch.Tensor  # (num_groups + 1,) int64: where each slot's group starts in ``order``
-
-    @classmethod
-    def of(cls, slots: torch.Tensor, scales: torch.Tensor) -> LoRARows:
-        order = (slots >= 0).nonzero().squeeze(1)
-        order = order[torch.argsort(slots[order], stable=True)]
-        counts = torch.unique_consecutive(slots[order], return_counts=True)[1]
-        return cls(slots, scales, order, torch.cat((counts.new_zeros(1), counts.cumsum(0))))
-
-    def to(self, device: torch.device) -> LoRARows:
-        return LoRARows(*(tensor.to(device) for tensor in (self.slots, self.scales, self.order, self.group_offsets)))
-
-
-class LoRAState:
-    """What every ``LoRALinear`` of a model reads in a step: its ``LoRARows`` (None: no token has an adapter), and,
-    made on first use, the dense path's mask: each token's scale under its slot's columns, per block width."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.rows: LoRARows | None = None
-        self._masks: dict[int, torch.Tensor] = {}
-
-    def set(self, rows: LoRARows | None) -> None:
-        self.rows, self._masks = rows, {}
-
-    def mask(self, block: int) -> torch.Tensor:
-        """(num_tokens, slots * block): each token's scale over its slot's ``block`` columns, zeros elsewhere."""
-        assert self.rows is not None
-        mask = self._masks.get(block)
-        if mask is None:
-            slots, scales = self.rows.slots, self.rows.scales
-            per_slot = scales.new_zeros(len(slots), self.num_slots + 1)  # a last column for the base rows' -1
-            per_slot[torch.arange(len(slots), device=slots.device), slots] = scales
-            mask = self._masks[block] = per_slot[:, : self.num_slots].repeat_interleave(block, dim=1)
-        return mask
-
-
-class LoRALinear(nn.Module):
-    """A packed projection plus each row's adapter update (see the module's docstring). Slot ``s`` keeps, float32,
-    the ``A`` of the pack's ``m``-th module (q, k and v each have their own) from row ``(s * modules + m) *
-    max_rank`` of ``lora_a``, and every module's ``B`` transposed from row ``s * max_rank`` of ``lora_b``, under
-    the module's output columns; ``ranks`` holds each (slot, module)'s rank, 0 where the adapter leaves the module
-    out. ``kernels``: pdserve/engine/kernels/lora.c's, on CPU (None: torch's ops)."""
-
-    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], in_features: int, slots: int,
-                 max_rank: int, state: LoRAState, device: torch.device, kernels: KernelOps | None = None) -> None:
-        super().__init__()
-        self.base = base
-        self.slices = slices  # PEFT module name -> its (start, end) output columns in the packed projection
-        self.max_rank = max_rank
-        self.state = state
-        self.kernels = kernels
-        self.in_features = in_features
-        self.out_features = max(end for _, end in slices.values())
-        modules = len(slices)
-        self.register_buffer("lora_a", torch.zeros(slots * modules * max_rank, in_features, device=device))
-        self.register_buffer("lora_b", torch.zeros(slots * max_rank, self.out_features, device=device))
-        self.ranks = torch.zeros(slots, modules, dtype=torch.long)  # read by the kernel, on CPU
-        self.columns = torch.tensor(list(slices.values()), dtype=torch.long)  # (modules, 2): start, end
-
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Slot ``slot`` holds these modules' (A, B); the pack's other modules get rank 0 (and zero weights)."""
-        modules = len(self.slices)
-        self.lora_a[slot * modules * self.max_rank : (slot + 1) * modules * self.max_rank] = 0
-        self.lora_b[slot * self.max_rank : (slot + 1) * self.max_rank] = 0
-        self.ranks[slot] = 0
-        for position, (module, (start, end)) in enumerate(self.slices.items()):
-            if module not in weights:
-                continue
-            a, b = weights[module]
-            rank = a.shape[0]
-            first = (slot * modules + position) * self.max_rank
-            self.lora_a[first : first + rank] = a.to(self.lora_a)
-            self.lora_b[slot * self.max_rank : slot * self.max_rank + rank, start:end] = b.T.to(self.lora_b)
-            self.ranks[slot, position] = rank
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, out)
-        out = self.base(x)
-        rows = self.state.rows
-        if rows is None:
-            return out
-        if x.shape[0] != rows.slots.shape[0]:
-            raise ValueError(f"the step's LoRA rows are for {rows.slots.shape[0]} tokens, the projection got "
-                             f"{x.shape[0]}")
-        if (self.kernels is not None and x.device.type == "cpu" and x.dim() == 2
-                and x.dtype in (torch.float32, torch.bfloat16) and out.dtype == x.dtype):
-            out, x = out.contiguous(), x.contiguous()
-            status = self.kernels.ops.lora_shrink_expand(
-                self.kernels.variant, out, x, self.lora_a, self.lora_b, self.ranks, self.columns, rows.slots,
-                rows.scales, rows.order, rows.group_offsets, rows.group_offsets.shape[0] - 1, len(self.slices),
-                self.max_rank, self.in_features, self.out_features, int(x.dtype == torch.bfloat16),
-                torch.get_num_threads())
-            if status != 0:
-                raise MemoryError("the LoRA kernel ran out of memory")
-            return out
-        # Elsewhere (GPU, a package without its kernels) the dense form: every row by every slot, masked.
-        modules = len(self.slices)
-        mask = self.state.mask(modules * self.max_rank)
-        shrunk = torch.nn.functional.linear(x.to(torch.float32), self.lora_a).mul_(mask)
-        shrunk = shrunk.view(-1, self.state.num_slots, modules, self.max_rank)  # (num_tokens, slots, modules, rank)
-        update = shrunk.new_zeros(shrunk.shape[0], self.out_features)
-        for position, (start, end) in enumerate(self.slices.values()):
-            update[:, start:end] = shrunk[:, :, position].flatten(1) @ self.lora_b[:, start:end]
-        return out.add_(update.to(out.dtype))
-
-
 class LoRAManager:
     """The adapters of one model: loaded on first use (kept for ``max_cpu_loras``), made resident in one of
     ``max_loras`` slots when a request needs them, the least recently used unpinned one swapped out."""
@@ -368,53 +248,3 @@ class LoRAManager:
         per_token = torch.tensor(slots).repeat_interleave(torch.tensor(num_tokens))  # (num_tokens,)
         scales = torch.tensor(self._scales + [0.0])[per_token]  # -1 reads the last entry: the base's 0
         self.state.set(LoRARows.of(per_token, scales).to(device))
-
-
-def install(model: nn.Module, config: LoRAConfig, state: LoRAState) -> list[dict[str, LoRALinear]]:
-    """Wrap every decoder layer's packed projections in ``LoRALinear``; per layer, packed name -> wrapper.
-    ``ValueError`` for a model whose layers are not Llama-shaped attention and MLP (experts, latent attention)."""
-    from pdserve.engine.models.llama import MLP, Attention
-
-    layers = []
-    decoder = model.model  # type: ignore[attr-defined]
-    weight = decoder.norm.weight
-    kernels = load_kernel_ops() if weight.device.type == "cpu" else None
-    for index, layer in enumerate(decoder.layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attention, Attention) or not isinstance(mlp, MLP):
-            raise ValueError(f"LoRA is served on models whose every layer has multi-head attention and a dense MLP; "
-                             f"layer {index} has {type(attention).__name__} and {type(mlp).__name__}")
-        q = attention.num_heads * attention.head_dim
-        kv = attention.num_kv_heads * attention.head_dim
-        hidden = weight.shape[0]
-        width = mlp.intermediate_size
-        shapes = {
-            "qkv_proj": (attention, {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}, hidden),
-            "o_proj": (attention, {"o_proj": (0, hidden)}, q),
-            "gate_up_proj": (mlp, {"gate_proj": (0, width), "up_proj": (width, 2 * width)}, hidden),
-            "down_proj": (mlp, {"down_proj": (0, hidden)}, width),
-        }
-        wrapped = {}
-        for packed, (owner, slices, in_features) in shapes.items():
-            linear = LoRALinear(getattr(owner, packed), slices, in_features, config.max_loras, config.max_lora_rank,
-                                state, weight.device, kernels)
-            setattr(owner, packed, linear)
-            wrapped[packed] = linear
-        layers.append(wrapped)
-    fused = model.fused_decoder  # type: ignore[attr-defined]
-    model.fused_decoder = None if fused is None else BaseStepsOnly(fused, state)  # type: ignore[attr-defined]
-    return layers
-
-
-class BaseStepsOnly:
-    """The fused decode step (pdserve/engine/models/fused_decode.py) for the steps where no token has an adapter:
-    it runs the base projections, not their ``LoRALinear`` wrappers, which then add nothing anyway."""
-
-    def __init__(self, decoder: FusedDecoder, state: LoRAState) -> None:
-        self.decoder, self.state = decoder, state
-
-    def serves(self, num_tokens: int, attn_metadata: Any) -> bool:
-        return self.state.rows is None and self.decoder.serves(num_tokens, attn_metadata)
-
-    def __call__(self, *args: Any) -> torch.Tensor:
-        return self.decoder(*args)

@@ -1,6 +1,8 @@
 """LoRA in the engine: greedy float32 output equals transformers' with the adapter merged into the base weights
 (W + scale B A, by PEFT), token for token, for base rows and several adapters in one batch, through chunked
-prefill, prefix hits and preemption, with adapters swapped through fewer slots; refusals name the adapter."""
+prefill, prefix hits and preemption, with adapters swapped through fewer slots; refusals name the adapter. A
+bfloat16 model keeps its adapters bfloat16 and decodes adapter rows in the fused step, bit for bit the
+layer-by-layer path."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def test_base_rows_and_two_adapters_in_one_batch_equal_the_merged_models(
     chosen = [None, "attn", "mlp", "attn", None, "mlp"]
     llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2,
               max_lora_rank=8)
+    assert llm.engine.lora is not None and llm.engine.lora.layers[0]["qkv_proj"].lora_a.dtype == torch.float32
     outputs = llm.generate(prompts, GREEDY, [requests[name] if name else None for name in chosen])
     for prompt, name, out in zip(prompts, chosen, outputs):
         assert out.token_ids == oracle.generate(prompt, adapters[name] if name else None), name
@@ -167,30 +170,68 @@ def test_a_quantized_base_adds_each_rows_float_update_to_its_int8_projection(
     assert plain.token_ids != tuned.token_ids
 
 
-def test_a_bf16_engine_keeps_the_fused_decode_step_for_steps_without_an_adapter(
+def test_a_bf16_engine_decodes_fused_with_and_without_adapters_as_the_layer_by_layer_engine(
     llama_checkpoint: Path, adapters: dict[str, Path]
 ) -> None:
-    from pdserve.engine.lora import BaseStepsOnly
+    from tests.unit.test_fused_decode import CountingDecoder
 
     prompts = random_prompts([7, 30, 61], seed=85)
-    llm = LLM(model=str(llama_checkpoint), dtype="bfloat16", num_kv_blocks=64, enable_lora=True, max_loras=2,
+    # INT8 projections: fused on every CPU variant (unquantized bf16 ones are fused only with AVX512-BF16).
+    model = str(llama_checkpoint)
+    llm = LLM(model=model, dtype="bfloat16", num_kv_blocks=64, quantization="int8", enable_lora=True, max_loras=2,
               max_lora_rank=8)
-    plain = LLM(model=str(llama_checkpoint), dtype="bfloat16", num_kv_blocks=64)
-    fused = llm.engine.model.fused_decoder
-    assert isinstance(fused, BaseStepsOnly), "a bf16 model on pdserve's CPU kernels gets the fused step"
+    eager = LLM(model=model, dtype="bfloat16", num_kv_blocks=64, quantization="int8", enable_lora=True, max_loras=2,
+                max_lora_rank=8, enforce_eager=True)
+    plain = LLM(model=model, dtype="bfloat16", num_kv_blocks=64, quantization="int8")
+    assert llm.engine.model.fused_decoder is not None, "a bf16 model on pdserve's CPU kernels gets the fused step"
+    assert eager.engine.model.fused_decoder is None
+    # A bfloat16 model's adapters are kept bfloat16 (half what a step reads); a float32 model's float32.
+    assert llm.engine.lora is not None
+    assert {linear.lora_b.dtype for layer in llm.engine.lora.layers for linear in layer.values()} == {torch.bfloat16}
     steps: list[int] = []
-    run = fused.decoder
-
-    def counted(residual: torch.Tensor, *args: object) -> torch.Tensor:
-        steps.append(residual.shape[0])
-        return run(residual, *args)
-
-    fused.decoder = type("Counted", (), {"serves": staticmethod(run.serves), "__call__": staticmethod(counted)})()
+    llm.engine.model.fused_decoder = CountingDecoder(llm.engine.model.fused_decoder, steps)
     assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == [
         out.token_ids for out in plain.generate(prompts, GREEDY)]
-    assert len(steps) >= MAX_TOKENS - 1  # the decode steps of base rows only ran fused
+    assert len(steps) >= MAX_TOKENS - 1  # the decode steps of base rows ran fused
     steps.clear()
-    request = _requests(adapters)["attn"]
-    tuned = llm.generate(prompts, GREEDY, [None, request, None])
-    assert steps == []  # every step had the adapter's row: layer by layer, through the wrappers
+    requests = _requests(adapters)
+    chosen = [None, requests["attn"], requests["mlp"]]
+    tuned = llm.generate(prompts, GREEDY, chosen)
+    assert len(steps) >= MAX_TOKENS - 1  # and those with adapter rows too
+    assert [out.token_ids for out in tuned] == [out.token_ids for out in eager.generate(prompts, GREEDY, chosen)]
     assert tuned[1].token_ids != plain.generate(prompts[1:2], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("quantization", ["int8", None])
+def test_fused_decode_steps_with_adapter_rows_equal_the_layer_by_layer_path_bit_for_bit(
+    llama_checkpoint: Path, adapters: dict[str, Path], quantization: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.engine.layers import linear as linear_module
+    from pdserve.engine.layers.dense_kernels import load_dense_kernels
+    from pdserve.engine.lora import LoRAConfig, LoRAManager
+    from tests.unit.test_fused_decode import CPU, Pair
+
+    # As tests/unit/test_fused_decode.py does: unquantized bf16 layers on pdserve's kernel on every CPU.
+    dense = load_dense_kernels()
+    monkeypatch.setattr(linear_module, "_dense_kernels", lambda dtype: dense)
+    pair = Pair(llama_checkpoint, quantization, torch.bfloat16)
+    manager = LoRAManager(pair.model, LoRAConfig(max_loras=2, max_lora_rank=8))
+    assert pair.model.fused_decoder is pair.fused
+    slot = {name: manager.acquire(request) for name, request in _requests(adapters).items()}
+    chosen = [slot["attn"], -1, slot["mlp"], slot["attn"], slot["mlp"], -1, slot["mlp"]]
+    lengths = [2 + (i * 3) % 11 for i in range(len(chosen))]
+    manager.set_rows(chosen, lengths, CPU)
+    prompts = pair.add_sequences(lengths)
+    manager.set_rows(chosen, [1] * len(chosen), CPU)
+    last = [prompt[-1] for prompt in prompts]
+    for step in range(4):
+        chunks = [(i, [last[i]], len(prompts[i]) + step) for i in range(len(chosen))]
+        fused, layer_by_layer = pair.step(chunks)
+        assert torch.equal(fused, layer_by_layer), f"step {step}"
+        pair.assert_pools_equal()
+        last = pair.greedy(fused)
+    # The same step without the adapters' rows: the base rows' hidden states are the same bits, the others not.
+    manager.set_rows([-1] * len(chosen), [1] * len(chosen), CPU)
+    base, _ = pair.step(chunks)
+    for row, chosen_slot in enumerate(chosen):
+        assert torch.equal(base[row], fused[row]) == (chosen_slot < 0), row

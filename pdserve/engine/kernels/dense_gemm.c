@@ -43,13 +43,6 @@
 #define F32_ROW_GROUP 2
 #endif
 
-/* The path this build runs: 1 AVX512-BF16, 0 portable C. */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define PDSERVE_BF16_PATH 1
-#else
-#define PDSERVE_BF16_PATH 0
-#endif
-
 /* (row block, panel) unit `unit` of a GEMM over `panels` panels: its first row, past-the-end row and panel. */
 ALWAYS_INLINE void unit_bounds(int64_t unit, int64_t panels, int64_t rows, int64_t *first, int64_t *end, int64_t *panel)
 {

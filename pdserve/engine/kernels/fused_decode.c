@@ -19,13 +19,17 @@
  *   delta    = (silu(gate) * up)(h @ Wgate_up.T (+ bias)) @ Wdown.T (+ bias)
  *   hidden   = rms_norm(residual += delta) with the final norm's weight
  *
+ * With LoRA adapters (pdserve/engine/lora_layers.py), a step whose rows have adapters adds each row's update
+ * after each projection's product (and bias), with lora.c's kernel, as the layer-by-layer path's LoRALinear does
+ * after its base projection: still bit for bit that path's.
+ *
  * The kernels are included, not copied: one implementation of each, the same compiler flags. They come
  * before this file's own code in the order below because fused_ops.c turns floating-point contraction
  * off for everything after it (which the rotary needs too: torch rounds each product).
  */
 #include "quant_gemv.c"
 #include "dense_gemm.c"
-#include "lora.c" /* not a step of the decoder: built here, as setup.py builds every kernel from this file */
+#include "lora.c"
 #include "paged_attention.c"
 #include "fused_ops.c"
 
@@ -43,7 +47,24 @@ typedef struct {
     int64_t out_features;
     int64_t in_features;     /* INT8/INT4: a multiple of 32, the tiles' width; bf16: even */
     int64_t parallel;        /* 1: split over the step's threads (as BoundGemm does above 64 KiB of weight) */
+    /* The projection's LoRA slots (LoRALinear's buffers, in lora.c's layouts), or lora_a NULL: none. */
+    const void *lora_a;
+    const void *lora_b;
+    const int64_t *lora_ranks;
+    const int64_t *lora_columns;
+    int64_t lora_modules;
+    int64_t lora_max_rank;
+    int64_t lora_weights_bf16;
 } pdserve_projection;
+
+/* A step's rows under LoRA adapters (lora_layers.py's LoRARows; lora.c's header). */
+typedef struct {
+    const int64_t *row_slots;     /* (rows,): each row's slot, -1 none */
+    const float *row_scales;      /* (rows,) */
+    const int64_t *order;         /* the rows with a slot, grouped by slot */
+    const int64_t *group_offsets; /* (groups + 1,) */
+    int64_t groups;
+} pdserve_lora_rows;
 
 typedef struct {
     const uint16_t *input_norm;  /* (hidden,) bfloat16 */
@@ -81,7 +102,7 @@ typedef struct {
 
 /* out (rows, out_features) bf16 = x (rows, in_features) bf16 @ W.T, then + bias as torch's bf16 add_ rounds it
  * (bf16 weights: the bias inside the kernel, as the layer-by-layer path's call adds it). */
-static int64_t project(const pdserve_projection *p, void *out, const void *x, int64_t rows, int64_t threads)
+static int64_t project_base(const pdserve_projection *p, void *out, const void *x, int64_t rows, int64_t threads)
 {
     const int64_t used_threads = p->parallel ? threads : 1;
     int64_t status;
@@ -107,6 +128,20 @@ static int64_t project(const pdserve_projection *p, void *out, const void *x, in
         }
     }
     return 0;
+}
+
+/* project_base, then each row's LoRA update where the step has adapter rows (lora: NULL none). */
+static int64_t project(const pdserve_projection *p, const pdserve_lora_rows *lora, void *out, const void *x,
+                      int64_t rows, int64_t threads)
+{
+    const int64_t status = project_base(p, out, x, rows, threads);
+    if (status != 0 || lora == NULL || p->lora_a == NULL) {
+        return status;
+    }
+    return pdserve_lora_shrink_expand(out, x, p->lora_a, p->lora_b, p->lora_ranks, p->lora_columns, lora->row_slots,
+                                      lora->row_scales, lora->order, lora->group_offsets, lora->groups,
+                                      p->lora_modules, p->lora_max_rank, p->in_features, p->out_features, 1,
+                                      p->lora_weights_bf16, threads);
 }
 
 /*
@@ -166,6 +201,7 @@ static uint16_t *scratch_take(uint16_t **cursor, int64_t elements)
 
 /*
  * One decode step through every layer and the final norm.
+ *   lora           the step's rows under LoRA adapters, or NULL (no row has one, or the model has no LoRA)
  *   residual       (rows, hidden) bfloat16: the token embeddings; updated in place (the residual stream)
  *   hidden_out     (rows, hidden) bfloat16: the final norm's output
  *   positions      (rows,) int64, each < max_positions
@@ -175,10 +211,11 @@ static uint16_t *scratch_take(uint16_t **cursor, int64_t elements)
  * Returns 0; -1 out of memory; -2 an argument the attention kernels cannot serve; -3 a slot outside the
  * pool; -4 a position outside the rotary tables (the last two checked before anything is written).
  */
-int64_t pdserve_fused_decode(const pdserve_model *m, void *residual, void *hidden_out, const int64_t *positions,
-                             const int64_t *slots, const int64_t *block_tables, const int64_t *context_lens,
-                             const int64_t *query_rows, const int64_t *query_lens, const int64_t *range_points,
-                             int64_t num_ranges, int64_t max_blocks, int64_t rows, int64_t threads)
+int64_t pdserve_fused_decode(const pdserve_model *m, const pdserve_lora_rows *lora, void *residual, void *hidden_out,
+                             const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                             const int64_t *context_lens, const int64_t *query_rows, const int64_t *query_lens,
+                             const int64_t *range_points, int64_t num_ranges, int64_t max_blocks, int64_t rows,
+                             int64_t threads)
 {
     const int64_t d = m->head_dim, heads = m->heads, kv_heads = m->kv_heads;
     const int64_t qkv_width = (heads + 2 * kv_heads) * d, qk_width = (heads + kv_heads) * d;
@@ -211,7 +248,7 @@ int64_t pdserve_fused_decode(const pdserve_model *m, void *residual, void *hidde
         const pdserve_layer *layer = &m->layers[l];
         pdserve_rms_norm(s.normed, residual, l == 0 ? NULL : s.delta, layer->input_norm, rows, m->hidden,
                          layer->input_eps, 1);
-        if ((status = project(&layer->qkv, s.qkv, s.normed, rows, threads)) != 0) {
+        if ((status = project(&layer->qkv, lora, s.qkv, s.normed, rows, threads)) != 0) {
             break;
         }
         /* Queries and keys are adjacent columns, so one rotation covers both. */
@@ -228,15 +265,15 @@ int64_t pdserve_fused_decode(const pdserve_model *m, void *residual, void *hidde
                                                 context_lens, query_rows, query_lens, range_points, num_ranges,
                                                 max_blocks, kv_heads, heads / kv_heads, d, m->block_size,
                                                 m->attn_scale, 0, 0.0f);
-        if (status != 0 || (status = project(&layer->o, s.attn_out, s.attn, rows, threads)) != 0) {
+        if (status != 0 || (status = project(&layer->o, lora, s.attn_out, s.attn, rows, threads)) != 0) {
             break;
         }
         pdserve_rms_norm(s.normed, residual, s.attn_out, layer->post_norm, rows, m->hidden, layer->post_eps, 1);
-        if ((status = project(&layer->gate_up, s.gate_up, s.normed, rows, threads)) != 0) {
+        if ((status = project(&layer->gate_up, lora, s.gate_up, s.normed, rows, threads)) != 0) {
             break;
         }
         pdserve_silu_mul(s.act, s.gate_up, rows, m->intermediate, 1);
-        status = project(&layer->down, s.delta, s.act, rows, threads);
+        status = project(&layer->down, lora, s.delta, s.act, rows, threads);
     }
     if (status == 0) {
         pdserve_rms_norm(hidden_out, residual, m->num_layers ? s.delta : NULL, m->final_norm, rows, m->hidden,
@@ -246,9 +283,14 @@ int64_t pdserve_fused_decode(const pdserve_model *m, void *residual, void *hidde
     return status;
 }
 
-/* sizeof the structs above, so the Python side can check its ctypes mirrors against this build. */
+/* sizeof the structs above (0 projection, 1 layer, 2 model, 3 LoRA rows), so the Python side can check its
+ * mirrors against this build. */
 int64_t pdserve_fused_decode_struct_sizes(int64_t which)
 {
-    return which == 0 ? (int64_t)sizeof(pdserve_projection)
-                      : which == 1 ? (int64_t)sizeof(pdserve_layer) : (int64_t)sizeof(pdserve_model);
+    switch (which) {
+    case 0: return (int64_t)sizeof(pdserve_projection);
+    case 1: return (int64_t)sizeof(pdserve_layer);
+    case 2: return (int64_t)sizeof(pdserve_model);
+    default: return (int64_t)sizeof(pdserve_lora_rows);
+    }
 }

@@ -9,7 +9,7 @@
  * multiplies each row by all of them (8 adapters: 8 times its own work); here the rows come grouped by slot,
  * so a slot's A and B are read from memory once per call and stay in cache across its rows.
  *
- * Layouts (lora.py's LoRALinear buffers, float32):
+ * Layouts (lora_layers.py's LoRALinear buffers, float32 or bfloat16: weights_bf16):
  *   lora_a (slots * modules * max_rank, in)  row (s * modules + m) * max_rank + r: row r of A_{s,m};
  *   lora_b (slots * max_rank, out)           row s * max_rank + r: column r of each B_{s,m} under m's output
  *                                            columns (the modules' columns do not overlap);
@@ -20,14 +20,22 @@
  * group_offsets (groups + 1 entries) where each group starts in `order`.
  *
  * Shrink: each (group, module, LORA_A_ROWS rows of A) unit multiplies those rows of A by the group's rows of x,
- * LORA_ROWS of them at once (each load of A feeds several rows), into t = scale * (A x), float32. Expand: each
+ * LORA_ROWS of them at once (each load of A feeds several rows), into t = scale * (A x), float32. bfloat16 x and
+ * A on a CPU with AVX512-BF16: vdpbf16ps, 32 columns an instruction, each product of two bfloat16 values exact
+ * in float32 and added to a float32 sum (the odd column's first, as dense_gemm.c's header says); elsewhere
+ * bfloat16 values are widened to float32 (exact) and multiplied as float32 ones are. Expand: each
  * (group, LORA_COLUMNS output columns) unit adds the float32 sums over r of t[r] * B[r] to the group's rows,
- * LORA_ROWS rows by LORA_COLUMNS columns at once (independent sums: the multiply-adds do not wait on each other);
+ * LORA_ROWS rows by LORA_COLUMNS columns at once (independent sums: the multiply-adds do not wait on each other),
+ * bfloat16 B widened to float32 (t stays float32: vdpbf16ps would round it to bfloat16);
  * bfloat16 out gets the update rounded to bfloat16 first, then the sum rounded, as torch's
  * `out.add_(update.to(torch.bfloat16))` rounds. Every sum is float32 in one order per row whatever the rows
  * beside it or the thread count, so a row's result does not depend on the batch; the variants differ in the
- * last bits (AVX2 and AVX-512 fuse the multiply-adds), within float32 rounding of torch's dense form
- * (tests/lora/test_lora_kernel.py).
+ * last bits (AVX2 and AVX-512 fuse the multiply-adds; AVX512-BF16 sums pairs), within float32 rounding of
+ * torch's dense form over the same weights (tests/lora/test_lora_kernel.py).
+ *
+ * bfloat16 weights (a bfloat16 model's adapters) halve what a step reads, and reading each resident adapter's A
+ * and B once per call is what bounds the kernel: 8 rank-16 adapters on the seven projections of the default model
+ * (SmolLM2-135M, 30 layers) are 78 MB a decode step in bfloat16, 156 MB in float32, counted from the shapes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,8 +59,8 @@
 typedef struct {
     void *out;
     const void *x;
-    const float *lora_a;
-    const float *lora_b;
+    const void *lora_a; /* float32 or bfloat16 (the call's weights_bf16) */
+    const void *lora_b;
     const int64_t *ranks;
     const int64_t *columns;
     const int64_t *row_slots;
@@ -118,12 +126,12 @@ ALWAYS_INLINE void lora_store(void *p, int64_t at, int64_t count, v16f v, int is
 }
 
 /* Elements [i, i + count) of the dot products of LORA_A_ROWS rows of A with `rows` rows of x, into acc. */
-ALWAYS_INLINE void lora_dot_step(v16f acc[LORA_ROWS][LORA_A_ROWS], const float *const *a, const void *const *x,
-                                 int rows, int64_t i, int64_t count, int is_bf16)
+ALWAYS_INLINE void lora_dot_step(v16f acc[LORA_ROWS][LORA_A_ROWS], const void *const *a, const void *const *x,
+                                 int rows, int64_t i, int64_t count, int is_bf16, int weights_bf16)
 {
     v16f av[LORA_A_ROWS];
     for (int k = 0; k < LORA_A_ROWS; ++k) {
-        av[k] = lora_load(a[k], i, count, 0);
+        av[k] = lora_load(a[k], i, count, weights_bf16);
     }
     for (int r = 0; r < rows; ++r) {
         const v16f xv = lora_load(x[r], i, count, is_bf16);
@@ -133,9 +141,30 @@ ALWAYS_INLINE void lora_dot_step(v16f acc[LORA_ROWS][LORA_A_ROWS], const float *
     }
 }
 
+#if PDSERVE_BF16_PATH == 1
+/* lora_dot_step for bfloat16 x and A with vdpbf16ps: elements [i, i + count), count <= 32 (a tail zero-filled). */
+ALWAYS_INLINE void lora_dot_pairs(v16f acc[LORA_ROWS][LORA_A_ROWS], const void *const *a, const void *const *x,
+                                  int rows, int64_t i, int64_t count)
+{
+    const __mmask32 mask = count >= 32 ? 0xFFFFFFFFu : (1u << count) - 1u;
+    __m512i av[LORA_A_ROWS];
+    for (int k = 0; k < LORA_A_ROWS; ++k) {
+        av[k] = count >= 32 ? _mm512_loadu_si512((const uint16_t *)a[k] + i)
+                            : _mm512_maskz_loadu_epi16(mask, (const uint16_t *)a[k] + i);
+    }
+    for (int r = 0; r < rows; ++r) {
+        const __m512i xv = count >= 32 ? _mm512_loadu_si512((const uint16_t *)x[r] + i)
+                                       : _mm512_maskz_loadu_epi16(mask, (const uint16_t *)x[r] + i);
+        for (int k = 0; k < LORA_A_ROWS; ++k) {
+            acc[r][k] = (v16f)_mm512_dpbf16_ps((__m512)acc[r][k], (__m512bh)xv, (__m512bh)av[k]);
+        }
+    }
+}
+#endif
+
 /* t rows of the positions [p, p + rows) (rows a constant after inlining): scale * (A rows a . x). */
-ALWAYS_INLINE void lora_shrink_rows(const lora_call *c, const float *const *a, int64_t p, int rows, int64_t m,
-                                    int64_t first, int64_t used, int is_bf16)
+ALWAYS_INLINE void lora_shrink_rows(const lora_call *c, const void *const *a, int64_t p, int rows, int64_t m,
+                                    int64_t first, int64_t used, int is_bf16, int weights_bf16)
 {
     const int64_t row_bytes = c->in_features * (is_bf16 ? 2 : 4);
     const void *x[LORA_ROWS];
@@ -148,12 +177,25 @@ ALWAYS_INLINE void lora_shrink_rows(const lora_call *c, const float *const *a, i
             acc[r][k] = (v16f){0};
         }
     }
-    const int64_t full = c->in_features / LANES * LANES;
-    for (int64_t i = 0; i < full; i += LANES) {
-        lora_dot_step(acc, a, x, rows, i, LANES, is_bf16);
-    }
-    if (full < c->in_features) {
-        lora_dot_step(acc, a, x, rows, full, c->in_features - full, is_bf16);
+#if PDSERVE_BF16_PATH == 1
+    if (is_bf16 && weights_bf16) {
+        const int64_t pairs_full = c->in_features / 32 * 32;
+        for (int64_t i = 0; i < pairs_full; i += 32) {
+            lora_dot_pairs(acc, a, x, rows, i, 32);
+        }
+        if (pairs_full < c->in_features) {
+            lora_dot_pairs(acc, a, x, rows, pairs_full, c->in_features - pairs_full);
+        }
+    } else
+#endif
+    {
+        const int64_t full = c->in_features / LANES * LANES;
+        for (int64_t i = 0; i < full; i += LANES) {
+            lora_dot_step(acc, a, x, rows, i, LANES, is_bf16, weights_bf16);
+        }
+        if (full < c->in_features) {
+            lora_dot_step(acc, a, x, rows, full, c->in_features - full, is_bf16, weights_bf16);
+        }
     }
     for (int r = 0; r < rows; ++r) {
         const float scale = c->row_scales[c->order[p + r]];
@@ -165,7 +207,7 @@ ALWAYS_INLINE void lora_shrink_rows(const lora_call *c, const float *const *a, i
 }
 
 /* Shrink unit `unit`: (group, module, LORA_A_ROWS rows of A), group-major. */
-ALWAYS_INLINE void lora_shrink_unit(const lora_call *c, int64_t unit, int is_bf16)
+ALWAYS_INLINE void lora_shrink_unit(const lora_call *c, int64_t unit, int is_bf16, int weights_bf16)
 {
     const int64_t chunks = (c->max_rank + LORA_A_ROWS - 1) / LORA_A_ROWS;
     const int64_t g = unit / (c->modules * chunks), m = unit / chunks % c->modules;
@@ -176,30 +218,33 @@ ALWAYS_INLINE void lora_shrink_unit(const lora_call *c, int64_t unit, int is_bf1
         return;
     }
     /* Rows of A past the rank repeat the last one: computed, never stored. */
-    const float *a[LORA_A_ROWS];
+    const int64_t row_bytes = c->in_features * (weights_bf16 ? 2 : 4);
+    const void *a[LORA_A_ROWS];
     for (int k = 0; k < LORA_A_ROWS; ++k) {
-        a[k] = c->lora_a + ((slot * c->modules + m) * c->max_rank + lora_min(first + k, rank - 1)) * c->in_features;
+        const int64_t row = (slot * c->modules + m) * c->max_rank + lora_min(first + k, rank - 1);
+        a[k] = (const char *)c->lora_a + row * row_bytes;
     }
     const int64_t used = lora_min(LORA_A_ROWS, rank - first);
     int64_t p = begin;
     for (; p + LORA_ROWS <= end; p += LORA_ROWS) {
-        lora_shrink_rows(c, a, p, LORA_ROWS, m, first, used, is_bf16);
+        lora_shrink_rows(c, a, p, LORA_ROWS, m, first, used, is_bf16, weights_bf16);
     }
     switch (end - p) {
 #if LORA_ROWS == 4
-    case 3: lora_shrink_rows(c, a, p, 3, m, first, used, is_bf16); break;
-    case 2: lora_shrink_rows(c, a, p, 2, m, first, used, is_bf16); break;
+    case 3: lora_shrink_rows(c, a, p, 3, m, first, used, is_bf16, weights_bf16); break;
+    case 2: lora_shrink_rows(c, a, p, 2, m, first, used, is_bf16, weights_bf16); break;
 #endif
-    case 1: lora_shrink_rows(c, a, p, 1, m, first, used, is_bf16); break;
+    case 1: lora_shrink_rows(c, a, p, 1, m, first, used, is_bf16, weights_bf16); break;
     default: break;
     }
 }
 
 /* Columns [j, j + vectors * 16) (or [j, j + count) for one vector, count <= 16) of out, for the positions
  * [p, p + rows): += sum over k < rank of t[k] * B[k] (b: B's row 0, out_features apart). */
-ALWAYS_INLINE void lora_expand_rows(const lora_call *c, const float *b, int64_t rank, int64_t p, int rows,
-                                    int64_t m, int64_t j, int vectors, int64_t count, int is_bf16)
+ALWAYS_INLINE void lora_expand_rows(const lora_call *c, const void *b, int64_t rank, int64_t p, int rows,
+                                    int64_t m, int64_t j, int vectors, int64_t count, int is_bf16, int weights_bf16)
 {
+    const int64_t size = weights_bf16 ? 2 : 4;
     const float *t[LORA_ROWS];
     for (int r = 0; r < rows; ++r) {
         t[r] = c->t + ((p + r) * c->modules + m) * c->max_rank;
@@ -211,17 +256,18 @@ ALWAYS_INLINE void lora_expand_rows(const lora_call *c, const float *b, int64_t 
         }
     }
     for (int64_t k = 0; k < rank; ++k) {
-        const float *row = b + k * c->out_features;
+        const void *row = (const char *)b + k * c->out_features * size;
         v16f bv[LORA_VECTORS];
         if (vectors == LORA_VECTORS) {
             /* B's rows are read LORA_COLUMNS at a time, rank rows apart: too many streams for the hardware's
-             * prefetcher at decode sizes, so each asks for its columns two units on. */
-            for (int v = 0; v < LORA_VECTORS; ++v) {
-                __builtin_prefetch(row + j + 2 * LORA_COLUMNS + v * LANES);
+             * prefetcher at decode sizes, so each asks for its cache lines two units on. */
+            const char *ahead = (const char *)row + (j + 2 * LORA_COLUMNS) * size;
+            for (int64_t line = 0; line < LORA_COLUMNS * size; line += 64) {
+                __builtin_prefetch(ahead + line);
             }
         }
         for (int v = 0; v < vectors; ++v) {
-            bv[v] = lora_load(row, j + v * LANES, vectors == 1 ? count : LANES, 0);
+            bv[v] = lora_load(row, j + v * LANES, vectors == 1 ? count : LANES, weights_bf16);
         }
         for (int r = 0; r < rows; ++r) {
             for (int v = 0; v < vectors; ++v) {
@@ -239,32 +285,32 @@ ALWAYS_INLINE void lora_expand_rows(const lora_call *c, const float *b, int64_t 
 }
 
 /* lora_expand_rows over the positions [p, p + rows), rows a constant in each call. */
-ALWAYS_INLINE void lora_expand_block(const lora_call *c, const float *b, int64_t rank, int64_t begin, int64_t end,
-                                     int64_t m, int64_t j, int vectors, int64_t count, int is_bf16)
+ALWAYS_INLINE void lora_expand_block(const lora_call *c, const void *b, int64_t rank, int64_t begin, int64_t end,
+                                     int64_t m, int64_t j, int vectors, int64_t count, int is_bf16, int weights_bf16)
 {
     int64_t p = begin;
     for (; p + LORA_ROWS <= end; p += LORA_ROWS) {
-        lora_expand_rows(c, b, rank, p, LORA_ROWS, m, j, vectors, count, is_bf16);
+        lora_expand_rows(c, b, rank, p, LORA_ROWS, m, j, vectors, count, is_bf16, weights_bf16);
     }
     switch (end - p) {
 #if LORA_ROWS == 4
-    case 3: lora_expand_rows(c, b, rank, p, 3, m, j, vectors, count, is_bf16); break;
-    case 2: lora_expand_rows(c, b, rank, p, 2, m, j, vectors, count, is_bf16); break;
+    case 3: lora_expand_rows(c, b, rank, p, 3, m, j, vectors, count, is_bf16, weights_bf16); break;
+    case 2: lora_expand_rows(c, b, rank, p, 2, m, j, vectors, count, is_bf16, weights_bf16); break;
 #endif
-    case 1: lora_expand_rows(c, b, rank, p, 1, m, j, vectors, count, is_bf16); break;
+    case 1: lora_expand_rows(c, b, rank, p, 1, m, j, vectors, count, is_bf16, weights_bf16); break;
     default: break;
     }
 }
 
 /* Expand unit `unit`: (group, LORA_COLUMNS output columns), group-major; each module's part of the columns. */
-ALWAYS_INLINE void lora_expand_unit(const lora_call *c, int64_t unit, int is_bf16)
+ALWAYS_INLINE void lora_expand_unit(const lora_call *c, int64_t unit, int is_bf16, int weights_bf16)
 {
     const int64_t column_chunks = (c->out_features + LORA_COLUMNS - 1) / LORA_COLUMNS;
     const int64_t g = unit / column_chunks, start = unit % column_chunks * LORA_COLUMNS;
     const int64_t stop = lora_min(start + LORA_COLUMNS, c->out_features);
     const int64_t begin = c->group_offsets[g], end = c->group_offsets[g + 1];
     const int64_t slot = c->row_slots[c->order[begin]];
-    const float *b = c->lora_b + slot * c->max_rank * c->out_features;
+    const void *b = (const char *)c->lora_b + slot * c->max_rank * c->out_features * (weights_bf16 ? 2 : 4);
     for (int64_t m = 0; m < c->modules; ++m) {
         const int64_t low = lora_max(start, c->columns[2 * m]), high = lora_min(stop, c->columns[2 * m + 1]);
         const int64_t rank = c->ranks[slot * c->modules + m];
@@ -272,29 +318,39 @@ ALWAYS_INLINE void lora_expand_unit(const lora_call *c, int64_t unit, int is_bf1
             continue;
         }
         if (high - low == LORA_COLUMNS) {
-            lora_expand_block(c, b, rank, begin, end, m, low, LORA_VECTORS, LANES, is_bf16);
+            lora_expand_block(c, b, rank, begin, end, m, low, LORA_VECTORS, LANES, is_bf16, weights_bf16);
             continue;
         }
         /* A module's first or last columns off the unit's boundaries: a vector at a time. */
         for (int64_t j = low; j < high; j += LANES) {
             if (j + LANES <= high) {
-                lora_expand_block(c, b, rank, begin, end, m, j, 1, LANES, is_bf16);
+                lora_expand_block(c, b, rank, begin, end, m, j, 1, LANES, is_bf16, weights_bf16);
             } else {
-                lora_expand_block(c, b, rank, begin, end, m, j, 1, high - j, is_bf16);
+                lora_expand_block(c, b, rank, begin, end, m, j, 1, high - j, is_bf16, weights_bf16);
             }
         }
     }
 }
 
+/* Each dtype pair's loops compiled for it: x and out bfloat16 (is_bf16), the weights bfloat16 (weights_bf16). */
+#define LORA_DISPATCH(call, is_bf16, weights_bf16)                                                              \
+    do {                                                                                                        \
+        if (is_bf16) {                                                                                          \
+            if (weights_bf16) { call(1, 1); } else { call(1, 0); }                                              \
+        } else {                                                                                                \
+            if (weights_bf16) { call(0, 1); } else { call(0, 0); }                                              \
+        }                                                                                                       \
+    } while (0)
+
 /*
- * out[row] += each row's own adapter's update (see the header), `groups` groups of rows. Returns 0, or -1 when
- * out of memory.
+ * out[row] += each row's own adapter's update (see the header), `groups` groups of rows. x and out are bfloat16
+ * when is_bf16 (else float32), lora_a and lora_b when weights_bf16. Returns 0, or -1 when out of memory.
  */
-int64_t pdserve_lora_shrink_expand(void *out, const void *x, const float *lora_a, const float *lora_b,
+int64_t pdserve_lora_shrink_expand(void *out, const void *x, const void *lora_a, const void *lora_b,
                                    const int64_t *ranks, const int64_t *columns, const int64_t *row_slots,
                                    const float *row_scales, const int64_t *order, const int64_t *group_offsets,
                                    int64_t groups, int64_t modules, int64_t max_rank, int64_t in_features,
-                                   int64_t out_features, int64_t is_bf16, int64_t threads)
+                                   int64_t out_features, int64_t is_bf16, int64_t weights_bf16, int64_t threads)
 {
     const int64_t positions = group_offsets[groups];
     if (positions == 0) {
@@ -309,24 +365,20 @@ int64_t pdserve_lora_shrink_expand(void *out, const void *x, const float *lora_a
     const int64_t shrink_units = groups * modules * ((max_rank + LORA_A_ROWS - 1) / LORA_A_ROWS);
     const int64_t expand_units = groups * ((out_features + LORA_COLUMNS - 1) / LORA_COLUMNS);
     /* Units group-major: a thread's contiguous share of them reads few slots' weights. The dtype is chosen
-     * per unit, inside the parallel region, so that each dtype's loops are compiled for it. */
+     * per unit, inside the parallel region, so that each dtype pair's loops are compiled for it. */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < shrink_units; ++unit) {
-            if (is_bf16) {
-                lora_shrink_unit(&c, unit, 1);
-            } else {
-                lora_shrink_unit(&c, unit, 0);
-            }
+#define LORA_SHRINK(x_bf16, w_bf16) lora_shrink_unit(&c, unit, x_bf16, w_bf16)
+            LORA_DISPATCH(LORA_SHRINK, is_bf16, weights_bf16);
+#undef LORA_SHRINK
         }
 #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < expand_units; ++unit) {
-            if (is_bf16) {
-                lora_expand_unit(&c, unit, 1);
-            } else {
-                lora_expand_unit(&c, unit, 0);
-            }
+#define LORA_EXPAND(x_bf16, w_bf16) lora_expand_unit(&c, unit, x_bf16, w_bf16)
+            LORA_DISPATCH(LORA_EXPAND, is_bf16, weights_bf16);
+#undef LORA_EXPAND
         }
     }
     free(c.t);

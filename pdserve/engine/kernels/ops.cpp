@@ -47,13 +47,13 @@ extern "C" int pdserve_openmp_team(int threads);
                                float *, float *, const int64_t *, int64_t, int64_t, int64_t, int64_t);           \
     void pdserve_##v##_rms_norm(void *, void *, const void *, const void *, int64_t, int64_t, float, int64_t);   \
     void pdserve_##v##_silu_mul(void *, const void *, int64_t, int64_t, int64_t);                               \
-    int64_t pdserve_##v##_lora_shrink_expand(void *, const void *, const float *, const float *,                 \
-                                             const int64_t *, const int64_t *, const int64_t *, const float *,   \
-                                             const int64_t *, const int64_t *, int64_t, int64_t, int64_t,        \
-                                             int64_t, int64_t, int64_t, int64_t);                                \
-    int64_t pdserve_##v##_fused_decode(const void *, void *, void *, const int64_t *, const int64_t *,          \
+    int64_t pdserve_##v##_lora_shrink_expand(void *, const void *, const void *, const void *, const int64_t *,  \
+                                             const int64_t *, const int64_t *, const float *, const int64_t *,   \
+                                             const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,       \
+                                             int64_t, int64_t, int64_t);                                         \
+    int64_t pdserve_##v##_fused_decode(const void *, const void *, void *, void *, const int64_t *,              \
                                        const int64_t *, const int64_t *, const int64_t *, const int64_t *,       \
-                                       const int64_t *, int64_t, int64_t, int64_t, int64_t);                     \
+                                       const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t);    \
     int64_t pdserve_##v##_fused_decode_struct_sizes(int64_t);                                                    \
     }
 
@@ -107,12 +107,12 @@ struct Kernels {
                     float *, const int64_t *, int64_t, int64_t, int64_t, int64_t);
     void (*rms_norm)(void *, void *, const void *, const void *, int64_t, int64_t, float, int64_t);
     void (*silu_mul)(void *, const void *, int64_t, int64_t, int64_t);
-    int64_t (*lora_shrink_expand)(void *, const void *, const float *, const float *, const int64_t *,
-                                  const int64_t *, const int64_t *, const float *, const int64_t *, const int64_t *,
-                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-    int64_t (*fused_decode)(const void *, void *, void *, const int64_t *, const int64_t *, const int64_t *,
-                            const int64_t *, const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
-                            int64_t, int64_t);
+    int64_t (*lora_shrink_expand)(void *, const void *, const void *, const void *, const int64_t *, const int64_t *,
+                                  const int64_t *, const float *, const int64_t *, const int64_t *, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+    int64_t (*fused_decode)(const void *, const void *, void *, void *, const int64_t *, const int64_t *,
+                            const int64_t *, const int64_t *, const int64_t *, const int64_t *, const int64_t *,
+                            int64_t, int64_t, int64_t, int64_t);
     int64_t (*fused_decode_struct_sizes)(int64_t);
 };
 
@@ -254,22 +254,23 @@ int64_t lora_shrink_expand(int64_t v, const at::Tensor &out, const at::Tensor &x
                            const at::Tensor &lora_b, const at::Tensor &ranks, const at::Tensor &columns,
                            const at::Tensor &row_slots, const at::Tensor &row_scales, const at::Tensor &order,
                            const at::Tensor &group_offsets, int64_t groups, int64_t modules, int64_t max_rank,
-                           int64_t in_features, int64_t out_features, int64_t is_bf16, int64_t threads) {
-    return kernels(v).lora_shrink_expand(ptr(out), ptr<const void>(x), ptr<const float>(lora_a),
-                                         ptr<const float>(lora_b), ptr<const int64_t>(ranks),
+                           int64_t in_features, int64_t out_features, int64_t is_bf16, int64_t weights_bf16,
+                           int64_t threads) {
+    return kernels(v).lora_shrink_expand(ptr(out), ptr<const void>(x), ptr<const void>(lora_a),
+                                         ptr<const void>(lora_b), ptr<const int64_t>(ranks),
                                          ptr<const int64_t>(columns), ptr<const int64_t>(row_slots),
                                          ptr<const float>(row_scales), ptr<const int64_t>(order),
                                          ptr<const int64_t>(group_offsets), groups, modules, max_rank, in_features,
-                                         out_features, is_bf16, threads);
+                                         out_features, is_bf16, weights_bf16, threads);
 }
 
-int64_t fused_decode(int64_t v, const at::Tensor &model, const at::Tensor &residual, const at::Tensor &hidden_out,
-                     const at::Tensor &positions, const at::Tensor &slots, const at::Tensor &block_tables,
-                     const at::Tensor &context_lens, const at::Tensor &query_rows, const at::Tensor &query_lens,
-                     const at::Tensor &range_points, int64_t num_ranges, int64_t max_blocks, int64_t rows,
-                     int64_t threads) {
-    return kernels(v).fused_decode(ptr<const void>(model), ptr(residual), ptr(hidden_out),
-                                   ptr<const int64_t>(positions), ptr<const int64_t>(slots),
+int64_t fused_decode(int64_t v, const at::Tensor &model, const std::optional<at::Tensor> &lora_rows,
+                     const at::Tensor &residual, const at::Tensor &hidden_out, const at::Tensor &positions,
+                     const at::Tensor &slots, const at::Tensor &block_tables, const at::Tensor &context_lens,
+                     const at::Tensor &query_rows, const at::Tensor &query_lens, const at::Tensor &range_points,
+                     int64_t num_ranges, int64_t max_blocks, int64_t rows, int64_t threads) {
+    return kernels(v).fused_decode(ptr<const void>(model), ptr<const void>(lora_rows), ptr(residual),
+                                   ptr(hidden_out), ptr<const int64_t>(positions), ptr<const int64_t>(slots),
                                    ptr<const int64_t>(block_tables), ptr<const int64_t>(context_lens),
                                    ptr<const int64_t>(query_rows), ptr<const int64_t>(query_lens),
                                    ptr<const int64_t>(range_points), num_ranges, max_blocks, rows, threads);
@@ -327,11 +328,12 @@ TORCH_LIBRARY(pdserve, m) {
           &silu_mul);
     m.def("lora_shrink_expand(int variant, Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, Tensor ranks, "
           "Tensor columns, Tensor row_slots, Tensor row_scales, Tensor order, Tensor group_offsets, int groups, "
-          "int modules, int max_rank, int in_features, int out_features, int is_bf16, int threads) -> int",
+          "int modules, int max_rank, int in_features, int out_features, int is_bf16, int weights_bf16, int threads) "
+          "-> int",
           &lora_shrink_expand);
-    m.def("fused_decode(int variant, Tensor model, Tensor(a!) residual, Tensor(b!) hidden_out, Tensor positions, "
-          "Tensor slots, Tensor block_tables, Tensor context_lens, Tensor query_rows, Tensor query_lens, "
-          "Tensor range_points, int num_ranges, int max_blocks, int rows, int threads) -> int",
+    m.def("fused_decode(int variant, Tensor model, Tensor? lora_rows, Tensor(a!) residual, Tensor(b!) hidden_out, "
+          "Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens, Tensor query_rows, "
+          "Tensor query_lens, Tensor range_points, int num_ranges, int max_blocks, int rows, int threads) -> int",
           &fused_decode);
     m.def("fused_decode_struct_sizes(int variant, int which) -> int", &fused_decode_struct_sizes);
     m.def("openmp_team(int threads) -> int", &openmp_team);

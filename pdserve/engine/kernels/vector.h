@@ -16,6 +16,13 @@
 
 #define LANES 16
 
+/* Whether this build multiplies bfloat16 pairs in hardware (AVX512-BF16's vdpbf16ps): 1, else 0. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PDSERVE_BF16_PATH 1
+#else
+#define PDSERVE_BF16_PATH 0
+#endif
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));

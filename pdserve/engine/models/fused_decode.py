@@ -22,6 +22,11 @@ a package built without its kernels, prefill chunks, larger batches, forward hoo
 layers (the KV pusher's), ``enforce_eager=True`` — runs the
 model's layer-by-layer forward; ``LlamaForCausalLM.forward`` is the one place
 that chooses.
+
+With LoRA adapters (pdserve/engine/lora_layers.py's ``install`` calls ``add_lora``), every projection's
+struct also points at its ``LoRALinear``'s slots, and a step whose rows have adapters passes them
+(``LoRARows``): the C side adds each row's update after each projection with the same kernel as the
+wrappers, so adapter steps stay fused and bit for bit the layer-by-layer path's.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pdserve.engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
 from pdserve.engine.native import KernelOps, load_kernel_ops
 
 if TYPE_CHECKING:
+    from pdserve.engine.lora_layers import LoRALinear, LoRAState
     from pdserve.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -69,7 +75,9 @@ _POINTER = np.uintp
 _PROJECTION = np.dtype([
     ("kind", np.int64), ("qweight", _POINTER), ("scales", _POINTER), ("minimums", _POINTER),
     ("group_size", np.int64), ("bias", _POINTER), ("out_features", np.int64), ("in_features", np.int64),
-    ("parallel", np.int64),
+    ("parallel", np.int64), ("lora_a", _POINTER), ("lora_b", _POINTER), ("lora_ranks", _POINTER),
+    ("lora_columns", _POINTER), ("lora_modules", np.int64), ("lora_max_rank", np.int64),
+    ("lora_weights_bf16", np.int64),
 ], align=True)
 _LAYER = np.dtype([
     ("input_norm", _POINTER), ("post_norm", _POINTER), ("input_eps", np.float32), ("post_eps", np.float32),
@@ -82,6 +90,12 @@ _MODEL = np.dtype([
     ("num_slots", np.int64), ("max_positions", np.int64), ("attn_scale", np.float32), ("final_eps", np.float32),
     ("cos", _POINTER), ("sin", _POINTER), ("final_norm", _POINTER), ("layers", _POINTER),
 ], align=True)
+_LORA_ROWS = np.dtype([
+    ("row_slots", _POINTER), ("row_scales", _POINTER), ("order", _POINTER), ("group_offsets", _POINTER),
+    ("groups", np.int64),
+], align=True)
+# The layer struct's projections and the packed projections (LoRALinear's names) they are.
+_PACKED = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 class FusedDecoder:
@@ -129,6 +143,31 @@ class FusedDecoder:
         self._hidden_size = int(model_struct["hidden"])
         self._pool_key: tuple[Any, ...] | None = None
         self._kv_caches: list[Any] | None = None
+        self._lora_state: LoRAState | None = None
+
+    def add_lora(self, layers: list[dict[str, LoRALinear]], state: LoRAState) -> None:
+        """Each row's adapter update after every projection, from these wrappers' slots (per layer, packed name
+        -> ``LoRALinear``, as ``install`` returns them), for the rows ``state`` holds in each step. The wrappers'
+        buffers must outlive this decoder and keep their memory (``set_slot`` writes in place)."""
+        if len(layers) != len(self._layers):
+            raise ValueError(f"LoRA wrappers for {len(layers)} layers, the model has {len(self._layers)}")
+        for index, wrapped in enumerate(layers):
+            for field, packed in _PACKED.items():
+                linear, struct = wrapped[packed], self._layers[field]
+                shape = (int(struct["in_features"][index]), int(struct["out_features"][index]))
+                if (linear.in_features, linear.out_features) != shape:
+                    raise ValueError(f"layer {index} {packed}: the LoRA wrapper's (in, out) "
+                                     f"{(linear.in_features, linear.out_features)} is not the projection's {shape}")
+                if linear.lora_a.device.type != "cpu":
+                    raise ValueError(f"layer {index} {packed}: the LoRA weights must be on the CPU")
+                struct["lora_a"][index] = linear.lora_a.data_ptr()
+                struct["lora_b"][index] = linear.lora_b.data_ptr()
+                struct["lora_ranks"][index] = linear.ranks.data_ptr()
+                struct["lora_columns"][index] = linear.columns.data_ptr()
+                struct["lora_modules"][index] = len(linear.slices)
+                struct["lora_max_rank"][index] = linear.max_rank
+                struct["lora_weights_bf16"][index] = int(linear.lora_a.dtype == torch.bfloat16)
+        self._lora_state = state
 
     def serves(self, num_tokens: int, attn_metadata: Any) -> bool:
         """Whether a step of ``num_tokens`` tokens with this attention metadata can run fused."""
@@ -166,14 +205,31 @@ class FusedDecoder:
             raise ValueError(f"positions and slot_mapping must hold one entry per token ({rows})")
         hidden = torch.empty_like(residual)
         status = self._ops.fused_decode(
-            self._variant, self._model_bytes, residual, hidden, positions, slots, plan.block_tables,
-            plan.context_lens, plan.query_rows, plan.query_lens, plan.range_points, len(plan.item_ranges),
-            plan.block_tables.shape[1], rows, torch.get_num_threads(),
+            self._variant, self._model_bytes, self._lora_rows(rows), residual, hidden, positions, slots,
+            plan.block_tables, plan.context_lens, plan.query_rows, plan.query_lens, plan.range_points,
+            len(plan.item_ranges), plan.block_tables.shape[1], rows, torch.get_num_threads(),
         )
         if status != 0:
             error = MemoryError if status == -1 else ValueError
             raise error(_STATUS_ERRORS.get(status, f"the fused decode step failed ({status})"))
         return hidden
+
+    def _lora_rows(self, rows: int) -> torch.Tensor | None:
+        """The C struct of the step's rows under adapters, as bytes (None: no row has one, or no LoRA)."""
+        lora = None if self._lora_state is None else self._lora_state.rows
+        if lora is None:
+            return None
+        tensors = {"row_slots": (lora.slots, torch.long), "row_scales": (lora.scales, torch.float32),
+                   "order": (lora.order, torch.long), "group_offsets": (lora.group_offsets, torch.long)}
+        if lora.slots.shape != (rows,):
+            raise ValueError(f"the step's LoRA rows are for {lora.slots.shape[0]} tokens, the step has {rows}")
+        struct = np.zeros((), dtype=_LORA_ROWS)
+        for name, (tensor, dtype) in tensors.items():
+            if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.device.type != "cpu":
+                raise ValueError(f"the LoRA rows' {name} must be a contiguous CPU {dtype} tensor")
+            struct[name] = tensor.data_ptr()
+        struct["groups"] = lora.group_offsets.shape[0] - 1
+        return torch.from_numpy(struct.reshape(1).view(np.uint8))
 
     def _bind_pool(self, kv_caches: list[tuple[Any, Any]]) -> None:
         """Point every layer at its KV in this pool (once per pool: the runner passes the same list each step)."""
@@ -230,8 +286,8 @@ def build_fused_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
     kernels = load_kernel_ops()
     if kernels is None:
         return None
-    sizes = tuple(kernels.ops.fused_decode_struct_sizes(kernels.variant, which) for which in range(3))
-    if sizes != (_PROJECTION.itemsize, _LAYER.itemsize, _MODEL.itemsize):
+    sizes = tuple(kernels.ops.fused_decode_struct_sizes(kernels.variant, which) for which in range(4))
+    if sizes != (_PROJECTION.itemsize, _LAYER.itemsize, _MODEL.itemsize, _LORA_ROWS.itemsize):
         logger.warning("CPU fused decode step: the C structs (%s bytes) do not match their mirrors here; not used",
                        sizes)
         return None
