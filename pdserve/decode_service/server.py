@@ -31,14 +31,14 @@ from pdserve.service_common.errors import Unavailable, grpc_errors
 from pdserve.service_common.logs import with_request_id
 from pdserve.service_common.security import TlsConfig, open_channel
 from pdserve.service_common.server import ServerConfig
-from pdserve.service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
+from pdserve.service_common.worker import LoRARPCs, WorkerConfig, WorkerRuntime, WorkerServer
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
 
-class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeServicer(LoRARPCs, worker_pb2_grpc.DecodeWorkerServicer):
     """Takes a request over from a prefill worker and streams every token after the first.
 
     The request waits in the engine's scheduler for blocks (WAITING_FOR_REMOTE_KVS);
@@ -326,18 +326,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         report.kv_transfers = self.kv_transfers
         report.kv_recomputes = self.kv_recomputes
         return report
-
-    @grpc_errors
-    async def LoadLoRAAdapter(  # noqa: N802
-        self, request: worker_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoadLoRAAdapterResponse:
-        return await self.runtime.load_lora(request)
-
-    @grpc_errors
-    async def UnloadLoRAAdapter(  # noqa: N802
-        self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.UnloadLoRAAdapterResponse:
-        return await self.runtime.unload_lora(request)
 
     async def _fetch(
         self, handoff: KVHandoff, first_block: int, stub: worker_pb2_grpc.PrefillWorkerStub

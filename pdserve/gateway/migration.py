@@ -88,3 +88,20 @@ async def migrate(
     metrics.migrated(cause, "gave_up")
     raise Unavailable(f"the decode workers of this stream failed {max_migrations + 1} times "
                       f"(--max-migrations {max_migrations}); it ends after {len(generated)} tokens")
+
+
+def relayed_response(piece: worker_pb2.DecodeResponse, request_id: str, usage: generation_pb2.Usage
+                     ) -> generation_pb2.GenerateResponse:
+    """A decode worker's piece as the client's response; the last carries ``usage``, counted here."""
+    usage.completion_tokens += len(piece.token_ids)
+    response = generation_pb2.GenerateResponse(
+        request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
+    )
+    if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
+        response.finish_reason = piece.finish_reason
+        usage.spec_decode_drafts = piece.spec_decode_drafts
+        usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
+        usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
+        response.usage.CopyFrom(usage)
+    return response
+

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate
+from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate, relayed_response
 from pdserve.gateway.disaggregation import DisaggregationPolicy, MeasuredCosts, RouteDecision, RouteInputs
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.workers import WorkerHandle
@@ -142,7 +142,7 @@ async def stream_local_prefill(
                 usage.cached_prompt_tokens = piece.cached_prompt_tokens
                 if route.prefill is not None:
                     router.prefilled_locally(decode, route.prefill.block_hashes)
-            yield _relayed(piece, request_id, usage)
+            yield relayed_response(piece, request_id, usage)
     except grpc.aio.AioRpcError as error:
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             raise
@@ -162,23 +162,7 @@ async def stream_local_prefill(
                    time_remaining, max_migrations, "decode_unavailable")
     async with contextlib.aclosing(rest):
         async for piece in rest:
-            yield _relayed(piece, request_id, usage)
-
-
-def _relayed(piece: worker_pb2.DecodeResponse, request_id: str, usage: generation_pb2.Usage
-             ) -> generation_pb2.GenerateResponse:
-    """A decode worker's piece as the client's response; the last carries ``usage``, counted here."""
-    usage.completion_tokens += len(piece.token_ids)
-    response = generation_pb2.GenerateResponse(
-        request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
-    )
-    if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-        response.finish_reason = piece.finish_reason
-        usage.spec_decode_drafts = piece.spec_decode_drafts
-        usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
-        usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
-        response.usage.CopyFrom(usage)
-    return response
+            yield relayed_response(piece, request_id, usage)
 
 
 def learn(policy: DisaggregationPolicy, route: Route) -> None:

@@ -15,7 +15,7 @@ from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.disaggregation import LOCAL, DisaggregationPolicy, RouteDecision
-from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate
+from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate, relayed_response
 from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
@@ -235,17 +235,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         def relayed(piece: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
             nonlocal finished
-            usage.completion_tokens += len(piece.token_ids)
-            response = generation_pb2.GenerateResponse(
-                request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs,
-            )
-            if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-                response.finish_reason = piece.finish_reason
-                usage.spec_decode_drafts = piece.spec_decode_drafts
-                usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
-                usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
-                response.usage.CopyFrom(usage)
-                finished = True
+            response = relayed_response(piece, request_id, usage)
+            finished = finished or response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
             return response
 
         try:

@@ -22,7 +22,7 @@ from pdserve.service_common.errors import grpc_errors
 from pdserve.service_common.logs import with_request_id
 from pdserve.service_common.security import TlsConfig, open_channel
 from pdserve.service_common.server import ServerConfig
-from pdserve.service_common.worker import WorkerConfig, WorkerRuntime, WorkerServer
+from pdserve.service_common.worker import LoRARPCs, WorkerConfig, WorkerRuntime, WorkerServer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 CLAIM_MARGIN_S = 1.0
 
 
-class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+class PrefillServicer(LoRARPCs, worker_pb2_grpc.PrefillWorkerServicer):
     """Prefill with ``max_tokens=1`` and ``hold_kv``: the first token comes back, the blocks stay pinned."""
 
     def __init__(
@@ -166,18 +166,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.LoadReport:
         return self.runtime.load_report()
-
-    @grpc_errors
-    async def LoadLoRAAdapter(  # noqa: N802
-        self, request: worker_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.LoadLoRAAdapterResponse:
-        return await self.runtime.load_lora(request)
-
-    @grpc_errors
-    async def UnloadLoRAAdapter(  # noqa: N802
-        self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
-    ) -> worker_pb2.UnloadLoRAAdapterResponse:
-        return await self.runtime.unload_lora(request)
 
     def _release(self, request_id: str) -> None:
         """End a lease between two steps (the lease table lives on the engine thread); idempotent."""

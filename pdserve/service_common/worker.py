@@ -7,6 +7,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from pdserve.cluster_index import (
     BlockEventBatch,
     IndexUnavailable,
@@ -19,7 +21,7 @@ from pdserve.cluster_index import (
 )
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.batch_window import BatchWindow
-from pdserve.service_common.errors import Overloaded
+from pdserve.service_common.errors import Overloaded, grpc_errors
 from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
 from pdserve.engine.block_manager import BlockEvent, BlockStored
 from pdserve.engine.llm_engine import LLMEngine
@@ -230,6 +232,25 @@ class WorkerRuntime:
         # The heartbeat retries its hook only when the hook raises.
         if not await self._resync():
             raise IndexUnavailable("resyncing the prefix index failed; retrying on the next heartbeat")
+
+
+class LoRARPCs:
+    """The LoRA adapter RPCs both worker services answer (``LoadLoRAAdapter``, ``UnloadLoRAAdapter``), over the
+    servicer's ``runtime``."""
+
+    runtime: WorkerRuntime
+
+    @grpc_errors
+    async def LoadLoRAAdapter(  # noqa: N802 - the gRPC method name
+        self, request: worker_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadLoRAAdapterResponse:
+        return await self.runtime.load_lora(request)
+
+    @grpc_errors
+    async def UnloadLoRAAdapter(  # noqa: N802 - the gRPC method name
+        self, request: worker_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UnloadLoRAAdapterResponse:
+        return await self.runtime.unload_lora(request)
 
 
 class AdmissionTicket:
