@@ -521,6 +521,23 @@ def oracle(checkpoint: Path) -> Oracle:
     return _ORACLES[checkpoint]
 
 
+def greedy_continuations(checkpoint: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations of ``max_tokens`` tokens, past EOS as ``ignore_eos`` does (EOS not masked)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # ignore_eos generates past EOS without masking it (vLLM's meaning): no EOS here, rather than min_new_tokens.
+    model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
 def random_prompts(lengths: list[int], seed: int, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
     """Seeded random prompts that avoid the EOS id (EOS in a prompt is legal, just confusing to read)."""
     rng = random.Random(seed)

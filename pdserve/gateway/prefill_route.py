@@ -147,7 +147,7 @@ async def stream_local_prefill(
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             raise
         decode.healthy = False  # out of rotation now, not at the next load poll
-        if not generated or max_migrations < 1:
+        if max_migrations < 1:
             raise
         failure = error
     finally:
@@ -157,7 +157,8 @@ async def stream_local_prefill(
         call.cancel()  # a no-op once the stream ended; stops the decode worker's request otherwise
     if failure is None:
         return
-    # The client has tokens: the rest comes from another decode worker (pdserve/gateway/migration.py).
+    # Another decode worker goes on (pdserve/gateway/migration.py): after the tokens the client has, or from the
+    # prompt when it has none yet.
     rest = migrate(router, metrics, request, request_id, token_ids, generated, lora, {decode.address},
                    time_remaining, max_migrations, "decode_unavailable")
     async with contextlib.aclosing(rest):

@@ -9,32 +9,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.server import channel_options
-from tests.conftest import random_prompts
+from tests.conftest import greedy_continuations, random_prompts
 from tests.e2e.conftest import cluster_config, generate
 
 MAX_TOKENS = 160
 KILL_AFTER = 40
-
-
-def _greedy_continuations(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    # ignore_eos generates past EOS without masking it (vLLM's meaning): no EOS here, rather than min_new_tokens.
-    model.generation_config.eos_token_id = None
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 async def _read_all(call: grpc.aio.UnaryStreamCall, received: list[generation_pb2.GenerateResponse]) -> None:
@@ -69,7 +52,7 @@ async def test_streams_of_a_killed_decode_worker_continue_on_another_token_for_t
         cluster.kill("decode-0")
         await asyncio.gather(*(_read_all(call, responses) for call, responses in zip(calls, received)))
     tokens = [[t for r in responses for t in r.token_ids] for responses in received]
-    assert tokens[:12] == _greedy_continuations(llama_checkpoint, prompts)
+    assert tokens[:12] == greedy_continuations(llama_checkpoint, prompts, MAX_TOKENS)
     assert tokens[12:] == [[t for r in responses for t in r.token_ids] for responses in undisturbed]
     for request, responses in zip(requests, received):
         last = responses[-1]
@@ -102,7 +85,7 @@ async def test_requests_of_a_killed_only_prefill_worker_are_prefilled_on_a_decod
     finally:
         cluster.kill("prefill-0")
     results = await asyncio.gather(*pending)
-    for responses, expected in zip(results, _greedy_continuations(llama_checkpoint, prompts)):
+    for responses, expected in zip(results, greedy_continuations(llama_checkpoint, prompts, MAX_TOKENS)):
         assert [t for r in responses for t in r.token_ids] == expected
         assert responses[-1].usage.completion_tokens == MAX_TOKENS
     # Some had been sent to the frozen worker and were prefilled again after it died.
@@ -139,7 +122,7 @@ async def test_streams_of_a_frozen_decode_worker_move_and_it_frees_their_kv_when
         finally:
             frozen.send_signal(signal.SIGCONT)
     tokens = [[t for r in responses for t in r.token_ids] for responses in received]
-    assert tokens == _greedy_continuations(llama_checkpoint, prompts)
+    assert tokens == greedy_continuations(llama_checkpoint, prompts, MAX_TOKENS)
     assert "moving gw-" in cluster.log_of("gateway")
 
     async def idle() -> worker_pb2.LoadReport:

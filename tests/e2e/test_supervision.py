@@ -240,7 +240,7 @@ def test_every_process_serves_metrics_on_the_port_its_startup_line_lists(up: Up)
 
 
 @pytest.mark.asyncio
-async def test_a_killed_decode_worker_loses_only_its_streams_and_rejoins_with_a_new_epoch(
+async def test_a_killed_decode_workers_streams_continue_elsewhere_and_it_rejoins_with_a_new_epoch(
     up: Up, model: torch.nn.Module
 ) -> None:
     max_tokens = 300
@@ -269,19 +269,13 @@ async def test_a_killed_decode_worker_loses_only_its_streams_and_rejoins_with_a_
 
         streams = [asyncio.create_task(finish(c, t)) for c, t in zip(calls, received)]
         assert sum(running) == 6 and running[0] >= 1
-        # Once the killed worker's streams have ended, while the others still run and before it is back
-        # (the restart waits 1 s, then imports torch and loads), new requests are served by decode-1.
-        await wait_until(lambda: sum(task.done() for task in streams) >= running[0],
-                         "the killed worker's streams to end")
+        # The killed worker's streams move to decode-1 (pdserve/gateway/migration.py) and every stream
+        # completes, token for token; new requests meanwhile are served exactly too.
         await _all_exact(up, model, seed=81)
-        assert up.count(r"^decode-0 is back on") == 0
         outcomes = await asyncio.gather(*streams)
-    failed = [o for o in outcomes if o[0] != grpc.StatusCode.OK]
-    # The killed worker's streams, and only those, end with UNAVAILABLE within seconds.
-    assert [code for code, _, _ in failed] == [grpc.StatusCode.UNAVAILABLE] * running[0]
-    assert max(elapsed for _, _, elapsed in failed) < 10.0
-    for (code, tokens, _), (_, expected) in zip(outcomes, chosen):
-        assert tokens == expected if code == grpc.StatusCode.OK else tokens == expected[: len(tokens)]
+    assert [code for code, _, _ in outcomes] == [grpc.StatusCode.OK] * 6
+    assert [tokens for _, tokens, _ in outcomes] == [expected for _, expected in chosen]
+    assert max(elapsed for _, _, elapsed in outcomes) < 30.0
     assert up.count(r"^decode-0 exited with status -9 \(SIGKILL\); restarting it in 1\.0 s") == 1
     up.wait_for(r"^decode-0 is back on ", 90)
     assert await _epoch(up, "decode-0") != epoch_before
@@ -352,8 +346,9 @@ async def test_a_worker_whose_engine_died_exits_and_is_restarted(up: Up, model: 
         if up.count(r"^decode-1 exited"):
             break
     # Requests on decode-1 when its engine died: those it had streamed nothing of yet are retried on
-    # decode-0 (their KV is still leased on the prefill worker) and came back exact above; the others
-    # fail with UNAVAILABLE, nothing else. Then decode-1 exits and is restarted.
+    # decode-0 (their KV is still leased on the prefill worker), the others move there with what they had
+    # streamed; all came back exact above (an UNAVAILABLE only if decode-0 failed them too). Then decode-1
+    # exits and is restarted.
     assert set(failures) <= {grpc.StatusCode.UNAVAILABLE}
     up.wait_for(r"^decode-1 exited with status 3 \(its engine thread died\); restarting it in ", 10)
     up.wait_for(r"^decode-1 is back on ", 90)
