@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from pdserve.gateway.disaggregation import MODES as DISAGGREGATION_MODES
-from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS
+from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, DEFAULT_MIGRATION_TIMEOUT_S
 from pdserve.security_flags import (
     add_auth_token_argument,
     add_client_tls_arguments,
@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="times a stream moves to another decode worker when its own fails mid-stream (the "
                          "new one computes the tokens sent so far and continues exactly); 0: such streams end "
                          "with UNAVAILABLE (default 3)")
+    gateway.add_argument("--migration-timeout", type=_positive_float, default=DEFAULT_MIGRATION_TIMEOUT_S, metavar="S",
+                         help="the longest a stream waits, from its decode worker failing, for another's first token "
+                         "across its moves; then UNAVAILABLE (default 60)")
     _tool_arguments(gateway)
     _add_lora_args(gateway, "(the workers need --enable-lora too) ", engine=False, gateway=True)
     gateway.set_defaults(func=run_gateway)
@@ -364,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "ones in start order (0: a free port each); listed at start (default: off)")
     up.add_argument("--max-migrations", type=int, default=DEFAULT_MAX_MIGRATIONS,
                     help="the gateway's --max-migrations: moves of a stream whose decode worker fails (default 3)")
+    up.add_argument("--migration-timeout", type=_positive_float, default=DEFAULT_MIGRATION_TIMEOUT_S, metavar="S",
+                    help="the gateway's --migration-timeout (default 60)")
     _add_lora_args(up, "on every worker ", gateway=True)
     _add_supervision_args(up)
     up.set_defaults(func=run_up)

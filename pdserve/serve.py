@@ -192,6 +192,7 @@ def run_colocated(args: argparse.Namespace) -> int:
 def run_gateway(args: argparse.Namespace) -> int:
     from pdserve.engine.structured_output import set_check_timeout
     from pdserve.gateway.lora import LoRAAdapters
+    from pdserve.gateway.migration import MigrationPolicy
     from pdserve.gateway.server import GatewayServer
     from pdserve.gateway.tokenizer import load_tokenizer
     from pdserve.service_common.server import ServerConfig
@@ -226,7 +227,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    http_max_body_bytes=args.http_max_body_bytes, kv_push=args.kv_push,
                                    tool_call_parser=tool_call_parser_from_args(args),
                                    reasoning_parser=args.reasoning_parser, lora_adapters=lora_adapters,
-                                   max_migrations=args.max_migrations), args)
+                                   migration=MigrationPolicy(args.max_migrations, args.migration_timeout)), args)
 
 
 def tool_call_parser_from_args(args: argparse.Namespace) -> str | None:

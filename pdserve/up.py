@@ -103,7 +103,8 @@ def run_up(args: argparse.Namespace) -> int:
         http_port=None if args.no_http else args.http_port, http_max_n=args.max_n, start_timeout_s=args.start_timeout,
         tool_call_parser=tool_call_parser_from_args(args), reasoning_parser=args.reasoning_parser,
         structured_outputs_timeout_s=args.structured_outputs_timeout,
-        gateway_args=("--max-migrations", str(args.max_migrations), *up_lora_gateway_args(args)),
+        gateway_args=("--max-migrations", str(args.max_migrations), "--migration-timeout", f"{args.migration_timeout:g}",
+                      *up_lora_gateway_args(args)),
     )
     stop = False
 

@@ -9,15 +9,18 @@ the request's sampling state where it stood (a seeded request's random stream
 is a function of its seed and the token's position), and streams only what
 comes after: the client sees a pause, no error, no repeated or missing token.
 Usage counts the prompt once. At most ``max_migrations`` moves per request,
-within the client's deadline; past them the stream ends with UNAVAILABLE
-saying why.
+and at most ``timeout_s`` from the first failure until a new worker's first
+token (within the client's deadline); past either the stream ends with
+UNAVAILABLE saying why.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -30,6 +33,23 @@ from pdserve.service_common.metrics import GatewayMetrics
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MIGRATIONS = 3
+DEFAULT_MIGRATION_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """How far a stream goes to outlive its decode worker (the gateway's ``--max-migrations`` and
+    ``--migration-timeout``): moves per request (0: none, the stream ends with UNAVAILABLE), and the longest
+    from its worker failing until another's first token, across moves."""
+
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    timeout_s: float = DEFAULT_MIGRATION_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"migration timeout must be > 0 seconds, got {self.timeout_s}")
 
 
 def resume_request(
@@ -47,12 +67,16 @@ def resume_request(
 async def migrate(
     router: Router, metrics: GatewayMetrics, request: generation_pb2.GenerateRequest, request_id: str,
     token_ids: list[int], generated: list[int], lora: worker_pb2.LoRAAdapter | None, failed: set[str],
-    time_remaining: Callable[[], float | None], max_migrations: int, cause: str,
+    time_remaining: Callable[[], float | None], policy: MigrationPolicy, cause: str,
 ) -> AsyncIterator[worker_pb2.DecodeResponse]:
     """The rest of a stream whose decode worker (an address in ``failed``) failed after the client received
     ``generated``: pieces from the workers it moves to, ``generated`` extended as they come. Raises
-    ``Unavailable`` saying why once ``max_migrations`` moves have failed or no decode worker is left."""
-    failed_at = time.monotonic()
+    ``Unavailable`` saying why once ``policy``'s moves have failed, its time has passed without a new worker's
+    token, or no decode worker is left."""
+    # The time paused so far counts against policy.timeout_s: each pause runs from a failure to the next token.
+    budget_s = policy.timeout_s
+    paused_since: float | None = time.monotonic()
+    max_migrations = policy.max_migrations
     for migration in range(1, max_migrations + 1):
         try:
             decode = router.choose_decode(lora.name if lora is not None else None, exclude=failed)
@@ -66,21 +90,35 @@ async def migrate(
         call = decode.stub.Decode(resume_request(request, request_id, token_ids, generated, lora),
                                   timeout=time_remaining())
         decode.inflight_requests += 1
-        answered = False
+        pieces = call.__aiter__()
         try:
-            async for piece in call:
-                if not answered:
-                    answered = True
-                    metrics.migrated(cause, "resumed", time.monotonic() - failed_at)
+            try:
+                waited_s = time.monotonic() - paused_since
+                piece = await asyncio.wait_for(anext(pieces), max(0.0, budget_s - waited_s))
+            except asyncio.TimeoutError:
+                metrics.migrated(cause, "timed_out")
+                raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens and it "
+                                  f"was not resumed within --migration-timeout {policy.timeout_s:g} s") from None
+            except StopAsyncIteration:
+                return
+            pause_s = time.monotonic() - paused_since
+            budget_s -= pause_s
+            metrics.migrated(cause, "resumed", pause_s)
+            paused_since = None
+            while True:
                 generated.extend(piece.token_ids)
                 yield piece
-            return
+                try:
+                    piece = await anext(pieces)
+                except StopAsyncIteration:
+                    return
         except grpc.aio.AioRpcError as error:
             if error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             decode.healthy = False
             failed.add(decode.address)
-            failed_at = time.monotonic()
+            if paused_since is None:  # it had resumed: a new pause starts now
+                paused_since = time.monotonic()
             cause = "decode_unavailable"
         finally:
             decode.inflight_requests -= 1

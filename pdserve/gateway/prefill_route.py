@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate, relayed_response
+from pdserve.gateway.migration import MigrationPolicy, migrate, relayed_response
 from pdserve.gateway.disaggregation import DisaggregationPolicy, MeasuredCosts, RouteDecision, RouteInputs
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.workers import WorkerHandle
@@ -115,7 +115,7 @@ def _choose_decode(router: Router, lora_name: str | None = None) -> WorkerHandle
 async def stream_local_prefill(
     router: Router, metrics: GatewayMetrics, route: Route, request: generation_pb2.GenerateRequest,
     request_id: str, token_ids: list[int], time_remaining: Callable[[], float | None],
-    lora: worker_pb2.LoRAAdapter | None = None, max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+    lora: worker_pb2.LoRAAdapter | None = None, migration: MigrationPolicy = MigrationPolicy(),
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """Local prefill: the decode worker computes the prompt and streams every token, ending with usage. When
     it fails after the client received tokens, the stream moves to another decode worker (``migrate``)."""
@@ -147,7 +147,7 @@ async def stream_local_prefill(
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             raise
         decode.healthy = False  # out of rotation now, not at the next load poll
-        if max_migrations < 1:
+        if migration.max_migrations < 1:
             raise
         failure = error
     finally:
@@ -160,7 +160,7 @@ async def stream_local_prefill(
     # Another decode worker goes on (pdserve/gateway/migration.py): after the tokens the client has, or from the
     # prompt when it has none yet.
     rest = migrate(router, metrics, request, request_id, token_ids, generated, lora, {decode.address},
-                   time_remaining, max_migrations, "decode_unavailable")
+                   time_remaining, migration, "decode_unavailable")
     async with contextlib.aclosing(rest):
         async for piece in rest:
             yield relayed_response(piece, request_id, usage)

@@ -15,7 +15,7 @@ from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.disaggregation import LOCAL, DisaggregationPolicy, RouteDecision
-from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, migrate, relayed_response
+from pdserve.gateway.migration import MigrationPolicy, migrate, relayed_response
 from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
@@ -54,7 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         kv_push: bool = True,
         max_decode_attempts: int = 2,
         lora_adapters: LoRAAdapters | None = None,
-        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        migration: MigrationPolicy = MigrationPolicy(),
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -66,7 +66,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.kv_push = kv_push and transport in PUSH_TRANSPORTS
         self.max_decode_attempts = max_decode_attempts
         # Moves of a stream to another decode worker when its own fails mid-stream (0: the stream ends instead).
-        self.max_migrations = max_migrations
+        self.migration = migration
         self.metrics = metrics or GatewayMetrics()
         self.disaggregation = disaggregation or DisaggregationPolicy()
         # The LoRA adapters requests may name (lora_name); none unless the gateway serves LoRA.
@@ -90,7 +90,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                            lora_name)
                 if route.decision.local:
                     responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
-                                                     token_ids, context.time_remaining, lora, self.max_migrations)
+                                                     token_ids, context.time_remaining, lora, self.migration)
                 else:
                     push_to = self._push_target(request, route.decode, lora_name)
                     push_cached = await self._push_cached_tokens(route, push_to, token_ids, lora_name)
@@ -106,7 +106,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       decode=self._decode_for_local(lora_name))
                         self.metrics.prefill_routed(LOCAL, "no_prefill_worker")
                         responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
-                                                         token_ids, context.time_remaining, lora, self.max_migrations)
+                                                         token_ids, context.time_remaining, lora, self.migration)
                     else:
                         responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to,
                                                 lora)
@@ -284,11 +284,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     finally:
                         if not finished:
                             call.cancel()
-            if self.max_migrations < 1:
+            if self.migration.max_migrations < 1:
                 raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens "
                                   "(--max-migrations 0: streams are not moved)")
             rest = migrate(self.router, self.metrics, request, request_id, token_ids, generated, lora, failed,
-                           context.time_remaining, self.max_migrations, "decode_unavailable")
+                           context.time_remaining, self.migration, "decode_unavailable")
             async with contextlib.aclosing(rest):
                 async for piece in rest:
                     yield relayed(piece)
@@ -485,10 +485,8 @@ class GatewayServer:
         tool_call_parser: str | None = None,  # HTTP chat: tool_choice "auto" parses calls in this format; None: off
         reasoning_parser: str | None = None,  # HTTP chat: the thinking apart, in reasoning_content; None: off
         lora_adapters: LoRAAdapters | None = None,  # the LoRA adapters requests may name; None: no LoRA
-        max_migrations: int = DEFAULT_MAX_MIGRATIONS,  # moves of a stream whose decode worker fails mid-stream
+        migration: MigrationPolicy = MigrationPolicy(),  # how a stream whose decode worker fails moves on
     ) -> None:
-        if max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.http_port, self.http_max_n, self.http_max_body_bytes = http_port, http_max_n, http_max_body_bytes
         # Built here so that an unknown parser name fails the gateway before anything listens.
         self.tool_parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
@@ -513,7 +511,7 @@ class GatewayServer:
             disaggregation=DisaggregationPolicy(disaggregation, max_tpot_increase=max_tpot_increase),
             kv_push=kv_push,
             lora_adapters=lora_adapters,
-            max_migrations=max_migrations,
+            migration=migration,
         )
         self.metrics_endpoint = (
             MetricsEndpoint(self.servicer.metrics.registry, server_config.host, metrics_port)
