@@ -292,3 +292,50 @@ async def test_a_killed_decode_hosts_streams_continue_on_the_other_and_its_resta
 
     after = await wait_until(spread, f"the restarted {victim_name} to be routed to", until=lambda count: count > before)
     assert after > before
+
+
+@pytest.mark.asyncio
+async def test_a_partitioned_decode_hosts_streams_move_and_healed_it_holds_nothing_of_them(
+    cross_host: CrossHostCluster, llama_checkpoint: Path
+) -> None:
+    """The decode host's cable is cut (its packets dropped, its process running): the gateway's keepalive drops
+    its connection and its streams continue on the other decode host, token for token; once the cable is back,
+    the worker finds those calls gone, ends them and frees their blocks."""
+    prompts = random_prompts([33, 44, 55, 66], seed=155)
+    long_run = generation_pb2.SamplingParams(max_tokens=LONG_RUN, temperature=0.0, ignore_eos=True)
+    decode_hosts = ("decode-0", "decode-1")
+    routed_before = {name: await _routed_to(cross_host, "decode", name) for name in decode_hosts}
+    async with cross_host.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        metadata = bearer_metadata(cross_host.token)
+        calls = [stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=long_run),
+                               timeout=120, metadata=metadata) for p in prompts]
+        received: list[list[int]] = [[] for _ in calls]
+        for call, tokens in zip(calls, received):
+            tokens.extend((await call.read()).token_ids)
+            tokens.extend((await call.read()).token_ids)
+        routed = {name: await _routed_to(cross_host, "decode", name) - routed_before[name] for name in decode_hosts}
+        victim = cross_host.workers["decode-0" if routed["decode-0"] >= 1 else "decode-1"]
+        cross_host.hosts.partition(victim)
+        try:
+            async def rest(call: grpc.aio.UnaryStreamCall, tokens: list[int]) -> None:
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    tokens.extend(response.token_ids)
+
+            await asyncio.wait_for(asyncio.gather(*(rest(c, t) for c, t in zip(calls, received))), 100)
+        finally:
+            cross_host.hosts.partition(victim, cut=False)
+    assert received == greedy_continuations(llama_checkpoint, prompts, LONG_RUN)
+    assert "moving gw-" in (cross_host.directory / "gateway.log").read_text()
+    redis = connect(cross_host.redis_url)
+    try:
+        async def victim_load() -> dict:
+            statuses = await WorkerRegistry(redis, cross_host.redis_prefix).live_statuses("decode")
+            return next((dict(s.load) for s in statuses if s.info.address.startswith(victim.address)), {})
+
+        load = await wait_until(victim_load, f"the healed {victim.name} to hold nothing of the moved streams", 60,
+                                until=lambda load: load.get("num_running") == 0
+                                and load.get("num_free_blocks") == load.get("num_total_blocks"))
+        assert load["num_waiting"] == 0
+    finally:
+        await redis.aclose()

@@ -44,6 +44,7 @@ class Host:
     namespace: str
     address: str
     processes: list[subprocess.Popen] = field(default_factory=list)
+    link: str = ""  # its cable to the bridge (the veth end outside the namespace)
 
 
 class Hosts:
@@ -70,7 +71,7 @@ class Hosts:
         index = len(self.hosts) + 10
         namespace, link = f"pdn{self._tag}{index}", f"pdv{self._tag}{index}"
         _ip("netns", "add", namespace)
-        host = Host(name, namespace, f"{self._prefix}.{index}")
+        host = Host(name, namespace, f"{self._prefix}.{index}", link=link)
         self.hosts[name] = host
         _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
         self._links.append(link)
@@ -80,6 +81,10 @@ class Hosts:
         _ip("-n", namespace, "link", "set", f"{link}p", "up")
         _ip("-n", namespace, "link", "set", "lo", "up")
         return host
+
+    def partition(self, host: Host, cut: bool = True) -> None:
+        """Cut ``host`` off the bridge (its packets dropped, its processes running), or (``cut`` False) heal it."""
+        _ip("link", "set", host.link, "down" if cut else "up")
 
     def start(self, host: Host, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         """Run ``argv`` inside ``host``'s namespace; ``ip netns exec`` execs it, so the PID is the process's own."""
