@@ -235,3 +235,25 @@ def test_lora_modules_flag_forms() -> None:
             lora_module(bad)
     with pytest.raises(ValueError, match="The lora adapter 'a' has already been loaded."):
         LoRAAdapters([LoRAModule("a", "/1"), LoRAModule("a", "/2")])
+
+
+@pytest.mark.asyncio
+async def test_a_stream_resumed_on_another_worker_keeps_its_adapter(
+    llama_checkpoint: Path, adapters: dict[str, Path], oracle: MergedOracle
+) -> None:
+    """What the gateway sends when a stream's decode worker fails mid-stream (pdserve/gateway/migration.py): the
+    prompt, the tokens sent so far and the adapter; the continuation is the merged model's."""
+    from pdserve.gateway.migration import resume_request
+
+    options = ClusterOptions(num_kv_blocks=128, lora_config=LORA,
+                             gateway_args={"lora_adapters": _gateway_adapters(adapters)})
+    prompt = random_prompts([26], seed=94)[0]
+    async with InProcessCluster(llama_checkpoint, options) as cluster:
+        assert cluster.gateway is not None
+        lora = cluster.gateway.servicer.lora_of("mlp")
+        expected = oracle.generate(prompt, adapters["mlp"])
+        request = _request(prompt, "mlp")
+        resumed = [piece async for piece in cluster.worker_stubs[1].Decode(
+            resume_request(request, "moved", prompt, expected[:6], lora), timeout=30)]
+        assert expected[:6] + _tokens(resumed) == expected  # type: ignore[arg-type]
+        await cluster.wait_idle()
