@@ -34,8 +34,8 @@ async def test_sse_streams_survive_their_decode_worker_going_away(chat_checkpoin
 
             undisturbed = [await complete(prompt) for prompt in prompts]
             metrics = cluster.gateway.servicer.metrics
-            victim = cluster.decodes[0].runtime.config.worker_id
-            routed_before = metrics.routing_decisions.labels("decode", victim)._value.get()
+            routed_before = {server.runtime.config.worker_id: metrics.routing_decisions.labels(
+                "decode", server.runtime.config.worker_id)._value.get() for server in cluster.decodes}
             streams = [await client.completions.create(model="pdserve", prompt=prompt, max_tokens=MAX_TOKENS,
                                                        temperature=0.0, stream=True, stream_options={"include_usage": True},
                                                        extra_body={"ignore_eos": True}) for prompt in prompts]
@@ -44,10 +44,13 @@ async def test_sse_streams_survive_their_decode_worker_going_away(chat_checkpoin
             for index, iterator in enumerate(iterators):
                 for _ in range(8):
                     texts[index] += (await anext(iterator)).choices[0].text
-            on_victim = metrics.routing_decisions.labels("decode", victim)._value.get() - routed_before
-            assert on_victim >= 1  # the router spreads the streams over both decode workers
-            # Decode worker 0 goes away at once: its streams' calls fail UNAVAILABLE at the gateway.
-            await cluster.decodes[0].server.grpc_server.stop(0)
+            routed = {worker: metrics.routing_decisions.labels("decode", worker)._value.get() - before
+                      for worker, before in routed_before.items()}
+            # The decode worker with the most of these streams goes away at once: their calls fail UNAVAILABLE.
+            victim = max(range(len(cluster.decodes)), key=lambda i: routed[cluster.decodes[i].runtime.config.worker_id])
+            on_victim = routed[cluster.decodes[victim].runtime.config.worker_id]
+            assert on_victim >= 1
+            await cluster.decodes[victim].server.grpc_server.stop(0)
 
             async def rest(index: int) -> int:
                 completion_tokens = 0

@@ -20,6 +20,15 @@ MAX_TOKENS = 160
 KILL_AFTER = 40
 
 
+async def _busiest_decode(cluster) -> str:  # noqa: ANN001 - LocalCluster
+    """The decode worker running the most streams (the router may have sent them all to one)."""
+    from tests.e2e.conftest import load
+
+    running = [(await load(address, "decode")).num_running for address in cluster.decode_addresses]
+    assert max(running) >= 1
+    return f"decode-{running.index(max(running))}"
+
+
 async def _read_all(call: grpc.aio.UnaryStreamCall, received: list[generation_pb2.GenerateResponse]) -> None:
     while (response := await call.read()) is not grpc.aio.EOF:
         received.append(response)
@@ -49,7 +58,7 @@ async def test_streams_of_a_killed_decode_worker_continue_on_another_token_for_t
         for call, responses in zip(calls, received):
             while sum(len(r.token_ids) for r in responses) < KILL_AFTER:
                 responses.append(await call.read())
-        cluster.kill("decode-0")
+        cluster.kill(await _busiest_decode(cluster))
         await asyncio.gather(*(_read_all(call, responses) for call, responses in zip(calls, received)))
     tokens = [[t for r in responses for t in r.token_ids] for responses in received]
     assert tokens[:12] == greedy_continuations(llama_checkpoint, prompts, MAX_TOKENS)
@@ -115,7 +124,8 @@ async def test_streams_of_a_frozen_decode_worker_move_and_it_frees_their_kv_when
         for call, responses in zip(calls, received):
             while sum(len(r.token_ids) for r in responses) < KILL_AFTER:
                 responses.append(await call.read())
-        frozen = cluster.process("decode-0")
+        victim = await _busiest_decode(cluster)
+        frozen = cluster.process(victim)
         frozen.send_signal(signal.SIGSTOP)
         try:
             await asyncio.gather(*(_read_all(call, responses) for call, responses in zip(calls, received)))
@@ -126,7 +136,7 @@ async def test_streams_of_a_frozen_decode_worker_move_and_it_frees_their_kv_when
     assert "moving gw-" in cluster.log_of("gateway")
 
     async def idle() -> worker_pb2.LoadReport:
-        return await load(cluster.decode_addresses[0], "decode")
+        return await load(cluster.decode_addresses[int(victim.rsplit("-", 1)[1])], "decode")
 
     report = await wait_until(idle, "the woken decode worker to end the moved streams and free their blocks", 30,
                               until=lambda r: r.num_running == 0 and r.num_free_blocks == r.num_total_blocks)
