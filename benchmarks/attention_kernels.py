@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.kv_cache_dtypes import BLOCK_SIZE, GROUP, HEAD_DIM, KV_DTYPES, NUM_KV_HEADS, NUM_LAYERS, _contexts
 from pdserve.engine.attention.cpu_kernel import load_paged_attention_kernel
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.cache import KVCache
 
 
 def _load_old(tree: Path):

@@ -46,7 +46,8 @@ def twenty_field_schema(title: str = "record") -> tuple[dict[str, Any], dict[str
 def _llguidance(tokenizer: Any, token_ids: list[int], repeats: int) -> dict[str, float]:
     import numpy as np
 
-    from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputsParams, build_tokenizer
+    from pdserve.engine.structured_output import GrammarCompiler, build_tokenizer
+    from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 
     start = time.perf_counter()
     built = build_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id])

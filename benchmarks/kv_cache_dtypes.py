@@ -31,7 +31,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention.backend import AttentionBatch
 from pdserve.engine.attention.cpu_kernel import load_paged_attention_kernel
 from pdserve.engine.attention.sdpa import SdpaBackend
-from pdserve.engine.kv_cache import KVCache, bytes_per_block
+from pdserve.engine.kv.cache import KVCache, bytes_per_block
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 NUM_LAYERS, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 30, 3, 3, 64, 16

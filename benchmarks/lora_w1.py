@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.default_model import ensure_default_model
-    from pdserve.engine.lora import LoRARequest
+    from pdserve.engine.types.lora import LoRARequest
 
     base = ensure_default_model()
     with tempfile.TemporaryDirectory() as folder:

@@ -57,7 +57,7 @@ def _write(folder: Path, config: Any) -> Path:
 def measure(path: Path, prompt_len: int, kv_cache_dtype: str) -> dict[str, Any]:
     """Prefill one prompt with its KV held, export the held blocks; what a handoff moves."""
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.kv_handoff import KVHoldParams
+    from pdserve.engine.types.handoff import KVHoldParams
 
     engine = LLM(model=str(path), dtype="float32", num_kv_blocks=-(-prompt_len // 16) + 2,
                  kv_cache_dtype=kv_cache_dtype, max_model_len=prompt_len + 16).engine

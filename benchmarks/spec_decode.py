@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.types.speculative import SpeculativeConfig
 
 PASSAGE = (
     "The river town of Ellsworth grew up around a mill that ground wheat for the farms upstream. In 1871 a "

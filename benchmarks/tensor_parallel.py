@@ -62,10 +62,10 @@ def _build_checkpoint(directory: Path, layers: int) -> Path:
 
 
 def _step_times(path: Path, repeats: int) -> dict[str, dict[str, float]]:
-    from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.parallel import vocab_head
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.types.sampling_params import SamplingParams
 
     engines = {
         tp: LLMEngine(EngineConfig(
@@ -126,7 +126,11 @@ def _collective_rank(rank: int, port: int, rows_list: list[int], head_rows: list
     from pdserve.engine.layers.linear import PackedLinear
     from pdserve.engine.parallel.group import TensorParallelGroup
     from pdserve.engine.parallel.vocab_head import (
-        VocabSplitHead, linear_over, gather_split_logits, send_split_logits, vocab_range,
+        VocabSplitHead,
+        gather_split_logits,
+        linear_over,
+        send_split_logits,
+        vocab_range,
     )
 
     torch.set_num_threads(1)

@@ -71,7 +71,7 @@ def held_bytes(path: Path, tokens: int, paged: bool) -> dict[str, Any]:
     """Serve one ``tokens``-token prompt; the bytes its KV holds once the prompt is computed and its first
     token sampled (``tokens`` + 1 positions, the next query at ``tokens``)."""
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.kv_cache import bytes_per_block
+    from pdserve.engine.kv.cache import bytes_per_block
 
     blocks = -(-(tokens + 1) // 16) + 1
     engine = LLM(model=str(path), dtype="float32", num_kv_blocks=blocks, max_model_len=tokens + 16,

@@ -20,30 +20,30 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.engine.async_engine import AsyncEngine
-    from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from pdserve.engine.llm import LLM
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.outputs import RequestOutput
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.spec_decode.config import SpeculativeConfig
-    from pdserve.engine.lora import LoRARequest
-    from pdserve.engine.structured_output import StructuredOutputsParams
+    from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.types.lora import LoRARequest
+    from pdserve.engine.types.outputs import RequestOutput
+    from pdserve.engine.types.sampling_params import SamplingParams
+    from pdserve.engine.types.speculative import SpeculativeConfig
+    from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 
 # Public name -> the module that defines it.
 _LAZY = {
     "LLM": "pdserve.engine.llm",
-    "SamplingParams": "pdserve.engine.sampling_params",
-    "RequestOutput": "pdserve.engine.outputs",
+    "SamplingParams": "pdserve.engine.types.sampling_params",
+    "RequestOutput": "pdserve.engine.types.outputs",
     "LLMEngine": "pdserve.engine.llm_engine",
     "AsyncEngine": "pdserve.engine.async_engine",
-    "EngineConfig": "pdserve.engine.config",
-    "ModelConfig": "pdserve.engine.config",
-    "CacheConfig": "pdserve.engine.config",
-    "SchedulerConfig": "pdserve.engine.config",
-    "ParallelConfig": "pdserve.engine.config",
-    "SpeculativeConfig": "pdserve.engine.spec_decode.config",
-    "StructuredOutputsParams": "pdserve.engine.structured_output",
-    "LoRARequest": "pdserve.engine.lora",
+    "EngineConfig": "pdserve.engine.types.config",
+    "ModelConfig": "pdserve.engine.types.config",
+    "CacheConfig": "pdserve.engine.types.config",
+    "SchedulerConfig": "pdserve.engine.types.config",
+    "ParallelConfig": "pdserve.engine.types.config",
+    "SpeculativeConfig": "pdserve.engine.types.speculative",
+    "StructuredOutputsParams": "pdserve.engine.types.structured_outputs",
+    "LoRARequest": "pdserve.engine.types.lora",
 }
 
 __all__ = [

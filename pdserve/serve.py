@@ -15,7 +15,7 @@ from pdserve.security_flags import auth_token_from_args, client_tls_from_args, s
 
 def speculative_config(text: str):  # noqa: ANN201 - engine types imported lazily
     """``--speculative-config``'s value: vLLM's JSON shape, checked while the arguments are parsed."""
-    from pdserve.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.engine.types.speculative import SpeculativeConfig
 
     try:
         return SpeculativeConfig.from_dict(text)
@@ -35,8 +35,8 @@ def add_speculative_config_argument(parser: argparse.ArgumentParser, whose: str 
 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - engine types imported lazily
-    from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    from pdserve.engine.lora import LoRAConfig
+    from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from pdserve.engine.types.lora import LoRAConfig
 
     lora = None
     if getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None):
@@ -113,10 +113,10 @@ def _serve(make_server, args: argparse.Namespace) -> int:  # noqa: ANN001
 
 
 def _run_worker(args: argparse.Namespace, role: str) -> int:
-    from pdserve.shared_cores.niceness import raise_niceness
-    from pdserve.shared_cores.openmp import on_a_passing_thread
     from pdserve.service_common.server import ServerConfig
     from pdserve.service_common.worker import WorkerConfig
+    from pdserve.shared_cores.niceness import raise_niceness
+    from pdserve.shared_cores.openmp import on_a_passing_thread
 
     _setup_logging(args)
     if args.niceness:
@@ -169,7 +169,7 @@ def _load_engine(config, lora_modules):  # noqa: ANN001, ANN202 - engine types i
     """The worker's engine, with its ``--lora-modules`` read into host memory (a bad adapter fails the start,
     naming it); ids in flag order, as the gateway gives them."""
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.lora import LoRARequest
+    from pdserve.engine.types.lora import LoRARequest
 
     engine = LLMEngine(config)
     for index, module in enumerate(lora_modules, start=1):

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.workload import BenchRequest
+from pdserve.bench.request import BenchRequest
 
 ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "output_len"})
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.backend import Backend, BackendError, BackendRequest, Usage
 from pdserve.bench.record import RequestError, RequestRecord
-from pdserve.bench.workload import BenchRequest
+from pdserve.bench.request import BenchRequest
 
 NO_USAGE = Usage(prompt_tokens=0, completion_tokens=0, cached_prompt_tokens=0)
 

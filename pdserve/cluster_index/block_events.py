@@ -3,7 +3,7 @@
 The engine emits ``BlockStored`` / ``BlockRemoved`` in order; a hash can be
 stored, evicted and stored again between two publishes. Publishing the net state
 of each hash makes the published sets disjoint, so their order no longer matters.
-The engine's event classes are not imported (``engine.block_manager`` pulls in
+The engine's event classes are not imported (``engine.kv.block_manager`` pulls in
 torch); the worker passes ``stored=isinstance(event, BlockStored)``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.types.hashing import BlockHash
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pdserve.cluster_index.connection import UNAVAILABLE_ERRORS, as_text
 from pdserve.cluster_index.keys import DEFAULT_PREFIX, KeySpace
 from pdserve.cluster_index.outage import OutageLog
 from pdserve.cluster_index.registry import WorkerInfo
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.types.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
-from pdserve.engine.errors import EngineDeadError
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.types.errors import EngineDeadError
+from pdserve.engine.types.outputs import RequestOutput
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.errors import EngineDeadError
-from pdserve.engine.kv_connector import PushedKV
-from pdserve.engine.kv_handoff import KVLayout
+from pdserve.engine.kv.connector import PushedKV
+from pdserve.engine.types.errors import EngineDeadError
+from pdserve.engine.types.handoff import KVLayout
 
 
 class EngineLanding:

@@ -15,13 +15,14 @@ import torch
 
 from pdserve.decode_service.early_start import EarlyStart, EarlyStarts
 from pdserve.decode_service.push_landing import EngineLanding
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff
+from pdserve.engine.kv.handoff import KVFetch, torch_dtype_of
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.handoff import KVHandoff
+from pdserve.engine.types.lora import LoRARequest
+from pdserve.engine.types.outputs import RequestOutput
+from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from pdserve.engine.lora import LoRARequest
 from pdserve.kv_transfer.descriptor import handoff_from_proto, lora_from_proto
 from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
@@ -335,7 +336,7 @@ class DecodeServicer(LoRARPCs, worker_pb2_grpc.DecodeWorkerServicer):
         if first_block == handoff.num_blocks:
             # Every block is cached here already: nothing to ask the prefill worker for.
             num_heads = None if heads is None else len(heads)
-            return torch.empty(handoff.layout.tensor_shape(0, num_heads), dtype=handoff.layout.torch_dtype)
+            return torch.empty(handoff.layout.tensor_shape(0, num_heads), dtype=torch_dtype_of(handoff.layout))
         started = time.perf_counter()
         blocks = await self._receiver(handoff.transport).fetch(handoff, first_block, stub, heads)
         self._count_received(handoff.transport, blocks.numel() * blocks.element_size(), time.perf_counter() - started)

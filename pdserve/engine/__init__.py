@@ -1,6 +1,6 @@
 """pdserve's model runtime: paged KV cache, prefix caching, continuous batching.
 
-The public names are imported lazily so that ``import pdserve.engine.hashing`` (what the
+The public names are imported lazily so that ``import pdserve.engine.types.hashing`` (what the
 gateway needs) loads neither torch nor the model code.
 """
 
@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.engine.llm import LLM
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.outputs import RequestOutput
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.structured_output import StructuredOutputsParams
+    from pdserve.engine.types.outputs import RequestOutput
+    from pdserve.engine.types.sampling_params import SamplingParams
+    from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 _LAZY = {
     "LLM": "pdserve.engine.llm",
     "LLMEngine": "pdserve.engine.llm_engine",
-    "RequestOutput": "pdserve.engine.outputs",
-    "SamplingParams": "pdserve.engine.sampling_params",
-    "StructuredOutputsParams": "pdserve.engine.structured_output",
+    "RequestOutput": "pdserve.engine.types.outputs",
+    "SamplingParams": "pdserve.engine.types.sampling_params",
+    "StructuredOutputsParams": "pdserve.engine.types.structured_outputs",
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -25,14 +26,14 @@ from typing import Any, TypeVar
 import torch
 
 from pdserve.engine.batch_window import BatchWindow
-from pdserve.engine.block_manager import BlockEvent
-from pdserve.engine.errors import EngineDeadError
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVHoldParams, KVSlot
-from pdserve.engine.llm_engine import EngineStats, LLMEngine
-from pdserve.engine.lora import LoRARequest
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.shared_cores.openmp import on_a_passing_thread
+from pdserve.engine.kv.block_manager import BlockEvent
+from pdserve.engine.kv.handoff import KVFetch
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.types.errors import EngineDeadError
+from pdserve.engine.types.handoff import KVHandoff, KVHoldParams, KVSlot
+from pdserve.engine.types.lora import LoRARequest
+from pdserve.engine.types.outputs import EngineStats, RequestOutput
+from pdserve.engine.types.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,15 @@ class AsyncEngine:
         idle_wait_s: float = 0.05,
         before_work: Callable[[], None] | None = None,
         batch_window: BatchWindow | None = None,
+        run_load: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> None:
+        """``run_load``: runs a blocking load off the engine thread (a LoRA adapter's read), called on a thread
+        of asyncio's pool with the load; None runs it there. The worker runtime passes one that runs it on a
+        thread of its own (pdserve/shared_cores/openmp.py: the load's OpenMP pool ends with it)."""
         self.engine = engine
         self._on_block_events = on_block_events
         self._before_work = before_work
+        self._run_load = run_load
         self._idle_wait_s = idle_wait_s
         self.batch_window = batch_window or BatchWindow()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -262,7 +268,8 @@ class AsyncEngine:
         if await self.call(lambda engine: engine.lora.loaded(request) is not None):
             return
         manager = self.engine.lora
-        adapter = await asyncio.to_thread(on_a_passing_thread, lambda: manager.read(request), "pdserve-lora")
+        read = functools.partial(manager.read, request)
+        adapter = await asyncio.to_thread(self._run_load, read) if self._run_load else await asyncio.to_thread(read)
         await self.call(lambda engine: engine.lora.add_loaded(request, adapter))
 
     async def unload_lora(self, name: str) -> bool:

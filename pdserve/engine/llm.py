@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.lora import LoRAConfig, LoRARequest
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.engine.types.lora import LoRAConfig, LoRARequest
+from pdserve.engine.types.outputs import RequestOutput
+from pdserve.engine.types.sampling_params import SamplingParams
+from pdserve.engine.types.speculative import SpeculativeConfig
 
 # A prompt: text, token ids, or vLLM's prompt dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
 PromptInput = str | list[int] | dict[str, Any]

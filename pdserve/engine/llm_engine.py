@@ -8,69 +8,46 @@ The engine is single-threaded and knows nothing of asyncio or gRPC; the offline
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.attention.backend import select_backend
-from pdserve.engine.block_manager import BlockEvent, BlockManager
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.attention.selector import select_backend
 from pdserve.engine.default_model import DEFAULT_MODEL_ID
 from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from pdserve.engine.hashing import BlockHash, adapter_model_id
-from pdserve.engine.kv_cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
-from pdserve.engine.kv_pages import PageLayout, PagedBlockManager
-from pdserve.engine.kv_connector import DecodeKVConnector
-from pdserve.engine.kv_handoff import KVHandoff, KVHoldParams, KVLayout
-from pdserve.engine.kv_leases import LeaseTable
-from pdserve.engine.kv_push import LayerPusher
-from pdserve.engine.lora import LoRAManager, LoRARequest
+from pdserve.engine.kv.block_manager import BlockEvent, BlockManager
+from pdserve.engine.kv.cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
+from pdserve.engine.kv.connector import ConnectorParts, DecodeKVConnector
+from pdserve.engine.kv.leases import LeaseTable
+from pdserve.engine.kv.pages import PagedBlockManager, PageLayout
+from pdserve.engine.kv.push import LayerPusher
+from pdserve.engine.lora import LoRAManager
 from pdserve.engine.model_loader import TORCH_DTYPES, load_eos_token_ids, load_hf_config, load_model, resolve_model_path
 from pdserve.engine.model_runner import ModelRunner, StepResult
 from pdserve.engine.native import cpu_has_native_bf16
-from pdserve.engine.outputs import RequestOutput, SpecDecodeStats, TokenLogprobs
-from pdserve.engine.parallel.kv_shards import ShardedKV
+from pdserve.engine.parallel.kv_shards import ShardedKV, import_on_ranks
 from pdserve.engine.parallel.sharding import TensorParallelShard, check_tensor_parallel, kv_heads_of_rank
 from pdserve.engine.parallel.workers import TensorParallelWorkers
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.decoder import SpecDecoder, build_spec_decoder, load_draft
+from pdserve.engine.spec_decode.draft_model import DraftTarget
 from pdserve.engine.step_trace import StepTrace
 from pdserve.engine.structured_output import GrammarCompiler, RequestGrammar, build_tokenizer, check_grammar
+from pdserve.engine.types.config import EngineConfig
+from pdserve.engine.types.handoff import KVHandoff, KVHoldParams, KVLayout
+from pdserve.engine.types.hashing import BlockHash, adapter_model_id
+from pdserve.engine.types.lora import LoRARequest
+from pdserve.engine.types.outputs import EngineStats, RequestOutput, SpecDecodeStats, TokenLogprobs
+from pdserve.engine.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A load snapshot, for routing and metrics."""
-
-    num_running: int
-    num_waiting: int
-    num_queued_tokens: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_held: int  # finished requests whose blocks are pinned for export (leases)
-    num_preemptions: int
-    # KV pushed here whose request has not claimed it yet (pushes), and its size.
-    num_pushed: int = 0
-    num_pushed_bytes: int = 0
-    # What handoffs held that nobody claimed before the handoff deadline: leases here, pushes here.
-    num_expired_leases: int = 0
-    num_expired_pushes: int = 0
-    # Speculative decoding since start (0 without it): verifying steps, proposed and accepted tokens.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    # LoRA adapters held (in slots first, then in host memory only).
-    lora_adapters: tuple[str, ...] = ()
 
 
 class LLMEngine:
@@ -121,7 +98,7 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(self.model_path, hf_config)
         # A draft model is loaded before the pool is sized: its weights and its parallel KV pool share the memory.
         spec_config = config.speculative_config
-        draft = load_draft(spec_config, self) if spec_config else None
+        draft = load_draft(spec_config, self._draft_target()) if spec_config else None
 
         block_size = cache_cfg.block_size
         num_layers = int(hf_config.num_hidden_layers)
@@ -133,7 +110,7 @@ class LLMEngine:
         max_useful = config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
         fraction = cache_cfg.kv_memory_fraction or (0.8 if self.device.type == "cuda" else 0.1)
         num_blocks = cache_cfg.num_kv_blocks or size_kv_pool(block_bytes, fraction, self.device, max_useful)
-        # Sliding-window layers free what their window has left behind (engine.kv_pages; every rank's pool
+        # Sliding-window layers free what their window has left behind (engine.kv.pages; every rank's pool
         # alike under tensor parallelism) unless disabled, or with a draft model (whose pool shares the block
         # ids); there every layer keeps every block.
         windows = [layer.self_attn.window for layer in self.model.model.layers]
@@ -187,7 +164,9 @@ class LLMEngine:
         )
         # Requests held with push=True hand each layer's KV to its sink as it is written.
         self.kv_pusher = LayerPusher(self.model.model.layers, self.kv_cache, block_size)
-        self.spec_decoder: SpecDecoder | None = build_spec_decoder(spec_config, self, draft) if spec_config else None
+        self.spec_decoder: SpecDecoder | None = None
+        if spec_config is not None:
+            self.spec_decoder = build_spec_decoder(spec_config, draft, num_blocks, self.max_model_len, self.vocab_size)
         self.step_trace = StepTrace.from_env()  # PDSERVE_STEP_TRACE_DIR: each step timed, to a file
         self.draft = draft
         # Set: held requests get the draft's prompt KV too, handed over as the handoff's draft section.
@@ -204,9 +183,28 @@ class LLMEngine:
         )
         self._requests: dict[str, Sequence] = {}
         # The decode side of handoffs: requests prefilled elsewhere and the KV pushed here for them.
-        self.kv_connector = DecodeKVConnector(self, self.kv_handoff_timeout_s)
+        self.kv_connector = DecodeKVConnector(ConnectorParts(
+            host=self, queue=self.scheduler, block_manager=self.block_manager, kv_cache=self.kv_cache,
+            kv_layout=self.kv_layout, timeout_s=self.kv_handoff_timeout_s, draft=draft,
+            import_on_ranks=None if self.parallel is None else functools.partial(import_on_ranks, self.parallel),
+        ))
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = itertools.count()
+
+    def _draft_target(self) -> DraftTarget:
+        """What a draft model must agree with: this engine's vocabulary, pool geometry and device."""
+        config = self.config
+        return DraftTarget(
+            model_id=self.model_id,
+            vocab_size=self.vocab_size,
+            block_size=config.cache.block_size,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=config.model.attention_backend,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            enforce_eager=config.model.enforce_eager,
+        )
 
     @property
     def local_kv_heads(self) -> range:
@@ -308,10 +306,6 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
 
-    def queue_remote(self, seq: Sequence) -> None:
-        """Queue a request whose prompt KV comes from another engine (the KV connector's), once its adapter has
-        a slot."""
-        self._queue(seq, remote=True)
 
     def _admit_lora_waiting(self) -> None:
         """Requests whose adapter can have a slot now join the queue, in arrival order."""
@@ -443,7 +437,7 @@ class LLMEngine:
         spec = self.spec_decoder
         started = spec.step_started() if spec else 0.0
         generator_states = spec.save_generators(scheduler_output) if spec else {}
-        self.kv_pusher.begin_step(scheduler_output)
+        self.kv_pusher.begin_step(scheduler_output.scheduled, scheduler_output.preempted)
         try:
             result = self.runner.execute(scheduler_output)
             self.scheduler.complete_step(scheduler_output)
@@ -567,7 +561,45 @@ class LLMEngine:
 
     # ---- internals -------------------------------------------------------------------
 
-    # ---- what the KV connector shares: a request's id, sequence, registration and state -------
+    # ---- what the KV connector asks of the engine (kv.connector.ConnectorHost) -------------------
+
+    def remote_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, handoff: KVHandoff
+    ) -> Sequence:
+        """The sequence of a request prefilled elsewhere: its prompt computed, its first token appended.
+        ``ValueError`` naming the field when ``handoff`` or the request cannot be served here."""
+        if handoff.model_id != self.model_id:
+            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {self.model_id!r}")
+        if handoff.layout.block_size != self.block_size:
+            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {self.block_size}")
+        if handoff.num_tokens != len(prompt_token_ids):
+            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt_token_ids)}")
+        request_id = self.new_request_id(request_id)
+        token_ids = self.validate_request(prompt_token_ids, params)
+        if handoff.lora is not None:
+            if self.lora is None:
+                raise ValueError(f"handoff.lora {handoff.lora.lora_name!r}: this worker serves no LoRA adapters "
+                                 "(start it with --enable-lora)")
+            self.lora.load(handoff.lora)  # ValueError naming the adapter when it cannot be served
+        seq = self.new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes,
+                                lora_request=handoff.lora)
+        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
+        seq.append_token(handoff.first_token_id)
+        seq.num_cached_tokens = 0
+        # Nothing of the prompt is computed here: only the first token is left to run.
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        return seq
+
+    def admit_remote(self, seq: Sequence) -> None:
+        """Track ``seq`` (from ``remote_sequence``) and queue it for blocks, once its adapter has a slot."""
+        self.register(seq)
+        self._queue(seq, remote=True)
+
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        """The state of the running request ``seq``, as a step would report it."""
+        return self._output(seq, self._detokenizers.get(seq.request_id))
+
+    # ---- a request's id, validation, sequence and registration ---------------------------------
 
     def new_request_id(self, request_id: str | None) -> str:
         """``request_id``, or a new one when None; ``ValueError`` when it is not a string or in use here."""
@@ -664,10 +696,6 @@ class LLMEngine:
     def state_of(self, request_id: str) -> RequestOutput:
         """The state of the unfinished request ``request_id`` now, as a step would report it."""
         return self.output_of(self._requests[request_id])
-
-    def output_of(self, seq: Sequence) -> RequestOutput:
-        """The state of the running request ``seq``, as a step would report it."""
-        return self._output(seq, self._detokenizers.get(seq.request_id))
 
     def _output(
         self, seq: Sequence, detokenizer: IncrementalDetokenizer | None, kv_handoff: KVHandoff | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

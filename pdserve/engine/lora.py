@@ -1,11 +1,11 @@
 """LoRA adapters: many fine-tunes of one base model served in one batch, never merged into the base weights.
 
-- ``LoRARequest`` (vLLM's name and fields) names an adapter in PEFT's format: a folder with
-  ``adapter_config.json`` and ``adapter_model.safetensors``. ``load_adapter`` reads it, refusing with a message
+- ``LoRARequest`` (vLLM's name and fields, in pdserve/engine/types/lora.py) names an adapter in PEFT's
+  format: a folder with ``adapter_config.json`` and ``adapter_model.safetensors``. ``load_adapter`` reads it, refusing with a message
   naming the adapter what pdserve does not serve (``modules_to_save``, DoRA, embedding or LM-head adapters,
   biases, per-module ranks, a rank above ``max_lora_rank``).
 - The per-step machinery (``LoRALinear``: each row's update after its packed projection, on CPU by a C kernel;
-  ``LoRARows``, ``LoRAState``, ``install``) is in pdserve/engine/lora_layers.py.
+  ``LoRARows``, ``LoRAState``) is in pdserve/engine/layers/lora.py; ``install`` wraps a model's projections in it.
 - ``LoRAManager`` keeps ``max_loras`` adapters resident in slots (least recently used out, never one a running
   request uses) and up to ``max_cpu_loras`` loaded in host memory.
 """
@@ -22,54 +22,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# The per-step machinery, importable from here too (LoRALinear is used by callers only).
-from pdserve.engine.lora_layers import LoRALinear, LoRARows, LoRAState, install
-
-__all__ = ["LoRAAdapter", "LoRAConfig", "LoRALinear", "LoRAManager", "LoRARequest", "LoRARows", "LoRAState",
-           "TARGETS", "install", "load_adapter"]
+from pdserve.engine.layers.lora import LoRALinear, LoRARows, LoRAState
+from pdserve.engine.models.llama import MLP, Attention
+from pdserve.engine.native import load_kernel_ops
+from pdserve.engine.types.lora import LoRAConfig, LoRARequest
 
 # The projections an adapter may target, as PEFT names them, and the packed projection each one is part of.
 TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's ``LoRARequest``: the adapter's name (what the OpenAI ``model`` field says), a positive integer id
-    unique to it, and its folder in PEFT's format."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
-        if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """vLLM's LoRA settings: ``max_loras`` adapters resident at once, ranks up to ``max_lora_rank``,
-    ``max_cpu_loras`` (default ``max_loras``) kept loaded in host memory."""
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or
-                                               self.max_cpu_loras < self.max_loras):
-            raise ValueError(f"max_cpu_loras must be None or an integer >= max_loras ({self.max_loras}), "
-                             f"got {self.max_cpu_loras!r}")
 
 
 @dataclass
@@ -248,3 +209,40 @@ class LoRAManager:
         per_token = torch.tensor(slots).repeat_interleave(torch.tensor(num_tokens))  # (num_tokens,)
         scales = torch.tensor(self._scales + [0.0])[per_token]  # -1 reads the last entry: the base's 0
         self.state.set(LoRARows.of(per_token, scales).to(device))
+
+
+def install(model: nn.Module, config: LoRAConfig, state: LoRAState) -> list[dict[str, LoRALinear]]:
+    """Wrap every decoder layer's packed projections in ``LoRALinear``, the adapters' weights bfloat16 in a
+    bfloat16 model and float32 otherwise; per layer, packed name -> wrapper. ``ValueError`` for a model whose
+    layers are not Llama-shaped attention and MLP (experts, latent attention)."""
+    layers = []
+    decoder = model.model  # type: ignore[attr-defined]
+    weight = decoder.norm.weight
+    kernels = load_kernel_ops() if weight.device.type == "cpu" else None
+    dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+    for index, layer in enumerate(decoder.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attention, Attention) or not isinstance(mlp, MLP):
+            raise ValueError(f"LoRA is served on models whose every layer has multi-head attention and a dense MLP; "
+                             f"layer {index} has {type(attention).__name__} and {type(mlp).__name__}")
+        q = attention.num_heads * attention.head_dim
+        kv = attention.num_kv_heads * attention.head_dim
+        hidden = weight.shape[0]
+        width = mlp.intermediate_size
+        shapes = {
+            "qkv_proj": (attention, {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}, hidden),
+            "o_proj": (attention, {"o_proj": (0, hidden)}, q),
+            "gate_up_proj": (mlp, {"gate_proj": (0, width), "up_proj": (width, 2 * width)}, hidden),
+            "down_proj": (mlp, {"down_proj": (0, hidden)}, width),
+        }
+        wrapped = {}
+        for packed, (owner, slices, in_features) in shapes.items():
+            linear = LoRALinear(getattr(owner, packed), slices, in_features, config.max_loras, config.max_lora_rank,
+                                state, weight.device, kernels, dtype)
+            setattr(owner, packed, linear)
+            wrapped[packed] = linear
+        layers.append(wrapped)
+    fused = model.fused_decoder  # type: ignore[attr-defined]
+    if fused is not None:  # decode steps stay one C call, adapter rows or not
+        fused.add_lora(layers, state)
+    return layers

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # vocab.json, merges.txt, tokenizer.model, chat_template.jinja); never .bin/.pt/.gguf.
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja")
 
-# The torch dtype of each named model dtype but "auto" (engine.config.SUPPORTED_DTYPES).
+# The torch dtype of each named model dtype but "auto" (engine.types.config.SUPPORTED_DTYPES).
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INDEX_FILE_NAME = "model.safetensors.index.json"
 # Older checkpoints saved the rotary frequencies; they are recomputed from the config.

@@ -5,26 +5,23 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch, LayerMetadata
 from pdserve.engine.grammar_masks import GrammarMasks
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.logits_processors import TokenHistory
 from pdserve.engine.lora import LoRAManager
 from pdserve.engine.models.llama import LlamaForCausalLM
-from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.parallel.ranks import LeaderRanks
 from pdserve.engine.parallel.step_codec import StepInputs
 from pdserve.engine.parallel.vocab_head import uses_split_head
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pdserve.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from pdserve.engine.parallel.workers import TensorParallelWorkers
+from pdserve.engine.types.outputs import TokenLogprobs
 
 # Prompt logprobs need the logits of every prompt position: computed this many
 # positions at a time, so a 2048-token chunk never holds (2048, vocab) at once.
@@ -57,7 +54,7 @@ class ModelRunner:
         backend: AttentionBackend,
         sampler: Sampler | None,
         device: torch.device,
-        parallel: TensorParallelWorkers | None = None,
+        parallel: LeaderRanks | None = None,
     ) -> None:
         """``parallel``: with tensor parallelism, rank 0's handle on the other ranks, which get each
         step's inputs and run ``forward`` on their shards with this rank; ``sampler``: rank 0's only."""
@@ -70,7 +67,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.parallel = parallel
         layout = kv_cache.layout
-        # Each layer's page group, where the pool is paged (engine.kv_pages); () otherwise.
+        # Each layer's page group, where the pool is paged (engine.kv.pages); () otherwise.
         self.layer_groups = () if layout is None else tuple(layout.place(i)[0] for i in range(layout.num_layers))
         # LoRA adapters (set by the engine when it serves them): each step tells them each token's slot.
         self.lora: LoRAManager | None = None

@@ -8,8 +8,7 @@ from typing import Collection, Sequence
 import torch
 
 from pdserve.engine.logits_processors import TokenHistory, adjust_logits_
-from pdserve.engine.sampling_params import SamplingParams
-
+from pdserve.engine.types.sampling_params import SamplingParams
 
 # Row maxima are taken over chunks of this many entries first (first_argmax).
 _ARGMAX_CHUNK = 256

@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.kv_handoff import KVSlot
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.types.config import SchedulerConfig
+from pdserve.engine.types.handoff import KVSlot
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ class Scheduler:
         for item in output.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens - len(item.spec_token_ids)
             self.block_manager.cache_computed_blocks(item.seq)
-            # Sliding layers: what the window has left behind goes back to the pool (engine.kv_pages).
+            # Sliding layers: what the window has left behind goes back to the pool (engine.kv.pages).
             self.block_manager.trim(item.seq)
 
     def accept_proposed(self, seq: Sequence, num_accepted: int) -> None:

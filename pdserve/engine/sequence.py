@@ -6,12 +6,12 @@ import enum
 
 import torch
 
-from pdserve.engine.hashing import BlockHash, hash_block
-from pdserve.engine.kv_handoff import KVHoldParams, KVReservation
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.lora import LoRARequest
 from pdserve.engine.structured_output import RequestGrammar
+from pdserve.engine.types.handoff import KVHoldParams, KVReservation
+from pdserve.engine.types.hashing import BlockHash, hash_block
+from pdserve.engine.types.lora import LoRARequest
+from pdserve.engine.types.outputs import TokenLogprobs
+from pdserve.engine.types.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

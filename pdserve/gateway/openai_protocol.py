@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.structured_output import GrammarError, StructuredOutputsParams, check_grammar
+from pdserve.engine.structured_output import check_grammar
+from pdserve.engine.types.structured_outputs import GrammarError, StructuredOutputsParams
 from pdserve.gateway.reasoning_parsers import END as REASONING_END
 from pdserve.gateway.reasoning_parsers import ReasoningParser
 from pdserve.protos.pdserve.v1 import generation_pb2

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster_index import PrefixIndexLookup
-from pdserve.engine.hashing import BlockHash, adapter_model_id, hash_prompt_blocks
+from pdserve.engine.types.hashing import BlockHash, adapter_model_id, hash_prompt_blocks
 from pdserve.gateway.workers import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)

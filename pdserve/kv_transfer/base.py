@@ -16,6 +16,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer.config import STAGED_TRANSPORTS, TRANSPORTS, TransferConfig, check_transport
 from pdserve.kv_transfer.descriptor import KVHandoff
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
@@ -26,7 +27,7 @@ class KVTransferError(RuntimeError):
 
 
 class KVSource(Protocol):
-    """The prefill side's held requests, as the transports see them (``engine.kv_leases.LeaseTable``)."""
+    """The prefill side's held requests, as the transports see them (``engine.kv.leases.LeaseTable``)."""
 
     @property
     def num_layers(self) -> int:
@@ -105,13 +106,13 @@ class KVReceiver(ABC):
         num_blocks = handoff.num_blocks - first_block
         if num_blocks == 0:
             # Everything is cached here already: nothing to ask the prefill worker for.
-            return torch.empty(handoff.layout.tensor_shape(0, len(heads)), dtype=handoff.layout.torch_dtype)
+            return torch.empty(handoff.layout.tensor_shape(0, len(heads)), dtype=torch_dtype_of(handoff.layout))
         blocks = await self._fetch(handoff, first_block, num_blocks, stub, heads)
         expected = handoff.layout.tensor_shape(num_blocks, len(heads))
-        if tuple(blocks.shape) != expected or blocks.dtype != handoff.layout.torch_dtype:
+        if tuple(blocks.shape) != expected or blocks.dtype != torch_dtype_of(handoff.layout):
             raise KVTransferError(
                 f"{self.name} transfer of {handoff.request_id!r} gave {tuple(blocks.shape)} {blocks.dtype}, "
-                f"expected {expected} {handoff.layout.torch_dtype}"
+                f"expected {expected} {torch_dtype_of(handoff.layout)}"
             )
         return blocks
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer.descriptor import KVLayout
 
 
@@ -24,4 +25,4 @@ def byte_view(blocks: torch.Tensor) -> memoryview:
 
 def empty_blocks(layout: KVLayout, num_blocks: int, num_heads: int | None = None) -> torch.Tensor:
     """An uninitialised CPU tensor of ``layout.tensor_shape(num_blocks, num_heads)`` to receive into."""
-    return torch.empty(layout.tensor_shape(num_blocks, num_heads), dtype=layout.torch_dtype)
+    return torch.empty(layout.tensor_shape(num_blocks, num_heads), dtype=torch_dtype_of(layout))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.kv_handoff import TRANSPORTS
+from pdserve.engine.types.handoff import TRANSPORTS
 
 # Every transport a handoff may name (the handoff type validates it, hence defined there).
 STAGED_TRANSPORTS: tuple[str, ...] = ("shm", "torch_dist", "cuda_ipc")

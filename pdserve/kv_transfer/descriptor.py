@@ -1,6 +1,6 @@
 """The handoff descriptor and KV layout on the wire: protobuf conversion at the service edge.
 
-The types themselves are the engine's (``engine.kv_handoff``): the prefill
+The types themselves are the engine's (``pdserve.engine.types.handoff``): the prefill
 engine builds the ``KVHandoff`` and the decode engine takes it, so they cannot
 carry protobuf methods. Parsing validates once, here, with a ``ValueError``
 naming the field; nothing downstream checks the descriptor again.
@@ -8,9 +8,9 @@ naming the field; nothing downstream checks the descriptor again.
 
 from __future__ import annotations
 
-from pdserve.engine.hashing import BlockHash
-from pdserve.engine.kv_handoff import KVHandoff, KVLayout
-from pdserve.engine.lora import LoRARequest
+from pdserve.engine.types.handoff import KVHandoff, KVLayout
+from pdserve.engine.types.hashing import BlockHash
+from pdserve.engine.types.lora import LoRARequest
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 
 __all__ = ["KVHandoff", "KVLayout", "handoff_from_proto", "handoff_to_proto", "layout_from_proto", "layout_to_proto"]

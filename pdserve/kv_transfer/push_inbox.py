@@ -31,7 +31,8 @@ from typing import Protocol
 import grpc
 import torch
 
-from pdserve.engine.kv_connector import PushedKV, PushRefused
+from pdserve.engine.kv.connector import PushedKV, PushRefused
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer.buffers import byte_view
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.descriptor import KVLayout, layout_from_proto
@@ -196,7 +197,7 @@ class PushInbox:
         shm_blocks = None
         if segment is not None:
             shm_blocks = torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment_size)
-            shm_blocks = shm_blocks.view(layout.torch_dtype).view(layout.tensor_shape(header.num_blocks))
+            shm_blocks = shm_blocks.view(torch_dtype_of(layout)).view(layout.tensor_shape(header.num_blocks))
         received = torch.zeros(layout.num_layers, header.num_blocks, dtype=torch.bool)
         received[:, : header.first_block] = True  # not pushed: cached here
         return _Stream(push, received, segment, shm_blocks)
@@ -277,7 +278,7 @@ def _write(stream: _Stream, piece: worker_pb2.KVPushPiece, landing: PushLanding)
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "a grpc KV push piece carries no data")
         if piece.offset == 0:
             shape = layout.tensor_shape(piece.num_blocks)
-            stream.piece = torch.empty((1, *shape[1:]), dtype=layout.torch_dtype)
+            stream.piece = torch.empty((1, *shape[1:]), dtype=torch_dtype_of(layout))
             stream.piece_at = (piece.layer, piece.first_block)
         elif stream.piece is None or stream.piece_at != (piece.layer, piece.first_block) or (
             stream.piece.shape[2] != piece.num_blocks

@@ -1,6 +1,6 @@
 """The prefill side of a push: a request's KV sent to its decode worker while the prefill runs.
 
-``KVPusher`` is the prefill engine's ``KVPushSink`` (``engine.kv_push``). The
+``KVPusher`` is the prefill engine's ``KVPushSink`` (``pdserve.engine.kv.push``). The
 prefill service calls ``start`` before the request enters the engine; from then
 on the engine thread hands it each layer's blocks as they are written, and a
 task on the event loop streams them to the decode worker's PushKV. ``finish``
@@ -32,6 +32,7 @@ from multiprocessing.shared_memory import SharedMemory
 import grpc
 import torch
 
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer.buffers import byte_view, host_contiguous
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.descriptor import KVLayout, layout_to_proto
@@ -308,7 +309,7 @@ class KVPusher:
             raise
         flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=size)
         push.segment = segment
-        push.tensor = flat.view(push.layout.torch_dtype).view(push.layout.tensor_shape(push.num_blocks))
+        push.tensor = flat.view(torch_dtype_of(push.layout)).view(push.layout.tensor_shape(push.num_blocks))
 
     def _forget(self, push: _Push) -> None:
         """End ``push``: stop its stream (unless it completed), free its queue and segment."""

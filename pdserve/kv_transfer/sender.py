@@ -169,7 +169,7 @@ class KVSenderServicer:
 
 def _num_layers(source: KVSource, request_id: str) -> int:
     """Layers of ``request_id``'s blocks: a source that holds sections of another depth (a draft
-    model's KV, ``engine.kv_leases.LeaseTable``) says per id with ``num_layers_of``."""
+    model's KV, ``engine.kv.leases.LeaseTable``) says per id with ``num_layers_of``."""
     num_layers_of = getattr(source, "num_layers_of", None)
     return num_layers_of(request_id) if num_layers_of is not None else source.num_layers
 

@@ -1,6 +1,6 @@
 """A tensor-parallel decode rank's own fetch: exactly its KV heads, straight from the prefill worker.
 
-``fetch_heads`` is the fetcher a ``pdserve.engine.kv_handoff.KVFetch`` carries
+``fetch_heads`` is the fetcher a ``pdserve.engine.types.handoff.KVFetch`` carries
 (``rank_fetcher`` binds the options; the decode service passes it in, so the
 engine imports no transport): the engine's
 follower ranks call it (blocking) for the heads they own, over the handoff's
@@ -26,8 +26,8 @@ import torch
 from pdserve.kv_transfer.base import KVReceiver, make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.descriptor import KVHandoff
-from pdserve_client.channels import TlsConfig, open_channel
 from pdserve.protos.pdserve.v1.internal import worker_pb2_grpc
+from pdserve_client.channels import TlsConfig, open_channel
 
 
 @dataclass(frozen=True)

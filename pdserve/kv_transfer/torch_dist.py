@@ -38,6 +38,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer.base import KVReceiver, KVStager, KVTransferError, check_staged, head_fields
 from pdserve.kv_transfer.buffers import host_contiguous
 from pdserve.kv_transfer.config import TransferConfig
@@ -288,7 +289,7 @@ class TorchDistReceiver(KVReceiver):
                 tag = int(response.handle.decode("ascii"))
                 device = torch.device("cpu" if self.config.torch_dist_backend == "gloo" else self.config.device)
                 blocks = torch.empty(
-                    handoff.layout.tensor_shape(num_blocks, len(heads)), dtype=handoff.layout.torch_dtype, device=device
+                    handoff.layout.tensor_shape(num_blocks, len(heads)), dtype=torch_dtype_of(handoff.layout), device=device
                 )
                 if pair.group is None:
                     assert pair.store is not None

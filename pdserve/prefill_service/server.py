@@ -8,10 +8,10 @@ import time
 
 import grpc
 
-from pdserve.engine.kv_handoff import KVHoldParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.handoff import KVHoldParams
+from pdserve.engine.types.outputs import RequestOutput
+from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.descriptor import handoff_to_proto, lora_from_proto
 from pdserve.kv_transfer.pusher import PUSH_TRANSPORTS, KVPusher

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.service_common.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
+from pdserve.engine.types.outputs import TokenLogprobs
+from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.service_common.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 
 # The message's `optional` scalars, named as in SamplingParams; unset keeps the engine's default.
 _OPTIONAL_FIELDS = (

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.engine.errors import EngineDeadError
+from pdserve.engine.types.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 

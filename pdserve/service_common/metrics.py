@@ -23,9 +23,9 @@ from prometheus_client.registry import Collector
 from pdserve.service_common.errors import status_for
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import EngineStats
-    from pdserve.shared_cores.openmp import SpinGovernor
+    from pdserve.engine.types.outputs import EngineStats
     from pdserve.protos.pdserve.v1 import generation_pb2
+    from pdserve.shared_cores.openmp import SpinGovernor
 
 log = logging.getLogger(__name__)
 

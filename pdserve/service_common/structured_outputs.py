@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.structured_output import StructuredOutputsParams
+from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 from pdserve.protos.pdserve.v1 import generation_pb2
 
 

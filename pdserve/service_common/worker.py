@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ import grpc
 
 from pdserve.cluster_index import (
     BlockEventBatch,
-    IndexUnavailable,
     Heartbeat,
+    IndexUnavailable,
     PrefixIndexPublisher,
     WorkerInfo,
     WorkerRegistry,
@@ -21,14 +22,14 @@ from pdserve.cluster_index import (
 )
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.batch_window import BatchWindow
-from pdserve.service_common.errors import Overloaded, grpc_errors
-from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
-from pdserve.engine.block_manager import BlockEvent, BlockStored
+from pdserve.engine.kv.block_manager import BlockEvent, BlockStored
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.shared_cores.openmp import spin_governor
 from pdserve.kv_transfer.descriptor import lora_from_proto
 from pdserve.protos.pdserve.v1.internal import worker_pb2
+from pdserve.service_common.errors import Overloaded, grpc_errors
+from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
 from pdserve.service_common.server import Server, ServerConfig
+from pdserve.shared_cores.openmp import on_a_passing_thread, spin_governor
 
 log = logging.getLogger(__name__)
 # The drain of a worker whose engine died: enough for calls that already failed to send their status.
@@ -75,6 +76,7 @@ class WorkerRuntime:
             engine, on_block_events=self._on_block_events,
             before_work=self.spin_governor.update if self.spin_governor is not None else None,
             batch_window=BatchWindow(config.batch_window_s),
+            run_load=functools.partial(on_a_passing_thread, name="pdserve-lora"),
         )
         self.metrics = WorkerMetrics(lambda: self.async_engine.latest_stats, spin_governor=self.spin_governor,
                                      handoff_timeout_s=engine.kv_handoff_timeout_s)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.dataset import DatasetError, load_dataset
-from pdserve.bench.workload import BenchRequest, WorkloadConfig, build_workload
+from pdserve.bench.request import BenchRequest
+from pdserve.bench.workload import WorkloadConfig, build_workload
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:

@@ -11,8 +11,8 @@ import pytest
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.backend import BackendError, BackendRequest, ModelDescription, StreamChunk, Usage
 from pdserve.bench.record import RequestError
+from pdserve.bench.request import BenchRequest
 from pdserve.bench.runner import RunConfig, SamplingConfig, run_requests
-from pdserve.bench.workload import BenchRequest
 
 # First prompt ids that make the fake server misbehave.
 FAIL_UNAVAILABLE, FAIL_CLIENT, NO_USAGE = 1, 2, 3

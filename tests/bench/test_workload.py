@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
+from pdserve.bench.request import BenchRequest
 from pdserve.bench.workload import (
     LOWEST_ORDINARY_TOKEN_ID,
-    BenchRequest,
     WorkloadConfig,
     build_workload,
     length_bounds,

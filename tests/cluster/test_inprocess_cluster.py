@@ -243,14 +243,14 @@ async def test_over_the_gateway_admission_limit_requests_get_resource_exhausted(
 async def test_a_handoff_through_the_services_hashes_each_prompt_block_once(
     llama_checkpoint: Path, start_inprocess_cluster: StartInProcessCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pdserve.engine.hashing
     import pdserve.engine.sequence
+    import pdserve.engine.types.hashing
 
     # No Redis: the gateway routes by load and hashes nothing; what is counted is the workers' hashing.
     cluster = await start_inprocess_cluster(llama_checkpoint, ClusterOptions(num_kv_blocks=64))
     assert cluster.stub is not None
     hashed: list[list[int]] = []
-    for module in (pdserve.engine.sequence, pdserve.engine.hashing):  # the engines' sequences, and hash_prompt_blocks
+    for module in (pdserve.engine.sequence, pdserve.engine.types.hashing):  # the engines' sequences, and hash_prompt_blocks
 
         def counting(parent, token_ids, model_id, real=module.hash_block):  # noqa: ANN001, ANN202
             hashed.append(list(token_ids))

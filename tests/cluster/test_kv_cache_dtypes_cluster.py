@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.decode_service.server import DecodeServer
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.gateway.server import GatewayServer
 from pdserve.prefill_service.server import PrefillServer
 from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from pdserve.decode_service.server import DecodeServer
-from pdserve.engine.kv_connector import PushRefused, PushTable
+from pdserve.engine.kv.connector import PushRefused, PushTable
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts

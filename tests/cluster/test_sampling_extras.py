@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.types.outputs import RequestOutput
 from pdserve.kv_transfer.descriptor import KVHandoff, KVLayout, handoff_to_proto
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.types.speculative import SpeculativeConfig
 from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import Oracle, StartInProcessCluster, random_prompts
 from tests.observability.test_metrics import _scrape, _value

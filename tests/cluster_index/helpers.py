@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.cluster_index import WorkerInfo, WorkerRole
-from pdserve.engine.hashing import BlockHash, hash_prompt_blocks
+from pdserve.engine.types.hashing import BlockHash, hash_prompt_blocks
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BLOCK_SIZE = 4

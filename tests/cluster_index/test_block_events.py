@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cluster_index import BlockChanges, BlockEventBatch
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.types.hashing import BlockHash
 
 A, B, C, D = (BlockHash(bytes([i]) * 16) for i in range(4))
 

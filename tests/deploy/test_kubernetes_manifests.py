@@ -289,7 +289,7 @@ def test_disruption_budgets_and_autoscalers_target_the_worker_deployments(varian
 
 
 def _worker_metric_names(worker_metrics: type) -> set[str]:
-    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.engine.types.outputs import EngineStats
 
     stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,
                         num_held=0, num_preemptions=0)

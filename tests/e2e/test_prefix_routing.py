@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
-from pdserve.engine.hashing import hash_prompt_blocks
+from pdserve.engine.types.hashing import hash_prompt_blocks
 from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import random_prompts
 from tests.e2e.conftest import REDIS_URL, cluster_config, generate, load

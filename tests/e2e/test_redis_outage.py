@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
-from pdserve.engine.hashing import hash_prompt_blocks
+from pdserve.engine.types.hashing import hash_prompt_blocks
 from pdserve.launcher import redis_answers
 from pdserve.protos.pdserve.v1 import generation_pb2
 from tests.conftest import random_prompts

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pdserve.engine.kv_handoff import KVFetch, KVHoldParams
+from pdserve.engine.kv.handoff import KVFetch
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.types.handoff import KVHoldParams
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from tests.conftest import random_prompts

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.errors import EngineDeadError
+from pdserve.engine.types.errors import EngineDeadError
 from tests.conftest import random_prompts
 from tests.support.held_step import HeldStep
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.conftest import random_prompts
 from tests.support.handoff import HOLD
 

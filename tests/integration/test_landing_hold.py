@@ -21,8 +21,9 @@ import torch
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.batch_window import BatchWindow
-from pdserve.engine.kv_connector import PushedKV
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff
+from pdserve.engine.kv.connector import PushedKV
+from pdserve.engine.kv.handoff import KVFetch
+from pdserve.engine.types.handoff import KVHandoff
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import prefill_and_hold
 from tests.support.step_log import StepLog

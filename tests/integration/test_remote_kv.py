@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import pdserve.engine.hashing
 import pdserve.engine.sequence
+import pdserve.engine.types.hashing
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.kv_handoff import KVSlot
+from pdserve.engine.types.handoff import KVSlot
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import handoff_tokens, prefill_and_hold
 
@@ -70,7 +70,7 @@ def test_block_hashes_are_computed_once_per_handoff(
 ) -> None:
     prefill, decode = _engine(llama_checkpoint), _engine(llama_checkpoint)
     hashed: list[list[int]] = []
-    for module in (pdserve.engine.sequence, pdserve.engine.hashing):  # the engine's sequences, and hash_prompt_blocks
+    for module in (pdserve.engine.sequence, pdserve.engine.types.hashing):  # the engine's sequences, and hash_prompt_blocks
 
         def counting(parent, token_ids, model_id, real=module.hash_block):  # noqa: ANN001, ANN202
             hashed.append(list(token_ids))

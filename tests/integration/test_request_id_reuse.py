@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.types.outputs import RequestOutput
 from tests.conftest import random_prompts
 from tests.support.held_step import HeldStep
 

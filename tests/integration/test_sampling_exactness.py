@@ -16,8 +16,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
-from pdserve.engine.hashing import hash_prompt_blocks
-from pdserve.engine.kv_handoff import KVHandoff
+from pdserve.engine.types.handoff import KVHandoff
+from pdserve.engine.types.hashing import hash_prompt_blocks
 from tests.conftest import EOS_TOKEN_ID, MOE_FAMILIES, Oracle, family_of, preempting_pool, random_prompts
 
 MAX_TOKENS = 20

@@ -101,7 +101,7 @@ def test_draft_with_another_vocabulary_is_refused_naming_both_sizes(
 
 
 def test_draft_model_config_needs_a_model() -> None:
-    from pdserve.engine.spec_decode.config import SpeculativeConfig
+    from pdserve.engine.types.speculative import SpeculativeConfig
 
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.engine.kv_handoff import DRAFT_SECTION_SUFFIX, KVHandoff, KVLayout
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.types.handoff import DRAFT_SECTION_SUFFIX, KVHandoff, KVLayout
+from pdserve.engine.types.speculative import SpeculativeConfig
 from pdserve.kv_transfer.descriptor import handoff_from_proto, handoff_to_proto
 from tests.conftest import Oracle, random_prompts
 from tests.integration.test_spec_decode_draft import shallow_draft  # noqa: F401 - fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.kv_pages import NO_PAGE, PagedBlockManager
+from pdserve.engine.kv.pages import NO_PAGE, PagedBlockManager
 from tests.conftest import Oracle, random_prompts
 from tests.support.handoff import finished_outputs, handoff_tokens, prefill_and_hold
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import zlib
-
 import dataclasses
+import zlib
 
 import torch
 
-from pdserve.engine.kv_cache import pack_int8, quantize_int8
+from pdserve.engine.kv.cache import pack_int8, quantize_int8
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer.descriptor import KVLayout
 
 # 32 KiB per block: a few blocks stay small, BIG_REQUEST spans several 1 MiB chunks.
@@ -35,7 +35,7 @@ def full_blocks(request_id: str) -> torch.Tensor:
     values = torch.randn(shape, generator=generator)
     if layout.dtype == "int8":
         return pack_int8(*quantize_int8(values))
-    return values.to(layout.torch_dtype)
+    return values.to(torch_dtype_of(layout))
 
 
 class SeededSource:

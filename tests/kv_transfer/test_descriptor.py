@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.kv.handoff import layout_of, torch_dtype_of
+from pdserve.engine.types.hashing import BlockHash
 from pdserve.kv_transfer import KVHandoff, KVLayout, TransferConfig, make_receiver, make_stager
 from pdserve.kv_transfer.descriptor import handoff_from_proto, handoff_to_proto, layout_from_proto, layout_to_proto
 
@@ -34,20 +35,20 @@ def _handoff(**changes: object) -> KVHandoff:
 
 def test_layout_sizes_match_the_exported_tensor() -> None:
     assert LAYOUT.tensor_shape(5) == (3, 2, 5, 4, 2, 8)
-    assert LAYOUT.torch_dtype == torch.bfloat16
+    assert torch_dtype_of(LAYOUT) == torch.bfloat16
     assert LAYOUT.bytes_per_block == 3 * 2 * 4 * 2 * 8 * 2 == 768
     blocks = torch.zeros(LAYOUT.tensor_shape(5), dtype=torch.bfloat16)
-    assert KVLayout.from_tensor(blocks) == LAYOUT
+    assert layout_of(blocks) == LAYOUT
     assert blocks.numel() * blocks.element_size() == 5 * LAYOUT.bytes_per_block
 
 
 def test_int8_layout_counts_each_rows_scale_bytes() -> None:
     layout = dataclasses.replace(LAYOUT, dtype="int8")
     assert layout.tensor_shape(5) == (3, 2, 5, 4, 2, 8 + 4)
-    assert layout.torch_dtype == torch.int8
+    assert torch_dtype_of(layout) == torch.int8
     assert layout.bytes_per_block == 3 * 2 * 4 * 2 * (8 + 4) == 576
     blocks = torch.zeros(layout.tensor_shape(5), dtype=torch.int8)
-    assert KVLayout.from_tensor(blocks) == layout
+    assert layout_of(blocks) == layout
     assert blocks.numel() * blocks.element_size() == 5 * layout.bytes_per_block
     assert layout_from_proto(layout_to_proto(layout)) == layout
 

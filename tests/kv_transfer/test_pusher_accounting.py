@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from pdserve.engine.kv_handoff import KVLayout
+from pdserve.engine.types.handoff import KVLayout
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.pusher import KVPusher
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from pdserve.engine.kv.handoff import torch_dtype_of
 from pdserve.kv_transfer import INTERNAL_GRPC_OPTIONS, MAX_CHUNK_BYTES, KVTransferError, TransferConfig, make_receiver
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
 from tests.kv_transfer.seeded_source import (
@@ -75,7 +76,7 @@ async def test_compact_kv_dtypes_arrive_bit_for_bit_with_their_int8_scales(
         blocks = await receiver.fetch(handoff(request_id, sender, transport), 7, _stub(channel))
     await receiver.close()
     layout = layout_of(request_id)
-    assert blocks.dtype == layout.torch_dtype
+    assert blocks.dtype == torch_dtype_of(layout)
     assert blocks.shape == layout.tensor_shape(NUM_BLOCKS[request_id] - 7)
     assert torch.equal(blocks, full_blocks(request_id)[:, :, 7:])
     # int8 rows are 32 values and a 4-byte scale: 36 bytes where float32 takes 128.

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pdserve.cluster_index import WorkerRegistry, connect
-from pdserve.engine.lora import LoRAConfig
+from pdserve.engine.types.lora import LoRAConfig
 from pdserve.gateway.lora import LoRAAdapters, LoRAModule
 from pdserve.gateway.tokenizer import load_tokenizer
 from pdserve.protos.pdserve.v1 import generation_pb2

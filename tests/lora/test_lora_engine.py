@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.lora import LoRARequest
+from pdserve.engine.types.lora import LoRARequest
 from tests.conftest import random_prompts
 
 MAX_TOKENS = 16
@@ -208,7 +208,8 @@ def test_fused_decode_steps_with_adapter_rows_equal_the_layer_by_layer_path_bit_
 ) -> None:
     from pdserve.engine.layers import linear as linear_module
     from pdserve.engine.layers.dense_kernels import load_dense_kernels
-    from pdserve.engine.lora import LoRAConfig, LoRAManager
+    from pdserve.engine.lora import LoRAManager
+    from pdserve.engine.types.lora import LoRAConfig
     from tests.unit.test_fused_decode import CPU, Pair
 
     # As tests/unit/test_fused_decode.py does: unquantized bf16 layers on pdserve's kernel on every CPU.

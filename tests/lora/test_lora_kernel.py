@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine.lora_layers import LoRALinear, LoRARows, LoRAState
+from pdserve.engine.layers.lora import LoRALinear, LoRARows, LoRAState
 from pdserve.engine.native import ISA_ENV, load_kernel_ops, supported_variants
 
 IN_FEATURES = 72  # 4 vectors of 16 and a tail of 8

@@ -156,7 +156,7 @@ def test_worker_scaling_signals_are_the_engine_snapshot_at_scrape_time() -> None
     """What the autoscalers in deploy/kubernetes read: queued prompt tokens, running sequences, KV usage."""
     from prometheus_client import generate_latest
 
-    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.engine.types.outputs import EngineStats
     from pdserve.service_common.metrics import WorkerMetrics
 
     stats = EngineStats(num_running=3, num_waiting=2, num_queued_tokens=1234, num_free_blocks=25, num_total_blocks=100,
@@ -174,9 +174,9 @@ def test_worker_scaling_signals_are_the_engine_snapshot_at_scrape_time() -> None
 def test_worker_metrics_show_the_openmp_spin_governor() -> None:
     from prometheus_client import generate_latest
 
-    from pdserve.engine.llm_engine import EngineStats
-    from pdserve.shared_cores.openmp import SpinGovernor
+    from pdserve.engine.types.outputs import EngineStats
     from pdserve.service_common.metrics import WorkerMetrics
+    from pdserve.shared_cores.openmp import SpinGovernor
 
     stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,
                         num_held=0, num_preemptions=0)
@@ -210,7 +210,7 @@ def test_what_handoffs_held_past_the_one_deadline_is_one_counter_by_holder() -> 
 
     from prometheus_client import generate_latest
 
-    from pdserve.engine.llm_engine import EngineStats
+    from pdserve.engine.types.outputs import EngineStats
     from pdserve.service_common.metrics import WorkerMetrics
 
     stats = EngineStats(num_running=0, num_waiting=0, num_queued_tokens=0, num_free_blocks=1, num_total_blocks=1,

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.engine.llm import LLM
 from pdserve.engine.parallel.group import TensorParallelError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 

@@ -21,10 +21,11 @@ import grpc
 import pytest
 import torch
 
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pdserve.engine.kv_handoff import KVFetch, KVHoldParams
+from pdserve.engine.kv.handoff import KVFetch
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.types.handoff import KVHoldParams
+from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
 from pdserve.kv_transfer.sender import KVSenderServicer

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pdserve.engine.attention.backend import AttentionBatch
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pdserve.engine.kv_pages import NO_PAGE, PagedBlockManager
+from pdserve.engine.kv.pages import NO_PAGE, PagedBlockManager
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel.step_codec import StepInputs, decode_step, encode_step
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.types.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parallel.support import Reference, build, comparable
 from tests.parallel.test_tp_handoff import SenderServer, _hand_over

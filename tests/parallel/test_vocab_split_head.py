@@ -16,7 +16,7 @@ from pdserve.engine.model_loader import load_hf_config, load_model
 from pdserve.engine.parallel import vocab_head
 from pdserve.engine.parallel.sharding import TensorParallelShard, check_tensor_parallel
 from pdserve.engine.parallel.vocab_head import VocabSplitHead, install_split_head, uses_split_head, vocab_range
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parallel.support import ODD_VOCAB_SIZE, Reference, build, comparable, llama_config
 

@@ -16,13 +16,8 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.grammar_masks import GrammarMasks
-from pdserve.engine.structured_output import (
-    MAX_WHITESPACE_RUN,
-    GrammarCompiler,
-    GrammarError,
-    StructuredOutputsParams,
-    check_grammar,
-)
+from pdserve.engine.structured_output import MAX_WHITESPACE_RUN, GrammarCompiler, check_grammar
+from pdserve.engine.types.structured_outputs import GrammarError, StructuredOutputsParams
 from tests.conftest import VOCAB_SIZE, random_prompts
 from tests.support.handoff import handoff_tokens
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.structured_output import GrammarCompiler, RequestGrammar, StructuredOutputsParams, build_tokenizer
+from pdserve.engine.structured_output import GrammarCompiler, RequestGrammar, build_tokenizer
+from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 from pdserve.gateway.openai_protocol import parse_chat
 from pdserve.gateway.reasoning_parsers import ReasoningStream, reasoning_parser
 from pdserve.gateway.tokenizer import load_tokenizer

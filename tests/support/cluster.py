@@ -25,10 +25,10 @@ import grpc
 from pdserve.cluster_index import connect
 from pdserve.decode_service.colocated import ColocatedServer
 from pdserve.decode_service.server import DecodeServer
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.lora import LoRAConfig
+from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pdserve.engine.types.lora import LoRAConfig
+from pdserve.engine.types.speculative import SpeculativeConfig
 from pdserve.gateway.server import GatewayServer
 from pdserve.prefill_service.server import PrefillServer
 from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.engine import LLMEngine, RequestOutput, SamplingParams
-from pdserve.engine.kv_handoff import KVHoldParams
+from pdserve.engine.types.handoff import KVHoldParams
 
 # Where the held KV would be fetched from; nothing dials it in-process.
 HOLD = KVHoldParams(transport="grpc", address="127.0.0.1:1", worker_id="prefill-test", epoch=1)

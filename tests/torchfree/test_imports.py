@@ -17,6 +17,15 @@ _LISTED = (
     "or name.split('.')[:2] == ['pdserve', 'engine'] or (name.startswith('transformers.') and 'modeling' in name))))"
 )
 
+# The engine modules the gateway loads: the value types it checks requests with (block hashes, errors,
+# structured-output specs) and the structured-output module that checks grammars before routing.
+_GATEWAY_ENGINE_MODULES = sorted([
+    "pdserve.engine", "pdserve.engine.structured_output", "pdserve.engine.types", "pdserve.engine.types.errors",
+    "pdserve.engine.types.hashing", "pdserve.engine.types.structured_outputs",
+])
+_VALUE_TYPE_MODULES = ("config", "errors", "handoff", "hashing", "lora", "outputs", "sampling_params", "speculative",
+                       "structured_outputs")
+
 
 def _heavy_modules_after(statement: str, *argv: str) -> list[str]:
     result = subprocess.run(
@@ -32,11 +41,13 @@ def _heavy_modules_after(statement: str, *argv: str) -> list[str]:
     [
         # The gateway needs the engine's pure-Python block hash, error type and structured-output specs (it
         # checks grammars before routing), nothing else.
-        ("import pdserve.gateway.server", ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing",
-                                           "pdserve.engine.structured_output"]),
+        ("import pdserve.gateway.server", _GATEWAY_ENGINE_MODULES),
         # What `pdserve gateway` imports before it loads a tokenizer: the CLI, the gateway, its HTTP API.
         ("import pdserve.cli, pdserve.gateway.server, pdserve.gateway.http_api, pdserve.gateway.tokenizer",
-         ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing", "pdserve.engine.structured_output"]),
+         _GATEWAY_ENGINE_MODULES),
+        # The engine's value types, all of them: plain Python.
+        ("import " + ", ".join(f"pdserve.engine.types.{name}" for name in _VALUE_TYPE_MODULES),
+         sorted(["pdserve.engine", "pdserve.engine.types", *(f"pdserve.engine.types.{n}" for n in _VALUE_TYPE_MODULES)])),
         # The one namespace: importing it, or asking what it offers, loads nothing heavy.
         ("import pdserve; dir(pdserve)", []),
         ("import pdserve.client", []),

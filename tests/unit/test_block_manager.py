@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.engine.block_manager import BlockManager, BlockRemoved, BlockStored
-from pdserve.engine.hashing import hash_prompt_blocks
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.block_manager import BlockManager, BlockRemoved, BlockStored
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types.hashing import hash_prompt_blocks
+from pdserve.engine.types.sampling_params import SamplingParams
 
 MODEL = "tiny"
 BS = 4

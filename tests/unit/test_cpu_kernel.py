@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pdserve.engine.attention import cpu_kernel, select_backend
-from pdserve.engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
 from pdserve.engine.attention.backend import write_to_cache
-from pdserve.engine.kv_cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
+from pdserve.engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
+from pdserve.engine.kv.cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
 from pdserve.engine.native import load_kernel_ops, supported_variants
 
 VARIANTS = supported_variants()

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from pdserve.decode_service.early_start import EarlyStart, EarlyStarts
-from pdserve.engine.errors import EngineDeadError
+from pdserve.engine.types.errors import EngineDeadError
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 

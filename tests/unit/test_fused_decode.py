@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.attention.backend import AttentionBatch, select_backend
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.attention.backend import AttentionBatch
+from pdserve.engine.attention.selector import select_backend
+from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.layers import linear as linear_module
 from pdserve.engine.layers.dense_kernels import load_dense_kernels
 from pdserve.engine.model_loader import load_hf_config, load_model

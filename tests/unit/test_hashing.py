@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pdserve.engine.hashing import hash_block, hash_prompt_blocks
+from pdserve.engine.types.hashing import hash_block, hash_prompt_blocks
 
 
 def test_only_full_blocks_are_hashed_and_each_covers_its_whole_prefix() -> None:
@@ -23,7 +23,7 @@ def test_model_identity_is_part_of_the_hash() -> None:
 
 
 def test_hash_is_identical_in_another_process_with_another_hash_seed() -> None:
-    code = "from pdserve.engine.hashing import hash_prompt_blocks; print(hash_prompt_blocks(list(range(32)), 16, 'm')[1].hex())"
+    code = "from pdserve.engine.types.hashing import hash_prompt_blocks; print(hash_prompt_blocks(list(range(32)), 16, 'm')[1].hex())"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "123", "PATH": ""},
         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]),
@@ -33,7 +33,7 @@ def test_hash_is_identical_in_another_process_with_another_hash_seed() -> None:
 
 def test_importing_the_hash_module_loads_neither_torch_nor_grpc() -> None:
     code = (
-        "import sys, pdserve.engine.hashing; "
+        "import sys, pdserve.engine.types.hashing; "
         "print(sorted(m for m in ('torch', 'grpc', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run(

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from pdserve.engine import LLM
-from pdserve.engine import kv_cache as kv_cache_module
 from pdserve.engine.attention.backend import read_cache, write_to_cache
-from pdserve.engine.config import CacheConfig
-from pdserve.engine.kv_cache import (
+from pdserve.engine.kv import cache as kv_cache_module
+from pdserve.engine.kv.cache import (
     KVCache,
     QuantizedKV,
     bytes_per_block,
@@ -22,6 +21,7 @@ from pdserve.engine.kv_cache import (
     size_kv_pool,
     unpack_int8,
 )
+from pdserve.engine.types.config import CacheConfig
 
 # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64, blocks of 16 tokens.
 SMOLLM2 = (30, 16, 3, 64)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.hashing import hash_prompt_blocks
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_handoff import KVHandoff, KVLayout
-from pdserve.engine.kv_leases import LeaseTable
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.kv.leases import LeaseTable
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types.handoff import KVHandoff, KVLayout
+from pdserve.engine.types.hashing import hash_prompt_blocks
+from pdserve.engine.types.sampling_params import SamplingParams
 
 BS, NUM_BLOCKS = 4, 8
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")

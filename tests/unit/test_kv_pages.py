@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.block_manager import BlockRemoved
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_handoff import KVReservation
-from pdserve.engine.kv_pages import NO_PAGE, PagedBlockManager, PageLayout
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.block_manager import BlockRemoved
+from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.kv.pages import NO_PAGE, PagedBlockManager, PageLayout
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types.handoff import KVReservation
+from pdserve.engine.types.sampling_params import SamplingParams
 
 MODEL = "tiny"
 BS = 4

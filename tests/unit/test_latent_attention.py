@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pdserve.engine import LLM
-from pdserve.engine.kv_cache import KVCache, bytes_per_block
-from pdserve.engine.kv_handoff import KVLayout
+from pdserve.engine.kv.cache import KVCache, bytes_per_block
 from pdserve.engine.models.deepseek import LatentAttention
+from pdserve.engine.types.handoff import KVLayout
 from tests.conftest import _tiny_deepseek_v2_config, _tiny_deepseek_v3_config, build_checkpoint
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers import linear as linear_module
 from pdserve.engine.layers.linear import (
     INT4_KERNEL_MAX_ROWS,
@@ -26,6 +25,7 @@ from pdserve.engine.layers.linear import (
     lm_head_method,
 )
 from pdserve.engine.layers.quant_kernels import unpack_int8
+from pdserve.engine.types.config import ModelConfig
 
 # Row counts on both sides of the kernel/dequantize dispatch, decode and prefill sizes.
 ROWS = tuple(sorted({1, 5, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 256}))

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.logits_processors import TokenHistory, adjust_logits_
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.sampling_params import SamplingParams
 
 INF = float("inf")
 # Values that are exact in float32, so every expected number below is exact too.

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_connector import PushRefused, PushState, PushTable
-from pdserve.engine.kv_handoff import KVHandoff, KVLayout, KVReservation
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.connector import PushRefused, PushState, PushTable
+from pdserve.engine.types.handoff import KVHandoff, KVLayout, KVReservation
 
 NUM_BLOCKS = 8
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")

@@ -147,7 +147,7 @@ async def test_an_adapter_request_prefers_the_workers_holding_it_while_load_and_
 
 
 def test_an_adapters_blocks_hash_apart_from_the_bases_and_other_adapters() -> None:
-    from pdserve.engine.hashing import adapter_model_id, hash_prompt_blocks
+    from pdserve.engine.types.hashing import adapter_model_id, hash_prompt_blocks
 
     tokens = list(range(32))
     hashes = {name: hash_prompt_blocks(tokens, 16, adapter_model_id("m", name)) for name in (None, "a", "b")}

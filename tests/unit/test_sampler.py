@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from pdserve.engine.sampler import Sampler, SamplerOutput, first_argmax
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.types.sampling_params import SamplingParams
 
 # Distinct values in no particular order, so that sorting and scattering back
 # to vocabulary order are both exercised.

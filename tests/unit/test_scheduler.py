@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.types.config import SchedulerConfig
+from pdserve.engine.types.sampling_params import SamplingParams
 from tests.support.scheduling import fake_step, plan
 
 BS = 4

@@ -21,7 +21,7 @@ from pdserve.engine.spec_decode.adaptive import (
     best_num_tokens,
     expected_tokens,
 )
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.types.speculative import SpeculativeConfig
 from tests.conftest import VOCAB_SIZE, Oracle, random_prompts
 from tests.support.proposers import ScriptedProposer
 

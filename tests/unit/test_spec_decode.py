@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from pdserve.engine.spec_decode.proposer import NgramProposer, ngram_lookup
+from pdserve.engine.types.config import SchedulerConfig
+from pdserve.engine.types.sampling_params import SamplingParams
+from pdserve.engine.types.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 BS = 4
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch, select_backend
+from pdserve.engine.attention.backend import AttentionBackend, AttentionBatch
+from pdserve.engine.attention.selector import select_backend
 
 __all__ = ["AttentionBackend", "AttentionBatch", "select_backend"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_cache import QuantizedKV
+from pdserve.engine.kv.cache import QuantizedKV
 from pdserve.engine.native import KernelOps, load_kernel_ops
 
 # The C side's kv_kind codes.

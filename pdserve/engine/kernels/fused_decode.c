@@ -19,7 +19,7 @@
  *   delta    = (silu(gate) * up)(h @ Wgate_up.T (+ bias)) @ Wdown.T (+ bias)
  *   hidden   = rms_norm(residual += delta) with the final norm's weight
  *
- * With LoRA adapters (pdserve/engine/lora_layers.py), a step whose rows have adapters adds each row's update
+ * With LoRA adapters (pdserve/engine/layers/lora.py), a step whose rows have adapters adds each row's update
  * after each projection's product (and bias), with lora.c's kernel, as the layer-by-layer path's LoRALinear does
  * after its base projection: still bit for bit that path's.
  *

@@ -370,7 +370,7 @@ int pdserve_paged_attention_openmp(void)
 
 /*
  * The KV write of a step (vLLM's reshape_and_cache): token t's key and value rows go to cache slot
- * slots[t], cast to the cache's dtype or, for int8, quantized as pdserve/engine/kv_cache.py's quantize_int8 does
+ * slots[t], cast to the cache's dtype or, for int8, quantized as pdserve/engine/kv/cache.py's quantize_int8 does
  * it (scale = max |x| / 127, x / scale rounded half to even, clamped to +-127; an all-zero row keeps
  * scale 0), bit for bit. One call replaces the dozen torch ops per layer that cost more in dispatch than
  * in arithmetic at decode sizes.

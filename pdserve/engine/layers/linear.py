@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from pdserve.engine.config import INT4_GROUP_SIZES
 from pdserve.engine.layers.dense_kernels import (
     BoundDenseGemm,
     DenseKernels,
@@ -63,6 +62,7 @@ from pdserve.engine.layers.quant_kernels import (
     unpack_rows,
 )
 from pdserve.engine.native import cpu_has_native_bf16, dispatch_flags
+from pdserve.engine.types.config import INT4_GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ _LATENT_NORM_EPS = 1e-6
 class LatentAttention(nn.Module):
     """Multi-head latent attention; parameter names as transformers' ``DeepseekV2Attention``."""
 
-    # One cached row per token and layer (engine.kv_cache.KV_PARTS).
+    # One cached row per token and layer (engine.types.handoff.KV_PARTS).
     kv_parts = 1
 
     def __init__(self, config: Any, interleaved_rope: bool) -> None:

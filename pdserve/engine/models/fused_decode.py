@@ -23,7 +23,7 @@ layers (the KV pusher's), ``enforce_eager=True`` — runs the
 model's layer-by-layer forward; ``LlamaForCausalLM.forward`` is the one place
 that chooses.
 
-With LoRA adapters (pdserve/engine/lora_layers.py's ``install`` calls ``add_lora``), every projection's
+With LoRA adapters (pdserve/engine/layers/lora.py's ``install`` calls ``add_lora``), every projection's
 struct also points at its ``LoRALinear``'s slots, and a step whose rows have adapters passes them
 (``LoRARows``): the C side adds each row's update after each projection with the same kernel as the
 wrappers, so adapter steps stay fused and bit for bit the layer-by-layer path's.
@@ -39,14 +39,13 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.sdpa import SdpaMetadata
-from pdserve.engine.kv_cache import QuantizedKV
+from pdserve.engine.kv.cache import QuantizedKV
 from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
 from pdserve.engine.layers.quant_kernels import _PARALLEL_MIN_BYTES
 from pdserve.engine.native import KernelOps, load_kernel_ops
 
 if TYPE_CHECKING:
-    from pdserve.engine.lora_layers import LoRALinear, LoRAState
-    from pdserve.engine.models.llama import LlamaForCausalLM
+    from pdserve.engine.layers.lora import LoRALinear, LoRAState
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class FusedDecoder:
     packed weights must not be replaced) and of the KV pool it last ran on.
     """
 
-    def __init__(self, kernels: KernelOps, model: LlamaForCausalLM, max_rows: int) -> None:
+    def __init__(self, kernels: KernelOps, model: nn.Module, max_rows: int) -> None:
         self._ops, self._variant = kernels.ops, kernels.variant
         self.max_rows = max_rows
         decoder = model.model
@@ -178,7 +177,7 @@ class FusedDecoder:
             and attn_metadata.kernel_plan is not None
             and attn_metadata.num_decodes == 0
             and not attn_metadata.prefills
-            # A hook on a decoder layer (pdserve/engine/kv_push.py's export of each layer's KV) must see every layer run.
+            # A hook on a decoder layer (pdserve/engine/kv/push.py's export of each layer's KV) must see every layer run.
             and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self._decoder_layers)
         )
 
@@ -261,7 +260,7 @@ class FusedDecoder:
         self._pool_key, self._kv_caches = key, kv_caches
 
 
-def build_fused_decoder(model: LlamaForCausalLM) -> FusedDecoder | None:
+def build_fused_decoder(model: nn.Module) -> FusedDecoder | None:
     """The fused decode step for a packed ``model``, or None where it does not apply (see the module docstring)."""
     decoder = model.model
     weight = decoder.norm.weight

@@ -17,8 +17,8 @@ single dimension: no padding, no batch dimension.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from pdserve.engine.layers.linear import (
 )
 from pdserve.engine.models.fused_decode import FusedDecoder, build_fused_decoder
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return nn.functional.gelu(x, approximate="tanh")
@@ -590,7 +591,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_parts(self) -> int:
-        """Cached rows per token and layer: 2 (keys and values) or 1 (a latent; engine.kv_cache.KV_PARTS)."""
+        """Cached rows per token and layer: 2 (keys and values) or 1 (a latent; engine.types.handoff.KV_PARTS)."""
         return getattr(self.model.layers[0].self_attn, "kv_parts", 2)
 
     def forward(

@@ -9,6 +9,8 @@
 - ``step_codec``: one step's inputs as a compact int64 tensor, broadcast by rank 0.
 - ``workers``: rank 0's handle on ranks 1..N-1 (processes it starts) and their loop.
 - ``kv_shards``: held KV exported from any ranks' heads; a handoff landed by every rank fetching its own.
+- ``ranks``: what the runner and ``kv_shards`` need of rank 0's handle and of a follower (protocols that
+  ``workers`` implements, so nothing below it imports it).
 
 Rank 0 is the engine process: scheduler, block manager, sampler. Every rank holds
 the same block ids over its own shard of the KV pool (its KV heads).

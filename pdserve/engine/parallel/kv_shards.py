@@ -16,17 +16,15 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff
+from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.kv.handoff import KVFetch
+from pdserve.engine.parallel.ranks import FollowerRank, LeaderRanks
 from pdserve.engine.parallel.sharding import kv_heads_of_rank
 from pdserve.engine.parallel.step_codec import Command
-
-if TYPE_CHECKING:
-    from pdserve.engine.parallel.workers import TensorParallelWorkers, _Follower
+from pdserve.engine.types.handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
 _EXPORT_TAG = 7
@@ -51,7 +49,7 @@ def head_sources(num_kv_heads: int, tp: int, heads: range) -> list[tuple[int, ra
 class ShardedKV:
     """Rank 0's view of every rank's KV pool, for the lease table: ``export_blocks`` of any global heads."""
 
-    def __init__(self, local: KVCache, workers: TensorParallelWorkers, num_kv_heads: int) -> None:
+    def __init__(self, local: KVCache, workers: LeaderRanks, num_kv_heads: int) -> None:
         self.local = local
         self.workers = workers
         self.num_kv_heads = num_kv_heads  # all ranks together
@@ -93,19 +91,19 @@ def _wire_dtype(cache: KVCache) -> torch.dtype:
     return torch.int8 if cache.is_quantized else cache.dtype
 
 
-def follower_export(follower: _Follower, header: torch.Tensor) -> None:
+def follower_export(follower: FollowerRank, header: torch.Tensor) -> None:
     """A follower's half of ``ShardedKV.export_blocks``: send rank 0 the asked-for heads it is the source of."""
     _, num_ids, layer_start, layer_stop, head_start, head_stop, _, _ = header.tolist()
     group = follower.group
     assert group is not None
     ids = torch.empty(num_ids, dtype=torch.long)
     group.broadcast(ids)
-    kv_cache = follower.runner.kv_cache
+    kv_cache = follower.kv_cache
     if kv_cache.layout is not None:
         pages = torch.empty((num_ids, kv_cache.layout.num_groups), dtype=torch.long)
         group.broadcast(pages)
         kv_cache.page_map.update(ids.tolist(), pages.numpy())
-    tp, total = follower.spec.world_size, follower.total_kv_heads
+    tp, total = follower.world_size, follower.total_kv_heads
     for rank, part in head_sources(total, tp, range(head_start, head_stop)):
         if rank != follower.rank:
             continue
@@ -119,7 +117,7 @@ def follower_export(follower: _Follower, header: torch.Tensor) -> None:
 
 
 def import_on_ranks(
-    workers: TensorParallelWorkers, local: KVCache, fetch: KVFetch, first_block: int, block_ids: Sequence[int]
+    workers: LeaderRanks, local: KVCache, fetch: KVFetch, first_block: int, block_ids: Sequence[int]
 ) -> bool:
     """Land ``fetch`` on every rank (rank 0 from ``fetch.local_blocks``); True when every rank has its heads."""
     # The descriptor and the fetcher (a module-level function, pickled by reference) are small and cross once
@@ -145,7 +143,7 @@ def import_on_ranks(
     return int(flags.item()) == 0
 
 
-def follower_import(follower: _Follower, header: torch.Tensor) -> None:
+def follower_import(follower: FollowerRank, header: torch.Tensor) -> None:
     """A follower's part of an import: fetch its own heads from the sender, write them, report."""
     group = follower.group
     assert group is not None
@@ -156,10 +154,10 @@ def follower_import(follower: _Follower, header: torch.Tensor) -> None:
     failed = 0
     try:
         if pages is not None:
-            follower.runner.kv_cache.page_map.update(block_ids, pages)
+            follower.kv_cache.page_map.update(block_ids, pages)
         if block_ids:
             blocks = fetcher(handoff, first_block, follower.kv_heads)
-            follower.runner.kv_cache.import_blocks(block_ids, blocks)
+            follower.kv_cache.import_blocks(block_ids, blocks)
     except Exception:  # noqa: BLE001 - reported through the all-reduce; rank 0 recomputes the request
         logger.warning("rank %d could not fetch its KV heads of %s", follower.rank, handoff.request_id, exc_info=True)
         failed = 1

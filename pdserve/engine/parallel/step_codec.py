@@ -3,7 +3,7 @@
 Rank 0 broadcasts a fixed-size header (``HEADER_LEN`` int64: the command and
 the sizes), then, for a step, one payload of token ids, positions, slots, the
 attention batch's lengths and block tables, each layer group's slots and
-tables where the pool is paged (``engine.kv_pages``: rank 0 translates logical
+tables where the pool is paged (``engine.kv.pages``: rank 0 translates logical
 blocks to pages, so the other ranks need no page table to run a step), and the
 rows whose logits every rank computes on its vocabulary part (a split LM
 head's step). Two tensor broadcasts per step, no pickling.

@@ -34,10 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve.engine.attention.backend import select_backend
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_pages import PageLayout, PageMirror
+from pdserve.engine.attention.selector import select_backend
+from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.kv.pages import PageLayout, PageMirror
 from pdserve.engine.model_loader import load_hf_config, load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.group import TensorParallelError, TensorParallelGroup
@@ -45,6 +44,7 @@ from pdserve.engine.parallel.kv_shards import follower_export, follower_import
 from pdserve.engine.parallel.sharding import TensorParallelShard, install_all_reduce, kv_heads_of_rank
 from pdserve.engine.parallel.step_codec import HEADER_LEN, Command, StepInputs, decode_step, encode_step
 from pdserve.engine.parallel.vocab_head import gather_split_logits, install_split_head, send_split_logits
+from pdserve.engine.types.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 # A follower's exit status when a collective failed under it (another rank died or timed out).
@@ -129,7 +129,7 @@ class TensorParallelWorkers:
 
     def connect(self, num_blocks: int, paged: bool = False) -> TensorParallelGroup:
         """Wait until every rank loaded its shard, join the group, and give them the pool size and whether its
-        sliding-window layers' blocks are paged (engine.kv_pages)."""
+        sliding-window layers' blocks are paged (engine.kv.pages)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, (process, pipe) in enumerate(zip(self._processes, self._pipes), start=1):
             while not pipe.poll(0.1):
@@ -319,6 +319,15 @@ class _Follower:
         )
         self.group: TensorParallelGroup | None = None
         self.runner: ModelRunner | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def kv_cache(self) -> KVCache:
+        assert self.runner is not None, "the pool exists once run() has started"
+        return self.runner.kv_cache
 
     def run(self) -> None:
         spec, config = self.spec, self.spec.config

@@ -31,12 +31,11 @@ import torch
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.spec_decode.adaptive import AdaptivePolicy
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.proposer import NgramProposer, Proposer
+from pdserve.engine.types.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.spec_decode.draft_model import DraftModelProposer
+    from pdserve.engine.spec_decode.draft_model import DraftModelProposer, DraftTarget
 
 
 class SpecDecoder:
@@ -166,32 +165,23 @@ class SpecDecoder:
                 )
 
 
-def load_draft(config: SpeculativeConfig, engine: LLMEngine) -> DraftModelProposer | None:
-    """The draft model of a ``draft_model`` config, loaded and checked against ``engine``'s model (whose
-    pool is not sized yet: the draft's per-block bytes count in its sizing); None for other methods."""
+def load_draft(config: SpeculativeConfig, target: DraftTarget) -> DraftModelProposer | None:
+    """The draft model of a ``draft_model`` config, loaded and checked against the target engine's model
+    (whose pool is not sized yet: the draft's per-block bytes count in its sizing); None for other methods."""
     if config.method != "draft_model":
         return None
-    from pdserve.engine.spec_decode.draft_model import DraftModelProposer, DraftTarget
+    from pdserve.engine.spec_decode.draft_model import DraftModelProposer
 
-    target = DraftTarget(
-        model_id=engine.model_id,
-        vocab_size=engine.vocab_size,
-        block_size=engine.config.cache.block_size,
-        max_model_len=engine.max_model_len,
-        dtype=engine.dtype,
-        device=engine.device,
-        attention_backend=engine.config.model.attention_backend,
-        max_num_seqs=engine.config.scheduler.max_num_seqs,
-        enforce_eager=engine.config.model.enforce_eager,
-    )
     return DraftModelProposer(config, target)
 
 
-def build_spec_decoder(config: SpeculativeConfig, engine: LLMEngine, draft: DraftModelProposer | None) -> SpecDecoder:
-    """The decoder for ``engine``, whose pool now exists (``draft``: from ``load_draft``)."""
+def build_spec_decoder(
+    config: SpeculativeConfig, draft: DraftModelProposer | None, num_blocks: int, max_model_len: int, vocab_size: int
+) -> SpecDecoder:
+    """The decoder for an engine whose pool of ``num_blocks`` blocks now exists (``draft``: from ``load_draft``)."""
     if draft is None:
         proposer: Proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        draft.allocate_kv(engine.block_manager.num_blocks)
+        draft.allocate_kv(num_blocks)
         proposer = draft
-    return SpecDecoder(config, proposer, engine.max_model_len, engine.vocab_size)
+    return SpecDecoder(config, proposer, max_model_len, vocab_size)

@@ -34,14 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention.backend import AttentionBatch, select_backend
-from pdserve.engine.kv_cache import KVCache, bytes_per_block
-from pdserve.engine.kv_handoff import KVLayout
+from pdserve.engine.attention.backend import AttentionBatch
+from pdserve.engine.attention.selector import select_backend
+from pdserve.engine.kv.cache import KVCache, bytes_per_block
 from pdserve.engine.model_loader import TORCH_DTYPES, load_hf_config, load_model, resolve_model_path
 from pdserve.engine.sampler import first_argmax
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.proposer import Proposer
+from pdserve.engine.types.handoff import KVLayout
+from pdserve.engine.types.speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class DraftProposal:

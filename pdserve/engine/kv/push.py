@@ -21,18 +21,17 @@ sink does the rest.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pdserve.engine.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.kv.cache import KVCache
+from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,19 @@ class KVPushSink(Protocol):
     def push_end(self, request_id: str, complete: bool) -> None:
         """No more pieces come: ``complete`` when every block was pushed (the prefill finished), else it was aborted."""
         ...
+
+
+class ScheduledChunk(Protocol):
+    """One sequence's share of a step: ``num_new_tokens`` tokens from ``start`` (``scheduler.ScheduledSequence``)."""
+
+    @property
+    def seq(self) -> Sequence: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_new_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -79,13 +91,15 @@ class LayerPusher:
         # (pdserve/engine/models/fused_decode.py), which the other steps need not.
         self._hooks: list[RemovableHandle] = []
 
-    def begin_step(self, scheduler_output: SchedulerOutput) -> None:
+    def begin_step(self, scheduled: Iterable[ScheduledChunk], preempted: Iterable[str]) -> None:
+        """Plan what this step pushes: ``scheduled`` is the step's chunks, ``preempted`` the ids of the
+        requests the scheduler preempted for it."""
         if self.sink is None:
             return
-        for request_id in scheduler_output.preempted:
+        for request_id in preempted:
             if request_id in self._pushed:
                 self._pushed[request_id] = self._first[request_id]  # recomputed: push it all again
-        for item in scheduler_output.scheduled:
+        for item in scheduled:
             seq = item.seq
             hold = seq.kv_hold
             if hold is None or not hold.push or item.start >= seq.num_prompt_tokens:

@@ -9,18 +9,15 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from pdserve.engine.config import KV_CACHE_DTYPES
+from pdserve.engine.kv.handoff import dtype_name
+from pdserve.engine.types.config import KV_CACHE_DTYPES
+from pdserve.engine.types.handoff import KV_PARTS, SCALE_BYTES, kv_block_bytes
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_pages import PageLayout
+    from pdserve.engine.kv.pages import PageLayout
 
-# engine.config.KV_CACHE_DTYPES other than "auto" (the model's dtype).
+# engine.types.config.KV_CACHE_DTYPES other than "auto" (the model's dtype).
 _KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "int8": torch.int8}
-# int8 KV stores one float32 scale per (token, KV head); on the wire (export/import)
-# its 4 bytes follow the head's head_dim int8 values, so a handoff stays one tensor.
-SCALE_BYTES = 4
-# Rows a pool keeps per token and layer: keys and values (2), or one latent (1: multi-head latent attention).
-KV_PARTS = (1, 2)
 _INT8_MAX = 127.0
 
 
@@ -86,7 +83,7 @@ class KVCache:
     block_size, num_kv_heads) float32 holds each token's per-KV-head scale
     (symmetric: value = int8 * scale); otherwise ``scales`` is None.
 
-    With a ``PageLayout`` (a model with sliding-window layers, ``engine.kv_pages``)
+    With a ``PageLayout`` (a model with sliding-window layers, ``engine.kv.pages``)
     the first dimension is the layers of one page and the third the pages
     (``num_blocks`` times the layout's groups); block ids are logical, and
     ``page_map.pages`` (the block manager's) gives each one's page per group.
@@ -270,9 +267,7 @@ def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, parts: int = 2
 ) -> int:
     """Bytes of one block of every layer's keys and values (or latents: ``parts`` 1), int8 scales included."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    scale_bytes = SCALE_BYTES if dtype == torch.int8 else 0
-    return num_layers * parts * block_size * num_kv_heads * (head_dim * element_size + scale_bytes)
+    return kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype_name(dtype), parts)
 
 
 def available_memory_bytes(device: torch.device) -> int:

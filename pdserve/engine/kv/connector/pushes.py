@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_handoff import KVHandoff, KVLayout, KVReservation
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.types.handoff import KVHandoff, KVLayout, KVReservation
 
 log = logging.getLogger(__name__)
 

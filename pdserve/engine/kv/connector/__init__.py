@@ -19,39 +19,38 @@ they get, when they may run; ``PushTable``: the blocks pushes hold) and a
 worker side (``ConnectorWorker``: receive, write, confirm). Anything a handoff
 holds here that no request claims (a push whose Decode never comes) is
 dropped at the engine's one handoff deadline (``EngineConfig.kv_handoff_timeout_s``),
-the same one that bounds the prefill worker's lease (``engine.kv_leases``) and
+the same one that bounds the prefill worker's lease (``pdserve.engine.kv.leases``) and
 a decode worker's early start. Everything runs on the engine thread; the
-services reach it through ``AsyncEngine`` commands.
+services reach it through ``AsyncEngine`` commands. The connector is built from
+``ConnectorParts`` (host.py): the engine's pool, block manager and scheduler
+queue, and three calls back into the engine, never the engine itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from pdserve.engine.kv_connector.pushes import PushedKV, PushRefused, PushState, PushTable
-from pdserve.engine.kv_connector.scheduler_side import ConnectorScheduler
-from pdserve.engine.kv_connector.worker_side import ConnectorWorker
-from pdserve.engine.kv_handoff import KVFetch, KVHandoff, KVLayout, KVSlot
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.connector.host import ConnectorHost, ConnectorParts, DraftKV, RankImport, RemoteKVQueue
+from pdserve.engine.kv.connector.pushes import PushedKV, PushRefused, PushState, PushTable
+from pdserve.engine.kv.connector.scheduler_side import ConnectorScheduler
+from pdserve.engine.kv.connector.worker_side import ConnectorWorker
+from pdserve.engine.kv.handoff import KVFetch
+from pdserve.engine.types.handoff import KVHandoff, KVLayout, KVSlot
+from pdserve.engine.types.outputs import RequestOutput
+from pdserve.engine.types.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
-
-__all__ = ["ConnectorScheduler", "ConnectorWorker", "DecodeKVConnector", "PushRefused", "PushState", "PushedKV",
-           "PushTable"]
+__all__ = ["ConnectorHost", "ConnectorParts", "ConnectorScheduler", "ConnectorWorker", "DecodeKVConnector", "DraftKV",
+           "PushRefused", "PushState", "PushedKV", "PushTable", "RankImport", "RemoteKVQueue"]
 
 
 class DecodeKVConnector:
     """A decode engine's handoffs: the scheduler side and the worker side, and the calls the services make."""
 
-    def __init__(self, engine: LLMEngine, timeout_s: float) -> None:
-        self._engine = engine
-        self.pushes = PushTable(engine.block_manager, engine.kv_layout, timeout_s)
-        self.scheduler = ConnectorScheduler(engine, self.pushes)
-        self.worker = ConnectorWorker(engine, self.pushes, self.scheduler)
+    def __init__(self, parts: ConnectorParts) -> None:
+        self._parts = parts
+        self.pushes = PushTable(parts.block_manager, parts.kv_layout, parts.timeout_s)
+        self.scheduler = ConnectorScheduler(parts, self.pushes)
+        self.worker = ConnectorWorker(parts, self.pushes, self.scheduler)
 
     # ---- requests (scheduler side) ---------------------------------------------------------
 
@@ -68,7 +67,7 @@ class DecodeKVConnector:
     def drain_kv_slots(self) -> list[KVSlot]:
         """The requests that got their blocks since the last call, each with where its KV goes (every one:
         without ``take_slots``' joining of those whose blocks are filled already)."""
-        return self._engine.scheduler.drain_kv_slots()
+        return self._parts.queue.drain_kv_slots()
 
     def join_if_present(self, slot: KVSlot) -> RequestOutput | None:
         return self.scheduler.join_if_present(slot)
@@ -91,7 +90,7 @@ class DecodeKVConnector:
                   max_bytes: int = 1 << 62) -> PushedKV:
         """Reserve blocks for a push (``PushTable.open``); a tensor-parallel engine takes none (each rank
         fetches its own heads)."""
-        if self._engine.parallel is not None:
+        if self._parts.import_on_ranks is not None:
             raise ValueError("this engine is tensor-parallel: each rank fetches its own heads, a push cannot land")
         return self.pushes.open(request_id, layout, first_block, num_blocks, max_bytes)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_handoff import DRAFT_SECTION_SUFFIX, KVHandoff
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.cache import KVCache
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types.handoff import DRAFT_SECTION_SUFFIX, KVHandoff
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from pdserve.engine.hashing import BlockHash
-from pdserve.engine.kv_handoff import KVReservation
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types.handoff import KVReservation
+from pdserve.engine.types.hashing import BlockHash
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,7 @@ class BlockManager:
 
     def trim(self, seq: Sequence) -> None:
         """Free what ``seq``'s next query no longer reads (nothing here: every layer reads the whole context;
-        ``engine.kv_pages.PagedBlockManager`` frees what sliding windows left behind)."""
+        ``engine.kv.pages.PagedBlockManager`` frees what sliding windows left behind)."""
 
     def release_unused(self, seq: Sequence) -> None:
         """Free the blocks past the ones ``seq.num_computed_tokens`` needs (rejected speculative positions).

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.lora import LoRAConfig
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.types.lora import LoRAConfig
+from pdserve.engine.types.speculative import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn")
 # Weight-only quantization of the decoder's projections (pdserve/engine/layers/linear.py); None keeps the checkpoint's floats.
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-# "auto": the model's dtype. int8 keeps a float32 scale per token and KV head (pdserve/engine/kv_cache.py).
+# "auto": the model's dtype. int8 keeps a float32 scale per token and KV head (pdserve/engine/kv/cache.py).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 
 
@@ -30,7 +30,7 @@ class CacheConfig:
     kv_memory_fraction: float | None = None
     # One of KV_CACHE_DTYPES (vLLM's name): what the pool stores keys and values in.
     kv_cache_dtype: str = "auto"
-    # vLLM's name: keep every block in sliding-window layers too (engine.kv_pages frees what windows leave
+    # vLLM's name: keep every block in sliding-window layers too (engine.kv.pages frees what windows leave
     # behind unless this is set).
     disable_hybrid_kv_cache_manager: bool = False
 
@@ -70,7 +70,7 @@ class ModelConfig:
     device: str = "auto"  # "auto" picks cuda when available
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0  # seeds the sampler's generator for requests without a seed
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; pdserve/engine/attention/backend.py says what auto picks
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS; pdserve/engine/attention/selector.py says what auto picks
     quantization: str | None = None  # one of QUANTIZATIONS, applied at load to any float checkpoint
     quantization_group_size: int = 32  # input columns per INT4 scale/zero; must divide every projection's in_features
     # Under quantization, the LM head in INT8 too (llama.cpp's GGUF keeps it in Q8_0; vLLM leaves it unquantized).

@@ -13,16 +13,13 @@ came) must be claimed; the rest of their lifetime is the scheduler's.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from pdserve.engine.kv_connector.pushes import PushTable
-from pdserve.engine.kv_handoff import KVHandoff, KVSlot
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.kv.connector.host import ConnectorParts
+from pdserve.engine.kv.connector.pushes import PushTable
 from pdserve.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.types.handoff import KVHandoff, KVSlot
+from pdserve.engine.types.outputs import RequestOutput
+from pdserve.engine.types.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +27,8 @@ log = logging.getLogger(__name__)
 class ConnectorScheduler:
     """Which requests wait for remote KV, the blocks they get, and when they may run (engine thread only)."""
 
-    def __init__(self, engine: LLMEngine, pushes: PushTable) -> None:
-        self._engine = engine
+    def __init__(self, parts: ConnectorParts, pushes: PushTable) -> None:
+        self._parts = parts
         self.pushes = pushes
         # Requests that join the batch as soon as their blocks hold all their KV (pushed or cached here),
         # without the trip through whoever fetches KV.
@@ -56,23 +53,22 @@ class ConnectorScheduler:
         if not pushed:
             self.pushes.drop(handoff.request_id, refuse_later=True)
         try:
-            seq = self._remote_sequence(request_id, prompt_token_ids, params, handoff)
+            seq = self._parts.host.remote_sequence(request_id, prompt_token_ids, params, handoff)
         except BaseException:
             if reservation is not None:
                 self.pushes.free(reservation)
             raise
         seq.kv_reservation = reservation
-        self._engine.register(seq)
         if not self.accepts_draft_kv(handoff):
             self._land_when_present.add(seq.request_id)
-        self._engine.queue_remote(seq)
+        self._parts.host.admit_remote(seq)
         return 0 if reservation is None else len(reservation.block_ids)
 
     def accepts_draft_kv(self, handoff: KVHandoff) -> bool:
         """Whether ``handoff`` carries draft KV that this engine's draft model can use: then the request waits
         for it to be fetched too (else it is ignored, and the draft recomputes the prompt when the request
         first proposes)."""
-        draft = self._engine.draft
+        draft = self._parts.draft
         return (
             handoff.draft_layout is not None
             and draft is not None
@@ -84,7 +80,7 @@ class ConnectorScheduler:
         ``first_block`` on), and the outputs of those that joined the batch because nothing was missing."""
         to_fill: list[KVSlot] = []
         joined: list[RequestOutput] = []
-        for slot in self._engine.scheduler.drain_kv_slots():
+        for slot in self._parts.queue.drain_kv_slots():
             if slot.request_id in self._land_when_present:
                 self._land_when_present.discard(slot.request_id)
                 output = self.join_if_present(slot)
@@ -105,9 +101,9 @@ class ConnectorScheduler:
 
     def join_running(self, seq: Sequence) -> RequestOutput:
         """Every block of ``seq`` holds its KV: it runs from the next step on; its state at landing."""
-        self._engine.block_manager.cache_computed_blocks(seq)
-        self._engine.scheduler.kv_received(seq)
-        return self._engine.output_of(seq)
+        self._parts.block_manager.cache_computed_blocks(seq)
+        self._parts.queue.kv_received(seq)
+        return self._parts.host.output_of(seq)
 
     def recompute(self, request_id: str) -> RequestOutput | None:
         """A remote request's KV will never land: compute its prompt and first token here instead.
@@ -119,38 +115,13 @@ class ConnectorScheduler:
         seq = self.receiving(request_id)
         if seq is None:
             return None
-        self._engine.scheduler.kv_lost(seq)
-        return self._engine.output_of(seq)
+        self._parts.queue.kv_lost(seq)
+        return self._parts.host.output_of(seq)
 
     def receiving(self, request_id: str) -> Sequence | None:
         """The request ``request_id`` while it holds blocks and waits for its KV; None otherwise."""
-        return self._engine.scheduler.receiving.get(request_id)
+        return self._parts.queue.receiving.get(request_id)
 
     def request_finished(self, request_id: str) -> None:
         """``request_id`` ended (an abort): nothing is kept for it."""
         self._land_when_present.discard(request_id)
-
-    def _remote_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         handoff: KVHandoff) -> Sequence:
-        engine = self._engine
-        if handoff.model_id != engine.model_id:
-            raise ValueError(f"handoff.model_id {handoff.model_id!r} is not this worker's model {engine.model_id!r}")
-        if handoff.layout.block_size != engine.block_size:
-            raise ValueError(f"handoff.layout.block_size {handoff.layout.block_size} != {engine.block_size}")
-        if handoff.num_tokens != len(prompt_token_ids):
-            raise ValueError(f"handoff.num_tokens {handoff.num_tokens} != prompt length {len(prompt_token_ids)}")
-        request_id = engine.new_request_id(request_id)
-        token_ids = engine.validate_request(prompt_token_ids, params)
-        if handoff.lora is not None:
-            if engine.lora is None:
-                raise ValueError(f"handoff.lora {handoff.lora.lora_name!r}: this worker serves no LoRA adapters "
-                                 "(start it with --enable-lora)")
-            engine.lora.load(handoff.lora)  # ValueError naming the adapter when it cannot be served
-        seq = engine.new_sequence(request_id, token_ids, params, num_draws_done=1, block_hashes=handoff.block_hashes,
-                                  lora_request=handoff.lora)
-        seq.prompt_logprobs = None  # delivered by the engine that prefilled it
-        seq.append_token(handoff.first_token_id)
-        seq.num_cached_tokens = 0
-        # Nothing of the prompt is computed here: only the first token is left to run.
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        return seq

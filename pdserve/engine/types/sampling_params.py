@@ -7,8 +7,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pdserve.engine.structured_output import StructuredOutputsParams
-
+from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 
 _GREEDY_BELOW = 1e-5
 # vLLM's (and OpenAI's) ranges.

@@ -28,9 +28,9 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from pdserve.engine.block_manager import BlockManager, BlockRemoved
-from pdserve.engine.hashing import BlockHash
+from pdserve.engine.kv.block_manager import BlockManager, BlockRemoved
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.types.hashing import BlockHash
 
 # A page table entry where a window freed the page.
 NO_PAGE = -1

@@ -8,24 +8,20 @@ elsewhere two dense products over all resident adapters, ``(x @ A_all^T) * M`` t
 ``M`` holds each row's scale in its slot's columns and zeros elsewhere: a row of the base model, or of another
 adapter, adds exactly nothing from the columns it does not own. The adapters' weights are kept in the model's
 dtype where it is bfloat16 (half the bytes a step reads, and the kernel reads them once a step), float32
-otherwise; the update is summed in float32 either way. ``install`` wraps a model's projections, and points the
-model's fused decode step (pdserve/engine/models/fused_decode.py) at the same slots: its decode steps add the
-same kernel's updates; pdserve/engine/lora.py's ``LoRAManager`` fills the slots and sets each step's
+otherwise; the update is summed in float32 either way. pdserve/engine/lora.py's ``install`` wraps a model's
+projections, and points the model's fused decode step (pdserve/engine/models/fused_decode.py) at the same slots:
+its decode steps add the same kernel's updates; its ``LoRAManager`` fills the slots and sets each step's
 ``LoRARows``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from pdserve.engine.native import KernelOps, load_kernel_ops
-
-if TYPE_CHECKING:
-    from pdserve.engine.lora import LoRAConfig
+from pdserve.engine.native import KernelOps
 
 
 @dataclass(frozen=True)
@@ -146,42 +142,3 @@ class LoRALinear(nn.Module):
         for position, (start, end) in enumerate(self.slices.values()):
             update[:, start:end] = shrunk[:, :, position].flatten(1) @ self.lora_b[:, start:end].float()
         return out.add_(update.to(out.dtype))
-
-
-def install(model: nn.Module, config: LoRAConfig, state: LoRAState) -> list[dict[str, LoRALinear]]:
-    """Wrap every decoder layer's packed projections in ``LoRALinear``, the adapters' weights bfloat16 in a
-    bfloat16 model and float32 otherwise; per layer, packed name -> wrapper. ``ValueError`` for a model whose
-    layers are not Llama-shaped attention and MLP (experts, latent attention)."""
-    from pdserve.engine.models.llama import MLP, Attention
-
-    layers = []
-    decoder = model.model  # type: ignore[attr-defined]
-    weight = decoder.norm.weight
-    kernels = load_kernel_ops() if weight.device.type == "cpu" else None
-    dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
-    for index, layer in enumerate(decoder.layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attention, Attention) or not isinstance(mlp, MLP):
-            raise ValueError(f"LoRA is served on models whose every layer has multi-head attention and a dense MLP; "
-                             f"layer {index} has {type(attention).__name__} and {type(mlp).__name__}")
-        q = attention.num_heads * attention.head_dim
-        kv = attention.num_kv_heads * attention.head_dim
-        hidden = weight.shape[0]
-        width = mlp.intermediate_size
-        shapes = {
-            "qkv_proj": (attention, {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}, hidden),
-            "o_proj": (attention, {"o_proj": (0, hidden)}, q),
-            "gate_up_proj": (mlp, {"gate_proj": (0, width), "up_proj": (width, 2 * width)}, hidden),
-            "down_proj": (mlp, {"down_proj": (0, hidden)}, width),
-        }
-        wrapped = {}
-        for packed, (owner, slices, in_features) in shapes.items():
-            linear = LoRALinear(getattr(owner, packed), slices, in_features, config.max_loras, config.max_lora_rank,
-                                state, weight.device, kernels, dtype)
-            setattr(owner, packed, linear)
-            wrapped[packed] = linear
-        layers.append(wrapped)
-    fused = model.fused_decoder  # type: ignore[attr-defined]
-    if fused is not None:  # decode steps stay one C call, adapter rows or not
-        fused.add_lora(layers, state)
-    return layers

@@ -11,25 +11,20 @@ decides who waits or runs: that is the scheduler side's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from pdserve.engine.kv_connector.pushes import PushedKV, PushState, PushTable
-from pdserve.engine.kv_handoff import KVFetch
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.parallel.kv_shards import import_on_ranks
-
-if TYPE_CHECKING:
-    from pdserve.engine.kv_connector.scheduler_side import ConnectorScheduler
-    from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.kv.connector.host import ConnectorParts
+from pdserve.engine.kv.connector.pushes import PushedKV, PushState, PushTable
+from pdserve.engine.kv.connector.scheduler_side import ConnectorScheduler
+from pdserve.engine.kv.handoff import KVFetch
+from pdserve.engine.types.outputs import RequestOutput
 
 
 class ConnectorWorker:
     """Receive, write, confirm: KV into the engine's pool (engine thread only)."""
 
-    def __init__(self, engine: LLMEngine, pushes: PushTable, scheduler_side: ConnectorScheduler) -> None:
-        self._engine = engine
+    def __init__(self, parts: ConnectorParts, pushes: PushTable, scheduler_side: ConnectorScheduler) -> None:
+        self._parts = parts
         self._pushes = pushes
         self._scheduler_side = scheduler_side
 
@@ -46,14 +41,14 @@ class ConnectorWorker:
             raise ValueError(f"blocks {first_block}+{blocks.shape[2]} are outside the reservation of blocks "
                              f"{reservation.first_block}..{reservation.end_block}")
         try:
-            self._engine.kv_cache.import_blocks(block_ids, blocks, slice(layer, layer + 1))
+            self._parts.kv_cache.import_blocks(block_ids, blocks, slice(layer, layer + 1))
         except BaseException:
             # Never a request decoding from half-written blocks: a claim drops a broken push.
             self._pushes.broken(entry)
             raise
         # Only the piece that ends the prompt writes its last block (earlier chunks push full blocks only),
         # and a push sends its layers in order: this was the push's last write.
-        if layer == self._engine.kv_layout.num_layers - 1 and first_block + len(block_ids) == reservation.end_block:
+        if layer == self._parts.kv_layout.num_layers - 1 and first_block + len(block_ids) == reservation.end_block:
             self._pushes.landed(entry)
 
     def fill(self, request_id: str, first_block: int, blocks: torch.Tensor | KVFetch) -> RequestOutput | None:
@@ -69,17 +64,17 @@ class ConnectorWorker:
         seq = self._scheduler_side.receiving(request_id)
         if seq is None:
             return None
-        engine = self._engine
+        parts = self._parts
         to_fill = seq.block_table[first_block:]
         local = blocks.local_blocks if isinstance(blocks, KVFetch) else blocks
         if local.shape[2] != len(to_fill):
             raise ValueError(f"KV for {request_id!r} has {local.shape[2]} blocks from block {first_block}, "
                              f"its slot has {len(to_fill)}")
-        if isinstance(blocks, KVFetch) and engine.parallel is not None and to_fill:
-            if not import_on_ranks(engine.parallel, engine.kv_cache, blocks, first_block, to_fill):
+        if isinstance(blocks, KVFetch) and parts.import_on_ranks is not None and to_fill:
+            if not parts.import_on_ranks(parts.kv_cache, blocks, first_block, to_fill):
                 return self._scheduler_side.recompute(request_id)
         elif to_fill:
-            engine.kv_cache.import_blocks(to_fill, local)
+            parts.kv_cache.import_blocks(to_fill, local)
         return self._scheduler_side.join_running(seq)
 
     def fill_draft(self, request_id: str, blocks: torch.Tensor) -> bool:
@@ -93,7 +88,7 @@ class ConnectorWorker:
         seq = self._scheduler_side.receiving(request_id)
         if seq is None:
             return False
-        draft = self._engine.draft
+        draft = self._parts.draft
         if draft is None or draft.kv_cache is None:
             raise ValueError("this engine has no draft model to take draft KV")
         if blocks.shape[2] != len(seq.block_table):

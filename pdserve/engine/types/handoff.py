@@ -7,30 +7,31 @@ as is. Both types are frozen and validated on construction, so a malformed
 handoff fails where it is built or parsed with a ``ValueError`` that names the
 field, never halfway through a transfer. Protobuf conversion lives at the
 service edge (``kv_transfer.descriptor``): the engine imports no protos.
+
+Torch-free, as all of ``pdserve.engine.types`` is: a layout names its dtype
+(``"bfloat16"``); the torch side of a handoff (a layout's tensor dtype,
+``KVFetch``) is ``pdserve.engine.kv.handoff``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
-
-from pdserve.engine.hashing import BlockHash
-from pdserve.engine.kv_cache import KV_PARTS, SCALE_BYTES, bytes_per_block
-from pdserve.engine.lora import LoRARequest
+from pdserve.engine.types.hashing import BlockHash
+from pdserve.engine.types.lora import LoRARequest
 
 # Every transport a handoff may name. grpc streams with FetchKV; the others are
 # staged with StageKV and read out of band (kv_transfer.config re-exports these).
 TRANSPORTS: tuple[str, ...] = ("grpc", "shm", "torch_dist", "cuda_ipc")
 
-# The KV cache dtypes the engine supports (engine.config.SUPPORTED_DTYPES less "auto", and int8 KV).
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-}
+# The KV cache dtypes the engine supports (config.SUPPORTED_DTYPES less "auto", and int8 KV), and the bytes of
+# one element of each.
+KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# int8 KV stores one float32 scale per (token, KV head); on the wire (export/import)
+# its 4 bytes follow the head's head_dim int8 values, so a handoff stays one tensor.
+SCALE_BYTES = 4
+# Rows a pool keeps per token and layer: keys and values (2), or one latent (1: multi-head latent attention).
+KV_PARTS = (1, 2)
 # The draft model's section of a handoff is addressed as a request of its own on
 # the prefill worker (``KVHandoff.draft_section``), so every transport moves it unchanged.
 DRAFT_SECTION_SUFFIX = "#draft"
@@ -52,10 +53,10 @@ class KVLayout:
 
     A transfer of ``n`` blocks is one contiguous tensor of
     ``tensor_shape(n) == (num_layers, kv_parts, n, block_size, num_kv_heads, head_dim)``,
-    the layout ``engine.kv_cache.KVCache.export_blocks`` returns: ``kv_parts`` 2
+    the layout ``engine.kv.cache.KVCache.export_blocks`` returns: ``kv_parts`` 2
     for keys and values, 1 for a latent-attention model's latent rows. With dtype
     int8 the last dimension is ``head_dim + 4``: each row's float32 scale
-    travels as 4 bytes after its values (``engine.kv_cache.pack_int8``).
+    travels as 4 bytes after its values (``engine.kv.cache.pack_int8``).
 
     A decode worker whose ``kv_cache_dtype`` differs from the prefill worker's
     converts on import (``KVCache.import_blocks``): int8 is dequantized, float
@@ -67,24 +68,20 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name, e.g. "float32"
-    kv_parts: int = 2  # rows per token and layer (engine.kv_cache.KV_PARTS)
+    kv_parts: int = 2  # rows per token and layer (engine.types.handoff.KV_PARTS)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             _check_range(name, getattr(self, name), 1, _UINT32_MAX)
         if self.kv_parts not in KV_PARTS:
             raise ValueError(f"kv_parts must be one of {KV_PARTS}, got {self.kv_parts!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        if self.dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype, self.kv_parts
+        return kv_block_bytes(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.kv_parts
         )
 
     @property
@@ -107,20 +104,6 @@ class KVLayout:
             raise ValueError(f"kv heads must be a non-empty range within [0, {self.num_kv_heads}), got {heads}")
         return heads
 
-    @classmethod
-    def from_tensor(cls, blocks: torch.Tensor) -> KVLayout:
-        """The layout of an exported (num_layers, kv_parts, n, block_size, num_kv_heads, row_size) tensor."""
-        if blocks.dim() != 6 or blocks.shape[1] not in KV_PARTS:
-            raise ValueError(
-                f"KV blocks must be (layers, 2 or 1, blocks, block_size, heads, head_dim), got {tuple(blocks.shape)}"
-            )
-        dtype = next((name for name, value in _DTYPES.items() if value == blocks.dtype), str(blocks.dtype))
-        num_layers, parts, _, block_size, num_kv_heads, row_size = blocks.shape
-        head_dim = row_size - (SCALE_BYTES if blocks.dtype == torch.int8 else 0)
-        return cls(
-            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
-            kv_parts=parts,
-        )
 
 
 @dataclass(frozen=True)
@@ -221,7 +204,7 @@ class KVHoldParams:
     to the engine's lease table (until the handoff deadline) and its output carries
     the ``KVHandoff`` built from these fields and the sequence. With ``push``
     the engine also hands each layer's blocks to its ``LayerPusher``'s sink as
-    the prefill writes them (``engine.kv_push``), from block ``push_first_block``
+    the prefill writes them (``pdserve.engine.kv.push``), from block ``push_first_block``
     on (the decode side caches the ones before it).
     """
 
@@ -252,24 +235,6 @@ class KVHoldParams:
 
 
 @dataclass(frozen=True)
-class KVFetch:
-    """What lands a handoff on a tensor-parallel decode engine instead of one tensor of every head.
-
-    Each rank receives exactly the KV heads it owns, straight from the sender:
-    ``local_blocks`` are rank 0's heads (fetched by the service like any
-    handoff), and every other rank calls ``fetcher(handoff, first_block, heads)``
-    for its own heads. The fetcher is the transport layer's, passed in by the
-    service (the engine imports no transport); it crosses to the other ranks'
-    processes pickled, so it must be a module-level function or a
-    ``functools.partial`` of one.
-    """
-
-    handoff: KVHandoff
-    local_blocks: torch.Tensor  # (num_layers, 2, n, block_size, rank 0's KV heads, row_size)
-    fetcher: Callable[[KVHandoff, int, range], torch.Tensor]
-
-
-@dataclass(frozen=True)
 class KVReservation:
     """Blocks a decode engine holds for a request's pushed KV before the request itself arrives.
 
@@ -297,3 +262,10 @@ class KVSlot:
 
     request_id: str
     first_block: int
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str, parts: int = 2) -> int:
+    """Bytes of one block of every layer's keys and values (or latents: ``parts`` 1) in ``dtype`` (a name of
+    ``KV_DTYPE_BYTES``), int8 scales included."""
+    scale_bytes = SCALE_BYTES if dtype == "int8" else 0
+    return num_layers * parts * block_size * num_kv_heads * (head_dim * KV_DTYPE_BYTES[dtype] + scale_bytes)

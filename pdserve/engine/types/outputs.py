@@ -1,4 +1,4 @@
-"""What the engine hands back to its callers."""
+"""What the engine hands back to its callers: a request's outputs, and the load snapshot of an engine."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.engine.kv_handoff import KVHandoff
+    from pdserve.engine.types.handoff import KVHandoff
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,28 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A load snapshot, for routing and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_held: int  # finished requests whose blocks are pinned for export (leases)
+    num_preemptions: int
+    # KV pushed here whose request has not claimed it yet (pushes), and its size.
+    num_pushed: int = 0
+    num_pushed_bytes: int = 0
+    # What handoffs held that nobody claimed before the handoff deadline: leases here, pushes here.
+    num_expired_leases: int = 0
+    num_expired_pushes: int = 0
+    # Speculative decoding since start (0 without it): verifying steps, proposed and accepted tokens.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    # LoRA adapters held (in slots first, then in host memory only).
+    lora_adapters: tuple[str, ...] = ()
