@@ -4,6 +4,7 @@ output, "auto" found by the gateway's --tool-call-parser, streamed and not; hist
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,101 @@ async def test_auto_finds_hermes_calls_in_the_answer_and_leaves_plain_answers_al
         assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.tool_calls is None
         content, calls, reason = await _streamed(client, tools=TOOLS, max_tokens=40, temperature=0.0, extra_body=plain)
         assert (content, calls, reason) == (reply.choices[0].message.content, {}, "stop")
+
+
+# What Llama 3.1-3.3 write with vLLM's JSON tool template: one JSON object per call, "parameters" for the arguments,
+# several separated by "; ", after <|python_tag|> when they write it (a special token of their tokenizer, which the
+# worker's detokenizer drops; the byte tokenizer here writes it as text). A call cut short is not JSON: it stays text.
+LLAMA3_JSON_OUTPUTS = [
+    ('{"name": "get_weather", "parameters": {"city": "paris", "unit": "C"}}',
+     None, [("get_weather", '{"city": "paris", "unit": "C"}')]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "paris", "unit": "C"}}; '
+     '{"name": "get_time", "parameters": {"zone": -5}}',
+     None, [("get_weather", '{"city": "paris", "unit": "C"}'), ("get_time", '{"zone": -5}')]),
+    ('{"name": "get_weather", "parameters": {"city": "paris", "unit": "C"}',
+     '{"name": "get_weather", "parameters": {"city": "paris", "unit": "C"}', []),
+]
+# What Mistral's instruct models (tokenizer v3, e.g. Mistral-7B-Instruct-v0.3, Mistral-Nemo) write: [TOOL_CALLS], then
+# one JSON list of the calls, "arguments" for the arguments; text may come first. [TOOL_CALLS] is a control token of
+# their tokenizers, which the worker's detokenizer drops (it skips special tokens); the byte tokenizer here writes it
+# as text.
+MISTRAL_OUTPUTS = [
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "paris", "unit": "C"}}]',
+     None, [("get_weather", '{"city": "paris", "unit": "C"}')]),
+    ('Let me check.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "paris", "unit": "C"}}, '
+     '{"name": "get_time", "arguments": {"zone": -5}}]',
+     "Let me check.", [("get_weather", '{"city": "paris", "unit": "C"}'), ("get_time", '{"zone": -5}')]),
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "paris", "unit": "C"}]',
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "paris", "unit": "C"}]', []),
+]
+CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
+
+
+def _literal(text: str) -> str:
+    """A regex that matches ``text`` only."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
+
+
+async def _chunks(client: openai.AsyncOpenAI, **args: Any) -> list[tuple[str | None, list[dict[str, Any]] | None,
+                                                                          str | None]]:
+    """A streamed chat's chunks as they came: each one's content, tool calls and finish reason."""
+    stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True, **args)
+    chunks = []
+    async for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            calls = [call.model_dump(exclude_none=True) for call in delta.tool_calls] if delta.tool_calls else None
+            chunks.append((delta.content, calls, chunk.choices[0].finish_reason))
+    return chunks
+
+
+async def _check_auto_calls(client: openai.AsyncOpenAI, output: str, content: str | None,
+                            calls: list[tuple[str, str]]) -> None:
+    """The model writes ``output`` (a regex makes the tiny random model write it): the reply, whole and streamed,
+    has ``content`` and ``calls`` (name, arguments), ends with "tool_calls" when it has calls and "stop" when not."""
+    args: dict[str, Any] = dict(tools=TOOLS, max_tokens=300, temperature=0.0,
+                                extra_body={"structured_outputs": {"regex": _literal(output)}})
+    reply = await client.chat.completions.create(model="m", messages=MESSAGES, **args)
+    choice = reply.choices[0]
+    assert choice.message.content == content, output
+    assert choice.finish_reason == ("tool_calls" if calls else "stop"), output
+    got = choice.message.tool_calls or []
+    assert [(call.type, call.function.name, call.function.arguments) for call in got] == [
+        ("function", name, arguments) for name, arguments in calls], output
+    assert all(CALL_ID.fullmatch(call.id) for call in got) and len({call.id for call in got}) == len(got), output
+
+    chunks = await _chunks(client, **args)
+    # Text before the calls streams as it comes; from the calls' first character on nothing goes out until the
+    # choice ends, and its last chunk then carries every call, whole, with its index and a fresh id.
+    assert "".join(text or "" for text, _, _ in chunks) == (content or ""), output
+    assert [reason for _, _, reason in chunks[:-1]] == [None] * (len(chunks) - 1), output
+    *before, (last_text, last_calls, last_reason) = chunks
+    assert all(streamed is None for _, streamed, _ in before), output
+    assert last_reason == ("tool_calls" if calls else "stop"), output
+    if not calls:
+        assert last_calls is None, output
+        return
+    assert last_text == "", output
+    assert last_calls is not None
+    assert [{key: value for key, value in call.items() if key != "id"} for call in last_calls] == [
+        {"index": index, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for index, (name, arguments) in enumerate(calls)], output
+    ids = [call["id"] for call in last_calls]
+    assert all(CALL_ID.fullmatch(call_id) for call_id in ids) and len(set(ids)) == len(ids), output
+
+
+@pytest.mark.asyncio
+async def test_auto_finds_llama3_json_calls_one_or_several_and_leaves_a_broken_one_as_text(tools_llama: Path) -> None:
+    async with served(tools_llama, tool_call_parser="llama3_json") as (_, client):
+        for output, content, calls in LLAMA3_JSON_OUTPUTS:
+            await _check_auto_calls(client, output, content, calls)
+
+
+@pytest.mark.asyncio
+async def test_auto_finds_mistral_calls_one_or_several_and_leaves_a_broken_list_as_text(tools_llama: Path) -> None:
+    async with served(tools_llama, tool_call_parser="mistral") as (_, client):
+        for output, content, calls in MISTRAL_OUTPUTS:
+            await _check_auto_calls(client, output, content, calls)
 
 
 @pytest.mark.asyncio
