@@ -362,8 +362,12 @@ FAMILY_CONFIGS = {
 }
 
 
-def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
-    """Save a random model of ``config`` as a Hugging Face folder (config, safetensors, generation config)."""
+def build_checkpoint(directory: Path, config: object, seed: int = 0, draw_biases_and_norms: bool = False) -> Path:
+    """Save a random model of ``config`` as a Hugging Face folder (config, safetensors, generation config).
+
+    transformers starts every projection's bias at zero and every norm's weight at its identity (one; zero for
+    Gemma's ``1 + w``): ``draw_biases_and_norms`` draws them too, so that a path which drops a bias or a norm's
+    weight changes the output."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(seed)
@@ -373,6 +377,10 @@ def build_checkpoint(directory: Path, config: object, seed: int = 0) -> Path:
             if name.endswith("e_score_correction_bias"):
                 # DeepSeek-V3's routing bias starts at zero; random values make it change which experts win.
                 buffer.normal_(0.0, 0.3)
+        if draw_biases_and_norms:
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias") or name.endswith("norm.weight"):
+                    parameter.add_(torch.randn_like(parameter) * 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_ID, pad_token_id=0).save_pretrained(directory)
     return directory

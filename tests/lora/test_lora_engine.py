@@ -1,6 +1,7 @@
 """LoRA in the engine: greedy float32 output equals transformers' with the adapter merged into the base weights
 (W + scale B A, by PEFT), token for token, for base rows and several adapters in one batch, through chunked
-prefill, prefix hits and preemption, with adapters swapped through fewer slots; refusals name the adapter. A
+prefill, prefix hits and preemption, with adapters swapped through fewer slots, on Llama, Qwen2, Qwen3, Gemma 2 and
+a windowed Mistral; refusals name the adapter. A
 bfloat16 model keeps its adapters bfloat16 and decodes adapter rows in the fused step, bit for bit the
 layer-by-layer path."""
 
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.models.llama import sliding_windows
 from pdserve.engine.types.lora import LoRARequest
-from tests.conftest import random_prompts
+from tests.conftest import FAMILY_CONFIGS, family_of, random_prompts
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -24,8 +26,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 class MergedOracle:
     """transformers' greedy generate on the base checkpoint with an adapter merged in (None: the base)."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, **config: object) -> None:
         self.base = base
+        self.config = config  # overrides of the checkpoint's config (e.g. sliding_window=None)
         self._models: dict[Path | None, object] = {}
 
     def generate(self, prompt: list[int], adapter: Path | None) -> list[int]:
@@ -33,15 +36,18 @@ class MergedOracle:
         from transformers import AutoModelForCausalLM
 
         if adapter not in self._models:
-            model = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32, **self.config)
             if adapter is not None:
                 model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+            # ignore_eos generates past EOS without masking it, as tests/conftest.py's greedy_continuations
+            # (min_new_tokens would mask it: another token wherever EOS is the argmax).
+            model.generation_config.eos_token_id = None
             self._models[adapter] = model.eval()
         model = self._models[adapter]
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,  # type: ignore[attr-defined]
-                                 min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0)
         return out[0, len(prompt):].tolist()
 
 
@@ -54,13 +60,19 @@ def _requests(adapters: dict[str, Path]) -> dict[str, LoRARequest]:
     return {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(sorted(adapters.items()))}
 
 
+@pytest.fixture(scope="module")
+def family_oracle(lora_checkpoint: Path) -> MergedOracle:
+    return MergedOracle(lora_checkpoint)
+
+
 def test_base_rows_and_two_adapters_in_one_batch_equal_the_merged_models(
-    llama_checkpoint: Path, adapters: dict[str, Path], oracle: MergedOracle
+    lora_checkpoint: Path, family_adapters: dict[str, Path], family_oracle: MergedOracle
 ) -> None:
+    adapters, oracle = family_adapters, family_oracle
     requests = _requests(adapters)
     prompts = random_prompts([5, 17, 40, 9, 33, 64], seed=80)
     chosen = [None, "attn", "mlp", "attn", None, "mlp"]
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2,
+    llm = LLM(model=str(lora_checkpoint), dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2,
               max_lora_rank=8)
     assert llm.engine.lora is not None and llm.engine.lora.layers[0]["qkv_proj"].lora_a.dtype == torch.float32
     outputs = llm.generate(prompts, GREEDY, [requests[name] if name else None for name in chosen])
@@ -69,18 +81,26 @@ def test_base_rows_and_two_adapters_in_one_batch_equal_the_merged_models(
     # The adapters change the output (the test would pass trivially otherwise).
     assert outputs[1].token_ids != oracle.generate(prompts[1], None)
     assert outputs[2].token_ids != oracle.generate(prompts[2], None)
+    if family_of(lora_checkpoint) == "mistral":
+        # Mistral's window (48) bites on the 64-token prompt: attending to the whole context gives other tokens.
+        assert outputs[5].token_ids != MergedOracle(lora_checkpoint, sliding_window=None).generate(
+            prompts[5], adapters["mlp"])
 
 
 def test_one_slot_swaps_adapters_and_chunked_prefill_preemption_and_prefix_hits_stay_exact(
-    llama_checkpoint: Path, adapters: dict[str, Path], oracle: MergedOracle
+    lora_checkpoint: Path, family_adapters: dict[str, Path], family_oracle: MergedOracle
 ) -> None:
+    adapters, oracle = family_adapters, family_oracle
     requests = _requests(adapters)
     prompts = random_prompts([70, 95, 40, 120], seed=81)
     chosen = ["attn", "mlp", None, "attn"]
     # One slot: the "mlp" request waits until every "attn" request running has finished, then swaps it in.
-    # 14 blocks of 16 tokens with 32-token chunks: preemption and recompute under the adapters.
-    llm = LLM(model=str(llama_checkpoint), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=32,
-              enable_lora=True, max_loras=1, max_lora_rank=8)
+    # 14 blocks of 16 tokens with 32-token chunks: preemption and recompute under the adapters. Where every layer
+    # slides (Mistral) the blocks its window has passed are freed: 10 (the 120-token prompt and its output fit).
+    every_layer_slides = all(window is not None
+                             for window in sliding_windows(FAMILY_CONFIGS[family_of(lora_checkpoint)]()))
+    llm = LLM(model=str(lora_checkpoint), dtype="float32", num_kv_blocks=10 if every_layer_slides else 14,
+              max_num_batched_tokens=32, enable_lora=True, max_loras=1, max_lora_rank=8)
     outputs = llm.generate(prompts, GREEDY, [requests[name] if name else None for name in chosen])
     for prompt, name, out in zip(prompts, chosen, outputs):
         assert out.token_ids == oracle.generate(prompt, adapters[name] if name else None), name

@@ -1,6 +1,7 @@
 """Structured output in the engine: greedy float32 output equals transformers' generate with the same grammar's
 mask applied, token for token, through batching, chunked prefill, preemption, prefix hits and the KV handoff;
-bounded schemas end within their bound; bad specs are refused naming the field."""
+bounded schemas end within their bound; bad specs are refused naming the field. The reference's masks are built
+from llguidance's own API on the checkpoint's tokenizer, sharing nothing with pdserve's structured-output code."""
 
 from __future__ import annotations
 
@@ -44,25 +45,87 @@ SPECS = [
 MAX_TOKENS = 48
 
 
+class ReferenceGrammars:
+    """llguidance on a checkpoint's tokenizer, set up here from llguidance's own API and nothing of pdserve's
+    structured-output code (``grammar_of``, ``GrammarCompiler``, ``build_tokenizer``, ``GrammarMasks``), so that a
+    bug there is not shared by the reference: the grammar from llguidance's constructors, the tokenizer by
+    llguidance's Hugging Face integration with the model's vocabulary and the generation config's end ids, the
+    masks by ``llguidance.numpy``'s bitmask helpers."""
+
+    def __init__(self, path: Path) -> None:
+        import llguidance.hf
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        self.vocab_size = int(AutoConfig.from_pretrained(path).vocab_size)  # the logits' width
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos)
+        self.tokenizer = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(path), n_vocab=self.vocab_size,
+                                                      eos_token=sorted(self.eos_token_ids))
+
+    def matcher(self, spec: StructuredOutputsParams) -> Any:
+        """A fresh matcher of what ``spec`` asks, as its documentation says: JSON without free whitespace, with
+        compact separators (or runs of at most ``MAX_WHITESPACE_RUN`` whitespace characters where
+        ``disable_any_whitespace`` is False); the regex; one of the choices, exactly; the Lark grammar."""
+        from llguidance import LLMatcher
+
+        layout: dict[str, Any] = (
+            {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+            if spec.disable_any_whitespace else
+            {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE_RUN}}}"}
+        )
+        if spec.json is not None or spec.json_object:
+            schema = spec.json if spec.json is not None else '{"type": "object"}'
+            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=layout)  # type: ignore[arg-type]
+        elif spec.regex is not None:
+            grammar = LLMatcher.grammar_from_regex(spec.regex)
+        elif spec.choice is not None:
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        else:
+            assert spec.grammar is not None, spec
+            grammar = LLMatcher.grammar_from_lark(spec.grammar)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher
+
+    def mask(self, matcher: Any, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` (1, vocab) with every token ``matcher`` does not allow next at -inf."""
+        import llguidance.numpy
+
+        bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
+        masked = scores.detach().clone()
+        llguidance.numpy.apply_token_bitmask_inplace(masked.numpy(), bitmask)
+        return masked
+
+    def allowed(self, matcher: Any) -> list[int]:
+        """The token ids ``matcher`` allows next, ascending."""
+        return np.flatnonzero(self.mask(matcher, torch.zeros(1, self.vocab_size))[0] == 0).tolist()
+
+    def tokens_of(self, words: np.ndarray) -> list[int]:
+        """The token ids one bitmask row (int32 words in llguidance's layout) allows, ascending."""
+        import llguidance.numpy
+
+        logits = np.zeros((1, self.vocab_size), dtype=np.float32)
+        llguidance.numpy.apply_token_bitmask_inplace(logits, np.ascontiguousarray(words, dtype=np.int32)[None])
+        return np.flatnonzero(logits[0] == 0).tolist()
+
+
 class MaskedOracle:
-    """transformers' greedy generate with a grammar's mask (llguidance's matcher, built here) applied to the
-    scores of each step: the reference of a constrained greedy request. Tokens up to the one that completes the
-    grammar (then the engine ends the request), else ``max_tokens``."""
+    """transformers' greedy generate with a grammar's mask (``ReferenceGrammars``') applied to the scores of each
+    step: the reference of a constrained greedy request. Tokens up to the one that completes the grammar (then
+    the engine ends the request), else ``max_tokens``."""
 
-    def __init__(self, path: Path, eos_token_ids: set[int]) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from pdserve.engine.structured_output import build_tokenizer
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        self.compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, eos_token_ids))
-        self.eos_token_ids = eos_token_ids
+        self.grammars = ReferenceGrammars(path)
 
     def generate(self, prompt: list[int], spec: StructuredOutputsParams | None, max_tokens: int) -> list[int]:
         from transformers import LogitsProcessor, LogitsProcessorList
 
-        matcher = self.compiler.compile(spec) if spec is not None else None
+        grammars = self.grammars
+        matcher = grammars.matcher(spec) if spec is not None else None
 
         class Masked(LogitsProcessor):  # type: ignore[misc]
             def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -70,9 +133,7 @@ class MaskedOracle:
                     return scores
                 if input_ids.shape[1] > len(prompt):
                     assert matcher.consume_token(int(input_ids[0, -1]))
-                words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
-                allowed = GrammarMasks.allowed(torch.from_numpy(words.copy())[None], scores.shape[1])
-                return scores.masked_fill(~allowed, float("-inf"))
+                return grammars.mask(matcher, scores)
 
         input_ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -84,9 +145,9 @@ class MaskedOracle:
         if spec is None:
             return tokens
         # Where the engine stops: the token that completes the grammar (checked with a fresh matcher).
-        check = self.compiler.compile(spec)
+        check = grammars.matcher(spec)
         for index, token in enumerate(tokens):
-            if token in self.eos_token_ids:
+            if token in grammars.eos_token_ids:
                 return tokens[: index + 1]
             assert check.consume_token(token)
             if check.is_stopped():
@@ -96,8 +157,7 @@ class MaskedOracle:
 
 @pytest.fixture(scope="module")
 def masked_oracle(chat_checkpoint: Path) -> MaskedOracle:
-    llm = LLM(model=str(chat_checkpoint), dtype="float32", num_kv_blocks=16)
-    return MaskedOracle(chat_checkpoint, set(llm.engine.eos_token_ids))
+    return MaskedOracle(chat_checkpoint)
 
 
 def _params(spec: StructuredOutputsParams | None, **overrides: Any) -> SamplingParams:
@@ -293,22 +353,20 @@ def test_the_masks_of_a_verifying_sequence_follow_its_proposed_tokens_and_the_ma
     compiler = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, {7}))
     spec = StructuredOutputsParams(regex="ab(c|d)e")
     a, b, c, d, x = (tokenizer.convert_tokens_to_ids(t) for t in "abcdx")
-    reference = compiler.compile(spec)
+    reference = ReferenceGrammars(chat_checkpoint)
 
     def mask_after(tokens: list[int]) -> list[int]:
-        matcher = reference.deep_copy()
+        matcher = reference.matcher(spec)
         for token in tokens:
             assert matcher.consume_token(token)
-        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
-        return np.flatnonzero(GrammarMasks.allowed(torch.from_numpy(words.copy())[None], VOCAB_SIZE)[0]).tolist()
+        return reference.allowed(matcher)
 
     masks = GrammarMasks(VOCAB_SIZE)
     matcher = compiler.compile(spec)
     # Row 0: before any proposed token; rows 1, 2: after "a", after "a b"; "x" is refused, so row 3 repeats row 2.
     rows, words = masks.fill([(0, matcher, (a, b, x, c))])
-    allowed = GrammarMasks.allowed(words, VOCAB_SIZE)
     assert rows == [0, 1, 2, 3, 4]
-    assert [np.flatnonzero(allowed[i]).tolist() for i in range(5)] == [
+    assert [reference.tokens_of(words[i].numpy()) for i in range(5)] == [
         mask_after([]), mask_after([a]), mask_after([a, b]), mask_after([a, b]), mask_after([a, b])
     ]
     assert set(mask_after([a, b])) == {c, d}
@@ -326,17 +384,12 @@ def test_logprobs_are_the_allowed_distributions_and_stop_strings_still_end_the_r
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     # The mask comes first: the logprobs are the allowed tokens' distribution (a disallowed alternative has
     # -inf), the chosen token the most likely of them (greedy).
-    from transformers import AutoTokenizer
-
-    from pdserve.engine.structured_output import build_tokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
-    matcher = GrammarCompiler(lambda: build_tokenizer(tokenizer, VOCAB_SIZE, set(llm.engine.eos_token_ids))).compile(spec)
+    reference = ReferenceGrammars(chat_checkpoint)
+    matcher = reference.matcher(spec)
     for entry in out.logprobs:
-        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
-        allowed = GrammarMasks.allowed(torch.from_numpy(words.copy())[None], VOCAB_SIZE)[0]
+        allowed = set(reference.allowed(matcher))
         assert entry.logprob == max(lp for _, lp in entry.top) > float("-inf")
-        assert all((lp > float("-inf")) == bool(allowed[token]) for token, lp in entry.top), entry
+        assert all((lp > float("-inf")) == (token in allowed) for token, lp in entry.top), entry
         assert matcher.consume_token(entry.token_id)
     # A stop string inside the grammar's output ends the request there, with "stop", the text cut before it.
     (stopped,) = llm.generate([prompt], _params(StructuredOutputsParams(regex="abc[0-9]{2}xyz"), stop=["c"]))
