@@ -1,9 +1,8 @@
 """LoRA in the engine: greedy float32 output equals transformers' with the adapter merged into the base weights
 (W + scale B A, by PEFT), token for token, for base rows and several adapters in one batch, through chunked
 prefill, prefix hits and preemption, with adapters swapped through fewer slots, on Llama, Qwen2, Qwen3, Gemma 2 and
-a windowed Mistral; refusals name the adapter. A
-bfloat16 model keeps its adapters bfloat16 and decodes adapter rows in the fused step, bit for bit the
-layer-by-layer path."""
+a windowed Mistral; refusals name the adapter. A bfloat16 model keeps its adapters bfloat16 and decodes adapter rows
+in the fused step, bit for bit the layer-by-layer path."""
 
 from __future__ import annotations
 
