@@ -59,6 +59,7 @@ class SamplingOptions:
     repetition_penalty: float | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> bias added to its logit
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many alternatives each
+    skip_special_tokens: bool | None = None  # False: the text writes the tokenizer's special tokens
 
     def to_proto(self) -> generation_pb2.SamplingParams:
         """The message with only the given optional fields set, so unset ones keep proto3 presence 'absent'."""
@@ -67,7 +68,8 @@ class SamplingOptions:
             logit_bias=dict(self.logit_bias),
         )
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs"):
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
+                     "skip_special_tokens"):
             value = getattr(self, name)
             if value is not None:
                 setattr(message, name, value)

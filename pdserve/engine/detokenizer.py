@@ -12,19 +12,22 @@ class IncrementalDetokenizer:
     spaces; decoding everything every step is quadratic. So each step decodes a
     short window that starts a few tokens back, and emits what the new token
     added, holding text back while it ends in an incomplete character.
+    ``skip_special_tokens`` (the request's ``SamplingParams.skip_special_tokens``) leaves the tokenizer's special
+    tokens out of the text, or writes them.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
 
     def add(self, output_token_ids: list[int]) -> str:
         """Text added by the tokens appended since the last call (may be empty)."""
-        decode = self.tokenizer.decode
-        prefix = decode(output_token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = decode(output_token_ids[self._prefix_offset :], skip_special_tokens=True)
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = decode(output_token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        full = decode(output_token_ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new_text = full[len(prefix) :]

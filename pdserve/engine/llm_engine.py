@@ -685,7 +685,7 @@ class LLMEngine:
                 activation = tuple(self.tokenizer(spec.reasoning_end, add_special_tokens=False)["input_ids"])
             seq.grammar = RequestGrammar(spec, self.grammar_compiler.submit(spec), activation)
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
             # A request prefilled elsewhere comes with its first token, a resumed one with its output so far:
             # token by token, so the text and its held-back tail are what they were where they were generated.
             outputs = seq.output_token_ids

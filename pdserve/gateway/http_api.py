@@ -254,6 +254,8 @@ class OpenAIHttpApi:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         parsed = parse_chat(body, self.tokenizer, self.max_n, self.tool_parser is not None, self.reasoning_parser)
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.adjust_request(parsed)
         parsed.generate.lora_name = self._lora_name(body)
         form = ChatFormat(parsed.generate.lora_name or self._model_name(), self._decoder, parsed, self.tool_parser,
                           self.reasoning_parser)

@@ -33,7 +33,7 @@ STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", 
 # vLLM's extensions that pdserve honours, on both endpoints.
 VLLM_KEYS = frozenset({
     "top_k", "min_tokens", "repetition_penalty", "stop_token_ids", "ignore_eos", "prompt_logprobs",
-    "structured_outputs", *GUIDED_KEYS,
+    "skip_special_tokens", "structured_outputs", *GUIDED_KEYS,
 })
 _SHARED_KEYS = frozenset({
     "model", "n", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "max_tokens", "seed", "stop",
@@ -462,6 +462,9 @@ def _sampling_params(
     if logprobs is not None:
         _set(params, "logprobs", logprobs)
     params.ignore_eos = bool(_optional(body, "ignore_eos", bool))  # vLLM's extension
+    skip_special_tokens = _optional(body, "skip_special_tokens", bool)  # vLLM's extension
+    if skip_special_tokens is not None:
+        params.skip_special_tokens = skip_special_tokens
     spec = structured_outputs(body)
     if spec is not None:
         params.structured_outputs.CopyFrom(structured_outputs_to_proto(spec))

@@ -2,13 +2,16 @@
 
 A parser splits a complete output into its text and its calls; while streaming, ``ToolCallStream`` passes text
 through until a parser's opening marker may begin, then holds the rest and parses it when the choice ends.
-Malformed calls (not JSON, no name) are left in the text, as vLLM leaves them.
+Malformed calls (not JSON, no name) are left in the text, as vLLM leaves them. Before a chat request is sent,
+its parser may adjust it (``adjust_request``, vLLM's hook), e.g. to keep its marker in the text.
 
 - ``hermes`` (Qwen2.5/Qwen3, Hermes, many fine-tunes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   one block per call;
 - ``llama3_json`` (Llama 3.1-3.3): the whole output a JSON object ``{"name": ..., "parameters": {...}}``
   (``arguments`` accepted too), optionally after ``<|python_tag|>``, several separated by ``;``;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": ..., "arguments": {...}}``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON array of ``{"name": ..., "arguments": {...}}``. ``[TOOL_CALLS]`` is a
+  special token of Mistral's tokenizers, left out of the text by default (``skip_special_tokens``): the parser
+  turns that off for requests that may call tools, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI reads PARSERS' names without loading the request types
+    from pdserve.gateway.openai_protocol import ParsedRequest
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,10 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The output's content (None when there is none but calls) and its calls, in order."""
         raise NotImplementedError
+
+    def adjust_request(self, request: ParsedRequest) -> ParsedRequest:
+        """``request`` as this parser needs it served (vLLM's ``ToolParser.adjust_request``); unchanged here."""
+        return request
 
 
 class HermesParser(ToolParser):
@@ -113,6 +123,12 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+
+    def adjust_request(self, request: ParsedRequest) -> ParsedRequest:
+        # The marker is a special token: the worker would leave it out of the text, and no call would be found.
+        if request.tools is not None and request.tools.choice != "none":
+            request.generate.sampling_params.skip_special_tokens = False
+        return request
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find("[TOOL_CALLS]")

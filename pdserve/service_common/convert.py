@@ -21,6 +21,7 @@ _OPTIONAL_FIELDS = (
     "repetition_penalty",
     "prompt_logprobs",
     "use_speculation",
+    "skip_special_tokens",
 )
 
 _FINISH_REASONS = {

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xf1\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fuse_speculation\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x12\n\x10_use_speculation\"\xfd\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x08 \x01(\tH\x00\x12#\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rreasoning_end\x18\x07 \x01(\tB\x06\n\x04kindB\x19\n\x17_disable_any_whitespace\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tlora_name\x18\x05 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xba\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x1a\n\x12spec_decode_drafts\x18\x04 \x01(\r\x12 \n\x18spec_decode_draft_tokens\x18\x05 \x01(\r\x12#\n\x1bspec_decode_accepted_tokens\x18\x06 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x12\n\x10ModelInfoRequest\"\x80\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9f\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xab\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\n\x88\x01\x01\x12\x1c\n\x0fuse_speculation\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x12\n\x10_use_speculationB\x16\n\x14_skip_special_tokens\"\xfd\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x08 \x01(\tH\x00\x12#\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rreasoning_end\x18\x07 \x01(\tB\x06\n\x04kindB\x19\n\x17_disable_any_whitespace\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\tlora_name\x18\x05 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xba\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x1a\n\x12spec_decode_drafts\x18\x04 \x01(\r\x12 \n\x18spec_decode_draft_tokens\x18\x05 \x01(\r\x12#\n\x1bspec_decode_accepted_tokens\x18\x06 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x12\n\x10ModelInfoRequest\"\x80\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9f\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1935
-  _globals['_FINISHREASON']._serialized_end=2055
+  _globals['_FINISHREASON']._serialized_start=1993
+  _globals['_FINISHREASON']._serialized_end=2113
   _globals['_SAMPLINGPARAMS']._serialized_start=51
-  _globals['_SAMPLINGPARAMS']._serialized_end=804
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=562
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=610
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=807
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1060
-  _globals['_CHOICES']._serialized_start=1062
-  _globals['_CHOICES']._serialized_end=1088
-  _globals['_GENERATEREQUEST']._serialized_start=1091
-  _globals['_GENERATEREQUEST']._serialized_end=1242
-  _globals['_TOKENLOGPROBS']._serialized_start=1244
-  _globals['_TOKENLOGPROBS']._serialized_end=1339
-  _globals['_USAGE']._serialized_start=1342
-  _globals['_USAGE']._serialized_end=1528
-  _globals['_GENERATERESPONSE']._serialized_start=1531
-  _globals['_GENERATERESPONSE']._serialized_end=1782
-  _globals['_MODELINFOREQUEST']._serialized_start=1784
-  _globals['_MODELINFOREQUEST']._serialized_end=1802
-  _globals['_MODELINFORESPONSE']._serialized_start=1805
-  _globals['_MODELINFORESPONSE']._serialized_end=1933
-  _globals['_GENERATION']._serialized_start=2058
-  _globals['_GENERATION']._serialized_end=2217
+  _globals['_SAMPLINGPARAMS']._serialized_end=862
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=596
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=644
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=865
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1118
+  _globals['_CHOICES']._serialized_start=1120
+  _globals['_CHOICES']._serialized_end=1146
+  _globals['_GENERATEREQUEST']._serialized_start=1149
+  _globals['_GENERATEREQUEST']._serialized_end=1300
+  _globals['_TOKENLOGPROBS']._serialized_start=1302
+  _globals['_TOKENLOGPROBS']._serialized_end=1397
+  _globals['_USAGE']._serialized_start=1400
+  _globals['_USAGE']._serialized_end=1586
+  _globals['_GENERATERESPONSE']._serialized_start=1589
+  _globals['_GENERATERESPONSE']._serialized_end=1840
+  _globals['_MODELINFOREQUEST']._serialized_start=1842
+  _globals['_MODELINFOREQUEST']._serialized_end=1860
+  _globals['_MODELINFORESPONSE']._serialized_start=1863
+  _globals['_MODELINFORESPONSE']._serialized_end=1991
+  _globals['_GENERATION']._serialized_start=2116
+  _globals['_GENERATION']._serialized_end=2275
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import grpc
@@ -34,6 +35,26 @@ def test_sampling_options_set_only_the_given_optional_fields() -> None:
     message = SamplingOptions(repetition_penalty=1.5, logit_bias={3: -2.0}, prompt_logprobs=0).to_proto()
     assert message.repetition_penalty == 1.5 and dict(message.logit_bias) == {3: -2.0}
     assert message.HasField("prompt_logprobs") and message.prompt_logprobs == 0
+
+
+def test_sampling_options_leave_skip_special_tokens_to_the_server_unless_given() -> None:
+    assert not SamplingOptions().to_proto().HasField("skip_special_tokens")
+    message = SamplingOptions(skip_special_tokens=False).to_proto()
+    assert message.HasField("skip_special_tokens") and message.skip_special_tokens is False
+
+
+@pytest.mark.asyncio
+async def test_skip_special_tokens_false_gives_the_special_tokens_text(chat_checkpoint: Path) -> None:
+    # The bias makes the tiny model write the byte tokenizer's special token 5, <|reserved_0|> (tests/http/conftest.py).
+    skipping = SamplingOptions(max_tokens=3, temperature=0.0, logit_bias={5: 100.0})
+    writing = dataclasses.replace(skipping, skip_special_tokens=False)
+    async with _cluster(chat_checkpoint) as cluster, AsyncClient(cluster.gateway_address, timeout=60) as client:
+        written = await client.generate([1, 2, 3], writing)
+        streamed = [chunk async for chunk in client.stream([1, 2, 3], writing)]
+        skipped = await client.generate([1, 2, 3], skipping)
+    assert written.token_ids == skipped.token_ids == (5, 5, 5)
+    assert (written.text, skipped.text) == ("<|reserved_0|>" * 3, "")
+    assert [chunk.text for chunk in streamed] == ["<|reserved_0|>"] * 3
 
 
 @pytest.mark.asyncio

@@ -98,6 +98,15 @@ def test_every_new_field_survives_the_proto_round_trip() -> None:
     )
 
 
+def test_skip_special_tokens_survives_the_proto_round_trip_and_unset_means_true() -> None:
+    written = SamplingParams(max_tokens=4, skip_special_tokens=False)
+    message = sampling_params_to_proto(written)
+    assert message.HasField("skip_special_tokens") and message.skip_special_tokens is False
+    assert sampling_params_from_proto(message) == written
+    assert sampling_params_from_proto(generation_pb2.SamplingParams()).skip_special_tokens is True
+    assert sampling_params_from_proto(generation_pb2.SamplingParams(skip_special_tokens=True)) == SamplingParams()
+
+
 @pytest.mark.asyncio
 async def test_prefill_and_decode_workers_give_what_llm_generate_gives(
     llama_checkpoint: Path, prompts: list[list[int]], offline: list[RequestOutput],

@@ -76,6 +76,37 @@ async def test_a_resumed_stream_continues_exactly_as_the_undisturbed_one(chat_ch
         await cluster.wait_idle()
 
 
+@pytest.mark.asyncio
+async def test_skip_special_tokens_false_holds_on_prefill_decode_and_a_resumed_stream(chat_checkpoint: Path) -> None:
+    """The parameter travels with the request: the prefill worker writes the first token (a special one), the decode
+    worker the rest, and the Decode the gateway sends when the stream moves (``resume_request``) keeps writing them."""
+    from pdserve.gateway.migration import resume_request
+
+    options = ClusterOptions(num_kv_blocks=128, tokenizer=load_tokenizer(str(chat_checkpoint)))
+    prompt = random_prompts([29], seed=97)[0]
+    # The byte tokenizer's special tokens 5 and 6 (tests/http/conftest.py), which the grammar makes the model write.
+    grammar = generation_pb2.StructuredOutput(grammar='start: <[5]> "hi" <[6]> "there"')
+    written = generation_pb2.SamplingParams(max_tokens=16, temperature=0.0, skip_special_tokens=False,
+                                            structured_outputs=grammar)
+    skipped = generation_pb2.SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=grammar)
+    async with InProcessCluster(chat_checkpoint, options) as cluster:
+        request = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=written)
+        whole = await cluster.generate(request)
+        tokens, text, _ = _joined(whole)
+        assert (list(whole[0].token_ids), whole[0].text) == ([5], "<|reserved_0|>")
+        assert text == "<|reserved_0|>hi<|reserved_1|>there"
+        default = await cluster.generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                                         sampling_params=skipped))
+        assert _joined(default)[:2] == (tokens, "hithere")
+        for cut in range(1, len(tokens)):
+            resumed = [piece async for piece in cluster.worker_stubs[1].Decode(
+                resume_request(request, f"moved-{cut}", prompt, tokens[:cut], None), timeout=30)]
+            rest_tokens, rest_text, _ = _joined(resumed)
+            assert tokens[:cut] + rest_tokens == tokens, cut
+            assert _joined_prefix(whole, cut)[1] + rest_text == text, cut
+        await cluster.wait_idle()
+
+
 def _joined_prefix(pieces: list, num_tokens: int) -> tuple[list[int], str, list[tuple[int, float]]]:
     """What the client had received when ``num_tokens`` tokens had come (the pieces here hold one token each)."""
     assert all(len(p.token_ids) <= 1 for p in pieces)

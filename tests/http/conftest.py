@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-
 
 from tests.conftest import EOS_TOKEN_ID, VOCAB_SIZE
 
@@ -17,13 +17,15 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|reserved_0|>", "<|reserved_1|>", "<|im_end|>"]
 
 
-def build_byte_tokenizer(directory: Path) -> object:
-    """Byte-level BPE over the checkpoint's whole vocabulary: 8 special tokens, 256 bytes, then letter pairs."""
+def build_byte_tokenizer(directory: Path, special_tokens: Sequence[str] = SPECIAL_TOKENS) -> object:
+    """Byte-level BPE over the checkpoint's whole vocabulary: 8 special tokens (``special_tokens``, ids 0-7, the EOS
+    at ``EOS_TOKEN_ID``), 256 bytes, then letter pairs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    assert SPECIAL_TOKENS.index("<|im_end|>") == EOS_TOKEN_ID
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    assert len(special_tokens) == 8 and list(special_tokens[:5]) == SPECIAL_TOKENS[:5]
+    assert special_tokens.index("<|im_end|>") == EOS_TOKEN_ID
+    vocab = {token: index for index, token in enumerate(special_tokens)}
     for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[char] = len(vocab)
     merges = []
@@ -40,7 +42,7 @@ def build_byte_tokenizer(directory: Path) -> object:
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|im_end|>",
                                    pad_token="<pad>", unk_token="<unk>",
-                                   additional_special_tokens=SPECIAL_TOKENS[4:7])
+                                   additional_special_tokens=list(special_tokens[4:7]))
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast

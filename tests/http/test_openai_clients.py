@@ -366,6 +366,34 @@ async def test_penalties_bias_and_vllm_extras_give_exactly_the_grpc_apis_tokens(
 
 
 @pytest.mark.asyncio
+async def test_skip_special_tokens_false_writes_them_on_both_endpoints_and_a_non_boolean_is_refused(
+    chat_checkpoint: Path,
+) -> None:
+    # The byte tokenizer's special tokens 5 and 6 (tests/http/conftest.py), which the grammar makes the model write.
+    grammar = {"structured_outputs": {"grammar": 'start: <[5]> "hi" <[6]> "there"'}}
+    messages = [{"role": "user", "content": "hello"}]
+    async with _served(chat_checkpoint, load_tokenizer(str(chat_checkpoint))) as (_, client):
+        for extra, text in [({}, "hithere"), ({"skip_special_tokens": True}, "hithere"),
+                            ({"skip_special_tokens": None}, "hithere"),
+                            ({"skip_special_tokens": False}, "<|reserved_0|>hi<|reserved_1|>there")]:
+            completion = await client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0.0,
+                                                         extra_body={**grammar, **extra})
+            assert completion.choices[0].text == text, extra
+            stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=16,  # type: ignore[arg-type]
+                                                          temperature=0.0, stream=True, extra_body={**grammar, **extra})
+            assert "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]) == text
+        for bad in ("false", 0):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.completions.create(model="m", prompt=PROMPT, extra_body={"skip_special_tokens": bad})
+            assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "skip_special_tokens"
+            assert caught.value.body["message"] == f"skip_special_tokens must be a boolean, got {bad!r}"
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="m", messages=messages,  # type: ignore[arg-type]
+                                                     extra_body={"skip_special_tokens": bad})
+            assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "skip_special_tokens"
+
+
+@pytest.mark.asyncio
 async def test_parameters_are_honoured_or_refused_by_name_never_ignored(chat_checkpoint: Path) -> None:
     async with _served(chat_checkpoint, load_tokenizer(str(chat_checkpoint))) as (gateway, client):
         messages = [{"role": "user", "content": "hello"}]

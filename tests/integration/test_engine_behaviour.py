@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.types.structured_outputs import StructuredOutputsParams
 from tests.conftest import random_prompts
 
 
@@ -58,6 +59,34 @@ def test_stop_token_ids_and_max_tokens_finish_requests(tiny_llm: LLM) -> None:
     (short,) = tiny_llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert short.token_ids == free_run[:3]
     assert short.finish_reason == "length"
+
+
+def test_skip_special_tokens_false_writes_them_and_stop_strings_match_the_text_as_written(
+    chat_checkpoint: Path,
+) -> None:
+    # The byte tokenizer's special tokens 5 and 6 (tests/http/conftest.py), which a grammar makes the model write.
+    spec = StructuredOutputsParams(grammar='start: <[5]> "hi" <[6]> "there"')
+    prompt = random_prompts([9], seed=23)[0]
+    base = dict(max_tokens=16, temperature=0.0, structured_outputs=spec)
+    skipped, written, cut_at_special, cut_in_text, not_cut_at_special, not_cut_in_text = _llm(chat_checkpoint).generate(
+        [prompt] * 6,
+        [
+            SamplingParams(**base),
+            SamplingParams(**base, skip_special_tokens=False),
+            SamplingParams(**base, skip_special_tokens=False, stop=["<|reserved_1|>"]),
+            SamplingParams(**base, stop=["ith"]),
+            SamplingParams(**base, stop=["<|reserved_1|>"]),  # not in the text the default writes
+            SamplingParams(**base, skip_special_tokens=False, stop=["ith"]),  # "hi" and "there" are apart
+        ],
+    )
+    assert skipped.text == "hithere"
+    assert written.text == "<|reserved_0|>hi<|reserved_1|>there"
+    assert written.token_ids == skipped.token_ids and skipped.token_ids[0] == 5 and 6 in skipped.token_ids
+    assert (cut_at_special.text, cut_at_special.finish_reason) == ("<|reserved_0|>hi", "stop")
+    assert cut_at_special.token_ids == written.token_ids[: written.token_ids.index(6) + 1]
+    assert (cut_in_text.text, cut_in_text.finish_reason) == ("h", "stop")
+    assert (not_cut_at_special.text, not_cut_at_special.token_ids) == ("hithere", skipped.token_ids)
+    assert (not_cut_in_text.text, not_cut_in_text.token_ids) == (written.text, written.token_ids)
 
 
 def test_seeded_sampling_repeats_exactly_whatever_else_is_in_the_batch(tiny_llm: LLM) -> None:
@@ -145,6 +174,8 @@ def test_unknown_model_folder_raises_value_error(tmp_path: Path) -> None:
         ({"logit_bias": {-1: 1.0}}, r"^logit_bias keys must be non-negative token ids, got -1$"),
         ({"logit_bias": [(3, 1.0), (3, 2.0)]}, r"^logit_bias holds a token id twice$"),
         ({"prompt_logprobs": -1}, r"^prompt_logprobs must be a non-negative integer or None, got -1$"),
+        ({"skip_special_tokens": 0}, r"^skip_special_tokens must be a bool, got 0$"),
+        ({"skip_special_tokens": "false"}, r"^skip_special_tokens must be a bool, got 'false'$"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error_naming_them(kwargs: dict[str, object], field: str) -> None:

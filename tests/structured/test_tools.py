@@ -15,6 +15,8 @@ import pytest
 
 from pdserve.gateway.openai_protocol import InvalidRequest, parse_chat
 from pdserve.gateway.tokenizer import load_tokenizer
+from pdserve.gateway.tool_parsers import PARSERS, tool_parser
+from tests.http.conftest import SPECIAL_TOKENS, build_byte_tokenizer
 from tests.structured.conftest import served
 
 # A Hermes-style template: the tools in a system turn, calls as <tool_call> blocks, tool results as "tool" turns.
@@ -48,6 +50,25 @@ def tools_llama(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
     for path in chat_checkpoint.iterdir():
         shutil.copy(path, directory / path.name)
     tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+# Id 5 is [TOOL_CALLS] in Mistral's v3 tokenizer (Mistral-7B-Instruct-v0.3), a special token there as here.
+TOOL_CALLS_ID = 5
+MISTRAL_SPECIAL_TOKENS = [*SPECIAL_TOKENS[:TOOL_CALLS_ID], "[TOOL_CALLS]", *SPECIAL_TOKENS[TOOL_CALLS_ID + 1:]]
+
+
+@pytest.fixture(scope="module")
+def tools_mistral(llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with the byte tokenizer, its special token 5 being [TOOL_CALLS], and the tools template."""
+    directory = tmp_path_factory.mktemp("tiny-llama-mistral-tools")
+    for path in llama_checkpoint.iterdir():
+        shutil.copy(path, directory / path.name)
+    tokenizer: Any = build_byte_tokenizer(directory, MISTRAL_SPECIAL_TOKENS)
+    assert tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") == TOOL_CALLS_ID
+    assert TOOL_CALLS_ID in tokenizer.all_special_ids
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(directory)
     return directory
@@ -149,9 +170,9 @@ LLAMA3_JSON_OUTPUTS = [
      '{"name": "get_weather", "parameters": {"city": "paris", "unit": "C"}', []),
 ]
 # What Mistral's instruct models (tokenizer v3, e.g. Mistral-7B-Instruct-v0.3, Mistral-Nemo) write: [TOOL_CALLS], then
-# one JSON list of the calls, "arguments" for the arguments; text may come first. [TOOL_CALLS] is a control token of
-# their tokenizers, which the worker's detokenizer drops (it skips special tokens); the byte tokenizer here writes it
-# as text.
+# one JSON list of the calls, "arguments" for the arguments; text may come first. [TOOL_CALLS] is a special token of
+# their tokenizers (and of tools_mistral's), which the text leaves out unless the request sets skip_special_tokens
+# false: the mistral parser does, for requests with tools.
 MISTRAL_OUTPUTS = [
     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "paris", "unit": "C"}}]',
      None, [("get_weather", '{"city": "paris", "unit": "C"}')]),
@@ -169,6 +190,18 @@ def _literal(text: str) -> str:
     return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
 
 
+def _written_with_tool_calls_token(text: str) -> str:
+    """A Lark grammar that matches ``text`` only, each ``[TOOL_CALLS]`` in it being the special token (by its id),
+    never the characters."""
+    parts = []
+    for index, piece in enumerate(text.split("[TOOL_CALLS]")):
+        if index:
+            parts.append(f"<[{TOOL_CALLS_ID}]>")
+        if piece:
+            parts.append(json.dumps(piece))
+    return "start: " + " ".join(parts)
+
+
 async def _chunks(client: openai.AsyncOpenAI, **args: Any) -> list[tuple[str | None, list[dict[str, Any]] | None,
                                                                           str | None]]:
     """A streamed chat's chunks as they came: each one's content, tool calls and finish reason."""
@@ -183,11 +216,12 @@ async def _chunks(client: openai.AsyncOpenAI, **args: Any) -> list[tuple[str | N
 
 
 async def _check_auto_calls(client: openai.AsyncOpenAI, output: str, content: str | None,
-                            calls: list[tuple[str, str]]) -> None:
-    """The model writes ``output`` (a regex makes the tiny random model write it): the reply, whole and streamed,
-    has ``content`` and ``calls`` (name, arguments), ends with "tool_calls" when it has calls and "stop" when not."""
+                            calls: list[tuple[str, str]], constraint: dict[str, str] | None = None) -> None:
+    """The model writes ``output`` (``constraint``, by default a regex, makes the tiny random model write it): the
+    reply, whole and streamed, has ``content`` and ``calls`` (name, arguments), ends with "tool_calls" when it has
+    calls and "stop" when not."""
     args: dict[str, Any] = dict(tools=TOOLS, max_tokens=300, temperature=0.0,
-                                extra_body={"structured_outputs": {"regex": _literal(output)}})
+                                extra_body={"structured_outputs": constraint or {"regex": _literal(output)}})
     reply = await client.chat.completions.create(model="m", messages=MESSAGES, **args)
     choice = reply.choices[0]
     assert choice.message.content == content, output
@@ -225,10 +259,37 @@ async def test_auto_finds_llama3_json_calls_one_or_several_and_leaves_a_broken_o
 
 
 @pytest.mark.asyncio
-async def test_auto_finds_mistral_calls_one_or_several_and_leaves_a_broken_list_as_text(tools_llama: Path) -> None:
-    async with served(tools_llama, tool_call_parser="mistral") as (_, client):
+async def test_auto_finds_mistral_calls_one_or_several_and_leaves_a_broken_list_as_text(tools_mistral: Path) -> None:
+    # The model writes [TOOL_CALLS] as the special token: the calls are found only if the text keeps it.
+    async with served(tools_mistral, tool_call_parser="mistral") as (_, client):
         for output, content, calls in MISTRAL_OUTPUTS:
-            await _check_auto_calls(client, output, content, calls)
+            await _check_auto_calls(client, output, content, calls,
+                                    {"grammar": _written_with_tool_calls_token(output)})
+
+
+def test_the_mistral_parser_keeps_special_tokens_in_requests_that_may_call_tools_and_no_other_parser_does(
+    tools_mistral: Path,
+) -> None:
+    tokenizer = load_tokenizer(str(tools_mistral))
+
+    def adjusted(parser: str, **body: Any) -> tuple[bool, bool]:
+        """Whether the request the parser adjusted sets skip_special_tokens, and to what."""
+        parsed = tool_parser(parser).adjust_request(parse_chat({"model": "m", "messages": MESSAGES, **body},
+                                                                tokenizer, auto_tool_choice=True))
+        params = parsed.generate.sampling_params
+        return params.HasField("skip_special_tokens"), params.skip_special_tokens
+
+    assert adjusted("mistral", tools=TOOLS) == (True, False)  # tool_choice "auto"
+    assert adjusted("mistral", tools=TOOLS, tool_choice="required") == (True, False)
+    assert adjusted("mistral", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}) == (
+        True, False)
+    assert adjusted("mistral", tools=TOOLS, skip_special_tokens=True) == (True, False)  # as vLLM's parser does
+    assert adjusted("mistral", tools=TOOLS, tool_choice="none") == (False, False)
+    assert adjusted("mistral", tools=TOOLS, tool_choice="none", skip_special_tokens=False) == (True, False)
+    assert adjusted("mistral") == (False, False)
+    for parser in sorted(set(PARSERS) - {"mistral"}):
+        assert adjusted(parser, tools=TOOLS) == (False, False), parser
+        assert adjusted(parser, tools=TOOLS, skip_special_tokens=True) == (True, True), parser
 
 
 @pytest.mark.asyncio

@@ -49,6 +49,11 @@ class SamplingParams:
     grammar (``engine.structured_output``): every token is sampled among those the grammar allows (the mask
     comes first: ``logprobs`` are the allowed distribution's, as vLLM's), and the request ends with "stop" when
     the grammar is complete.
+
+    ``skip_special_tokens`` (vLLM's name and default): the output's text leaves out the tokenizer's special tokens
+    (its control tokens: ``</s>``, ``<|im_end|>``, Mistral's ``[TOOL_CALLS]``, ...); ``False`` writes them, which
+    a tool-call parser that looks for such a marker needs. Stop strings are matched against that text, as in
+    vLLM. The token ids are the same either way.
     """
 
     max_tokens: int = 16
@@ -68,6 +73,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     use_speculation: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -117,6 +123,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
         if not isinstance(self.use_speculation, bool):
             raise ValueError(f"use_speculation must be a bool, got {self.use_speculation!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
