@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from pdserve.engine.outputs import TokenLogprobs
+from typing import TYPE_CHECKING
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.service_common.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
+
+if TYPE_CHECKING:
+    from pdserve.engine.lora import LoRARequest
+    from pdserve.engine.outputs import TokenLogprobs
 
 # The message's `optional` scalars, named as in SamplingParams; unset keeps the engine's default.
 _OPTIONAL_FIELDS = (
@@ -82,3 +88,23 @@ def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[generation_pb2.Token
         )
         for entry in entries
     ]
+
+
+def lora_to_proto(lora: LoRARequest | None) -> worker_pb2.LoRAAdapter | None:
+    if lora is None:
+        return None
+    return worker_pb2.LoRAAdapter(name=lora.lora_name, id=lora.lora_int_id, path=lora.lora_path)
+
+
+def lora_from_proto(message: worker_pb2.LoRAAdapter) -> LoRARequest | None:
+    """The adapter a request names (None: the base model); ``ValueError`` naming the field when it is malformed."""
+    if not message.name:
+        return None
+    # Imported here: engine.lora loads torch, and the gateway imports this module (its sampling parameters'
+    # checks) without torch.
+    from pdserve.engine.lora import LoRARequest
+
+    try:
+        return LoRARequest(message.name, message.id, message.path)
+    except ValueError as error:
+        raise ValueError(f"lora.{error}") from None

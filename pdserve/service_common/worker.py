@@ -26,7 +26,7 @@ from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics
 from pdserve.engine.block_manager import BlockEvent, BlockStored
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.shared_cores.openmp import spin_governor
-from pdserve.kv_transfer.descriptor import lora_from_proto
+from pdserve.service_common.convert import lora_from_proto
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.server import Server, ServerConfig
 
