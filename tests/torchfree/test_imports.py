@@ -30,13 +30,14 @@ def _heavy_modules_after(statement: str, *argv: str) -> list[str]:
 @pytest.mark.parametrize(
     ("statement", "expected"),
     [
-        # The gateway needs the engine's pure-Python block hash, error type and structured-output specs (it
-        # checks grammars before routing), nothing else.
+        # The gateway needs the engine's pure-Python block hash, error type, sampling parameters and
+        # structured-output specs (it checks parameters and grammars before routing), nothing else.
         ("import pdserve.gateway.server", ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing",
-                                           "pdserve.engine.structured_output"]),
+                                           "pdserve.engine.sampling_params", "pdserve.engine.structured_output"]),
         # What `pdserve gateway` imports before it loads a tokenizer: the CLI, the gateway, its HTTP API.
         ("import pdserve.cli, pdserve.gateway.server, pdserve.gateway.http_api, pdserve.gateway.tokenizer",
-         ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing", "pdserve.engine.structured_output"]),
+         ["pdserve.engine", "pdserve.engine.errors", "pdserve.engine.hashing", "pdserve.engine.sampling_params",
+          "pdserve.engine.structured_output"]),
         # The one namespace: importing it, or asking what it offers, loads nothing heavy.
         ("import pdserve; dir(pdserve)", []),
         ("import pdserve.client", []),
