@@ -56,6 +56,10 @@ class DecodeStream:
     def __post_init__(self) -> None:
         self.usage = generation_pb2.Usage(prompt_tokens=len(self.token_ids))
 
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora.name if self.lora is not None else None
+
     async def relay(
         self,
         decode: WorkerHandle,

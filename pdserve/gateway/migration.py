@@ -89,8 +89,7 @@ async def migrate(stream: DecodeStream, cause: str = "decode_unavailable"
 
     for migration in range(1, max_migrations + 1):
         try:
-            decode = stream.router.choose_decode(stream.lora.name if stream.lora is not None else None,
-                                                 exclude=stream.failed)
+            decode = stream.router.choose_decode(stream.lora_name, exclude=stream.failed)
         except NoWorkerAvailable as error:
             metrics.migrated(cause, "no_worker")
             raise Unavailable(f"the decode worker of this stream failed after {len(stream.generated)} tokens and "

@@ -230,7 +230,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 attempts += 1
                 if decode is None:
                     try:
-                        decode = self.router.choose_decode(stream.lora.name if stream.lora is not None else None)
+                        decode = self.router.choose_decode(stream.lora_name)
                     except NoWorkerAvailable as error:
                         raise Unavailable(str(error)) from error
                 # Served elsewhere: the decode worker that serves it has push_to drop what the push holds there
