@@ -23,11 +23,13 @@ from pdserve.engine.types.outputs import RequestOutput
 from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVReceiver, KVTransferError, make_receiver
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from pdserve.kv_transfer.descriptor import handoff_from_proto, lora_from_proto
+from pdserve.kv_transfer.descriptor import handoff_from_proto
 from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from pdserve.service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
+from pdserve.service_common.convert import (
+    finish_reason_to_proto, logprobs_to_proto, lora_from_proto, sampling_params_from_proto,
+)
 from pdserve.service_common.errors import Unavailable, grpc_errors
 from pdserve.service_common.logs import with_request_id
 from pdserve.service_common.security import TlsConfig, open_channel

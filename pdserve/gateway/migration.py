@@ -16,19 +16,20 @@ UNAVAILABLE saying why.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import grpc
-
-from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.gateway.router import NoWorkerAvailable
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.errors import Unavailable
-from pdserve.service_common.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from pdserve.gateway.decode_stream import DecodeStream
 
 log = logging.getLogger(__name__)
 
@@ -64,82 +65,52 @@ def resume_request(
                                     lora=lora, resume_token_ids=generated)
 
 
-async def migrate(
-    router: Router, metrics: GatewayMetrics, request: generation_pb2.GenerateRequest, request_id: str,
-    token_ids: list[int], generated: list[int], lora: worker_pb2.LoRAAdapter | None, failed: set[str],
-    time_remaining: Callable[[], float | None], policy: MigrationPolicy, cause: str,
-) -> AsyncIterator[worker_pb2.DecodeResponse]:
-    """The rest of a stream whose decode worker (an address in ``failed``) failed after the client received
-    ``generated``: pieces from the workers it moves to, ``generated`` extended as they come. Raises
-    ``Unavailable`` saying why once ``policy``'s moves have failed, its time has passed without a new worker's
-    token, or no decode worker is left."""
+async def migrate(stream: DecodeStream, cause: str = "decode_unavailable"
+                  ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """The rest of ``stream`` after its decode worker (an address in ``stream.failed``) failed: relayed from the
+    workers it moves to, after the tokens the client has (``stream.generated``, extended as they come). Raises
+    ``Unavailable`` saying why once the stream's ``MigrationPolicy`` allows no move or its moves have failed, its
+    time has passed without a new worker's token, or no decode worker is left."""
+    policy, metrics = stream.migration, stream.metrics
+    max_migrations = policy.max_migrations
+    if max_migrations < 1:
+        raise Unavailable(f"the decode worker of this stream failed after {len(stream.generated)} tokens "
+                          "(--max-migrations 0: streams are not moved)")
     # The time paused so far counts against policy.timeout_s: each pause runs from a failure to the next token.
     budget_s = policy.timeout_s
-    paused_since: float | None = time.monotonic()
-    max_migrations = policy.max_migrations
+    paused, paused_since = True, time.monotonic()
+
+    def resumed(piece: worker_pb2.DecodeResponse) -> None:
+        nonlocal budget_s, paused
+        pause_s = time.monotonic() - paused_since
+        budget_s -= pause_s
+        metrics.migrated(cause, "resumed", pause_s)
+        paused = False
+
     for migration in range(1, max_migrations + 1):
         try:
-            decode = router.choose_decode(lora.name if lora is not None else None, exclude=failed)
+            decode = stream.router.choose_decode(stream.lora_name, exclude=stream.failed)
         except NoWorkerAvailable as error:
             metrics.migrated(cause, "no_worker")
-            raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens and no "
-                              f"other decode worker is available to continue it ({error})") from error
+            raise Unavailable(f"the decode worker of this stream failed after {len(stream.generated)} tokens and "
+                              f"no other decode worker is available to continue it ({error})") from error
         log.warning("moving %s to decode worker %s after %d tokens (migration %d of at most %d)",
-                    request_id, decode.address, len(generated), migration, max_migrations)
-        metrics.routed("decode", decode.worker_id)
-        call = decode.stub.Decode(resume_request(request, request_id, token_ids, generated, lora),
-                                  timeout=time_remaining())
-        decode.inflight_requests += 1
-        pieces = call.__aiter__()
+                    stream.request_id, decode.address, len(stream.generated), migration, max_migrations)
+        request = resume_request(stream.request, stream.request_id, stream.token_ids, stream.generated, stream.lora)
+        relayed = stream.relay(decode, request, first_piece_by=paused_since + budget_s, on_first_piece=resumed)
         try:
-            try:
-                waited_s = time.monotonic() - paused_since
-                piece = await asyncio.wait_for(anext(pieces), max(0.0, budget_s - waited_s))
-            except asyncio.TimeoutError:
-                metrics.migrated(cause, "timed_out")
-                raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens and it "
-                                  f"was not resumed within --migration-timeout {policy.timeout_s:g} s") from None
-            except StopAsyncIteration:
-                return
-            pause_s = time.monotonic() - paused_since
-            budget_s -= pause_s
-            metrics.migrated(cause, "resumed", pause_s)
-            paused_since = None
-            while True:
-                generated.extend(piece.token_ids)
-                yield piece
-                try:
-                    piece = await anext(pieces)
-                except StopAsyncIteration:
-                    return
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            decode.healthy = False
-            failed.add(decode.address)
-            if paused_since is None:  # it had resumed: a new pause starts now
-                paused_since = time.monotonic()
-            cause = "decode_unavailable"
-        finally:
-            decode.inflight_requests -= 1
-            call.cancel()  # a no-op once the stream ended; stops the request there otherwise
+            async with contextlib.aclosing(relayed):
+                async for response in relayed:
+                    yield response
+        except TimeoutError:
+            metrics.migrated(cause, "timed_out")
+            raise Unavailable(f"the decode worker of this stream failed after {len(stream.generated)} tokens and "
+                              f"it was not resumed within --migration-timeout {policy.timeout_s:g} s") from None
+        if stream.failure is None:
+            return
+        if not paused:  # it had resumed: a new pause starts now
+            paused, paused_since = True, time.monotonic()
+        cause = "decode_unavailable"
     metrics.migrated(cause, "gave_up")
     raise Unavailable(f"the decode workers of this stream failed {max_migrations + 1} times "
-                      f"(--max-migrations {max_migrations}); it ends after {len(generated)} tokens")
-
-
-def relayed_response(piece: worker_pb2.DecodeResponse, request_id: str, usage: generation_pb2.Usage
-                     ) -> generation_pb2.GenerateResponse:
-    """A decode worker's piece as the client's response; the last carries ``usage``, counted here."""
-    usage.completion_tokens += len(piece.token_ids)
-    response = generation_pb2.GenerateResponse(
-        request_id=request_id, token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs
-    )
-    if piece.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED:
-        response.finish_reason = piece.finish_reason
-        usage.spec_decode_drafts = piece.spec_decode_drafts
-        usage.spec_decode_draft_tokens = piece.spec_decode_draft_tokens
-        usage.spec_decode_accepted_tokens = piece.spec_decode_accepted_tokens
-        response.usage.CopyFrom(usage)
-    return response
-
+                      f"(--max-migrations {max_migrations}); it ends after {len(stream.generated)} tokens")

@@ -15,10 +15,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import grpc
-
-from pdserve.gateway.migration import MigrationPolicy, migrate, relayed_response
+from pdserve.gateway.decode_stream import DecodeStream
 from pdserve.gateway.disaggregation import DisaggregationPolicy, MeasuredCosts, RouteDecision, RouteInputs
+from pdserve.gateway.migration import migrate
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.workers import WorkerHandle
 from pdserve.protos.pdserve.v1 import generation_pb2
@@ -112,58 +111,32 @@ def _choose_decode(router: Router, lora_name: str | None = None) -> WorkerHandle
         raise Unavailable(str(error)) from error
 
 
-async def stream_local_prefill(
-    router: Router, metrics: GatewayMetrics, route: Route, request: generation_pb2.GenerateRequest,
-    request_id: str, token_ids: list[int], time_remaining: Callable[[], float | None],
-    lora: worker_pb2.LoRAAdapter | None = None, migration: MigrationPolicy = MigrationPolicy(),
-) -> AsyncIterator[generation_pb2.GenerateResponse]:
+async def stream_local_prefill(stream: DecodeStream, route: Route) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """Local prefill: the decode worker computes the prompt and streams every token, ending with usage. When
-    it fails after the client received tokens, the stream moves to another decode worker (``migrate``)."""
+    it fails, the stream moves to another decode worker (``migrate``): after the tokens the client has, or from
+    the prompt when it has none yet."""
     decode = route.decode
     assert decode is not None, "a local route names its decode worker"
-    metrics.routed("decode", decode.worker_id)
-    uncached = len(token_ids) - (route.inputs.local_cached_tokens if route.inputs is not None else 0)
-    usage = generation_pb2.Usage(prompt_tokens=len(token_ids))
-    decode_request = worker_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=token_ids, sampling_params=request.sampling_params, lora=lora
-    )
-    call = decode.stub.Decode(decode_request, timeout=time_remaining())
-    generated: list[int] = []
-    prefilling = True  # its uncomputed prompt tokens count as queued work there until the first token
-    decode.inflight_requests += 1
-    decode.inflight_tokens += uncached
-    failure: grpc.aio.AioRpcError | None = None
-    try:
-        async for piece in call:
-            generated.extend(piece.token_ids)
-            if prefilling:
-                prefilling = False
-                decode.inflight_tokens -= uncached
-                usage.cached_prompt_tokens = piece.cached_prompt_tokens
-                if route.prefill is not None:
-                    router.prefilled_locally(decode, route.prefill.block_hashes)
-            yield relayed_response(piece, request_id, usage)
-    except grpc.aio.AioRpcError as error:
-        if error.code() != grpc.StatusCode.UNAVAILABLE:
-            raise
-        decode.healthy = False  # out of rotation now, not at the next load poll
-        if migration.max_migrations < 1:
-            raise
-        failure = error
-    finally:
-        decode.inflight_requests -= 1
-        if prefilling:
-            decode.inflight_tokens -= uncached
-        call.cancel()  # a no-op once the stream ended; stops the decode worker's request otherwise
-    if failure is None:
-        return
-    # Another decode worker goes on (pdserve/gateway/migration.py): after the tokens the client has, or from the
-    # prompt when it has none yet.
-    rest = migrate(router, metrics, request, request_id, token_ids, generated, lora, {decode.address},
-                   time_remaining, migration, "decode_unavailable")
-    async with contextlib.aclosing(rest):
-        async for piece in rest:
-            yield relayed_response(piece, request_id, usage)
+    router = stream.router
+    decode_request = worker_pb2.DecodeRequest(request_id=stream.request_id, prompt_token_ids=stream.token_ids,
+                                              sampling_params=stream.request.sampling_params, lora=stream.lora)
+
+    def prefilled(piece: worker_pb2.DecodeResponse) -> None:
+        stream.usage.cached_prompt_tokens = piece.cached_prompt_tokens
+        if route.prefill is not None:
+            router.prefilled_locally(decode, route.prefill.block_hashes)
+
+    # Its uncomputed prompt tokens count as queued work there until the first token.
+    uncached = len(stream.token_ids) - (route.inputs.local_cached_tokens if route.inputs is not None else 0)
+    relayed = stream.relay(decode, decode_request, queued_tokens=uncached, on_first_piece=prefilled)
+    async with contextlib.aclosing(relayed):
+        async for response in relayed:
+            yield response
+    if stream.failure is not None:
+        rest = migrate(stream)
+        async with contextlib.aclosing(rest):
+            async for response in rest:
+                yield response
 
 
 def learn(policy: DisaggregationPolicy, route: Route) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -15,14 +15,15 @@ from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
 from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.disaggregation import LOCAL, DisaggregationPolicy, RouteDecision
-from pdserve.gateway.migration import MigrationPolicy, migrate, relayed_response
+from pdserve.gateway.decode_stream import DecodeStream
+from pdserve.gateway.migration import MigrationPolicy, migrate
 from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
 from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.reasoning_parsers import reasoning_parser as build_reasoning_parser
 from pdserve.gateway.tool_parsers import tool_parser
 from pdserve.gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
-from pdserve.gateway.workers import WorkerHandle, WorkerPool
+from pdserve.gateway.workers import Inflight, WorkerHandle, WorkerPool
 from pdserve.protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.errors import Overloaded, Unavailable, grpc_errors
@@ -88,9 +89,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             with self.admission.admit(len(token_ids)):
                 route = await choose_route(self.disaggregation, self.router, self.metrics, request, token_ids,
                                            lora_name)
+                stream = DecodeStream(self.router, self.metrics, self.migration, request, request_id, token_ids, lora,
+                                      context.time_remaining)
                 if route.decision.local:
-                    responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
-                                                     token_ids, context.time_remaining, lora, self.migration)
+                    responses = stream_local_prefill(stream, route)
                 else:
                     push_to = self._push_target(request, route.decode, lora_name)
                     push_cached = await self._push_cached_tokens(route, push_to, token_ids, lora_name)
@@ -105,11 +107,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         route = Route(RouteDecision(LOCAL, "no_prefill_worker"),
                                       decode=self._decode_for_local(lora_name))
                         self.metrics.prefill_routed(LOCAL, "no_prefill_worker")
-                        responses = stream_local_prefill(self.router, self.metrics, route, request, request_id,
-                                                         token_ids, context.time_remaining, lora, self.migration)
+                        responses = stream_local_prefill(stream, route)
                     else:
-                        responses = self._relay(request, request_id, token_ids, prefill_response, context, push_to,
-                                                lora)
+                        responses = self._relay(stream, prefill_response, push_to)
                 async with contextlib.aclosing(responses):  # closed now, not at garbage collection, on a cancel
                     async for response in responses:
                         tracker.responded(response)
@@ -161,7 +161,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # Count the work this adds there: the tokens its cache does not already hold
                 # (all of them when the prompt's logprobs are asked for: those skip the cache).
                 cached = 0 if request.sampling_params.HasField("prompt_logprobs") else choice.expected_cached_tokens
-                with _Inflight(prefill, len(token_ids) - cached):
+                with Inflight(prefill, len(token_ids) - cached):
                     response = await prefill.stub.Prefill(prefill_request, timeout=context.time_remaining())
                 self.router.prefilled(choice)
                 return response
@@ -181,14 +181,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _relay(
         self,
-        request: generation_pb2.GenerateRequest,
-        request_id: str,
-        token_ids: list[int],
+        stream: DecodeStream,
         prefill_response: worker_pb2.PrefillResponse,
-        context: grpc.aio.ServicerContext,
         push_to: WorkerHandle | None = None,
-        lora: worker_pb2.LoRAAdapter | None = None,
-    ):
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The first token at once, then the decode worker's stream, ending with usage.
 
         The decode worker is ``push_to`` (chosen before the prefill) when there is one. One that
@@ -197,11 +193,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         worker's lease, and tells ``push_to`` to drop its push when it is not ``push_to``
         (``DecodeRequest.pushed_to``); whatever no Decode ever reaches ends at the handoff deadline.
         """
-        usage = generation_pb2.Usage(
-            prompt_tokens=len(token_ids), completion_tokens=1, cached_prompt_tokens=prefill_response.cached_prompt_tokens
-        )
+        usage = stream.usage
+        usage.completion_tokens, usage.cached_prompt_tokens = 1, prefill_response.cached_prompt_tokens
+        stream.generated.append(prefill_response.first_token_id)
         first = generation_pb2.GenerateResponse(
-            request_id=request_id, token_ids=[prefill_response.first_token_id], text=prefill_response.text
+            request_id=stream.request_id, token_ids=[prefill_response.first_token_id], text=prefill_response.text
         )
         if prefill_response.HasField("logprobs"):
             first.logprobs.append(prefill_response.logprobs)
@@ -219,81 +215,51 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # push_to has failed after all, the Decode there fails and is retried on another worker.
         decode = push_to if push_to is not None and (push_to.healthy or prefill_response.kv_pushed) else None
         decode_request = worker_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=request.sampling_params,
+            request_id=stream.request_id,
+            prompt_token_ids=stream.token_ids,
+            sampling_params=stream.request.sampling_params,
             handoff=prefill_response.handoff,
             # The prefill worker pushed only to push_to; any other decode worker pulls.
             kv_pushed=prefill_response.kv_pushed and decode is not None,
-            lora=lora,
+            lora=stream.lora,
         )
-        first_sent = finished = False
         attempts = 0
-        answered: WorkerHandle | None = None  # the decode worker that sent a token back
-        generated = [prefill_response.first_token_id]  # what the client has received
-        failed: set[str] = set()
-
-        def relayed(piece: worker_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
-            nonlocal finished
-            response = relayed_response(piece, request_id, usage)
-            finished = finished or response.finish_reason != generation_pb2.FINISH_REASON_UNSPECIFIED
-            return response
-
+        answered = False  # a decode worker sent a token back: it holds (and ends) what the handoff holds
         try:
             while True:
                 attempts += 1
                 if decode is None:
                     try:
-                        decode = self.router.choose_decode(lora.name if lora is not None else None)
+                        decode = self.router.choose_decode(stream.lora_name)
                     except NoWorkerAvailable as error:
                         raise Unavailable(str(error)) from error
                 # Served elsewhere: the decode worker that serves it has push_to drop what the push holds there
                 # (and the request it started, computing tokens nobody reads).
                 decode_request.pushed_to = push_to.address if push_to is not None and decode is not push_to else ""
-                self.metrics.routed("decode", decode.worker_id)
                 # Open the decode stream (it starts taking the KV) before the first token
                 # goes out, so the two overlap; the client never waits for it.
-                call = decode.stub.Decode(decode_request, timeout=context.time_remaining())
-                received = False
-                with _Inflight(decode, 0):
-                    try:
-                        if not first_sent:
-                            first_sent = True
-                            yield first
-                        async for piece in call:
-                            received, answered = True, decode
-                            generated.extend(piece.token_ids)
-                            yield relayed(piece)
-                        return
-                    except grpc.aio.AioRpcError as error:
-                        if error.code() != grpc.StatusCode.UNAVAILABLE:
-                            raise
-                        # Crashed or its engine died: out of rotation now, not at the next load poll,
-                        # so requests arriving meanwhile go to the other decode workers.
-                        decode.healthy = False
-                        failed.add(decode.address)
-                        if received or attempts >= self.max_decode_attempts:
-                            # The client has tokens: the stream moves to another decode worker, which
-                            # computes them after the prompt and continues (pdserve/gateway/migration.py).
-                            break
-                        # Nothing came from it yet: another decode worker pulls the KV the prefill worker holds.
-                        log.warning("decode worker %s failed for %s (%s); retrying on another worker",
-                                    decode.address, request_id, error.details())
-                        self.metrics.retried("decode")
-                        decode, decode_request.kv_pushed = None, False
-                    finally:
-                        if not finished:
-                            call.cancel()
-            if self.migration.max_migrations < 1:
-                raise Unavailable(f"the decode worker of this stream failed after {len(generated)} tokens "
-                                  "(--max-migrations 0: streams are not moved)")
-            rest = migrate(self.router, self.metrics, request, request_id, token_ids, generated, lora, failed,
-                           context.time_remaining, self.migration, "decode_unavailable")
+                relayed = stream.relay(decode, decode_request, lead=first if attempts == 1 else None)
+                async with contextlib.aclosing(relayed):
+                    async for response in relayed:
+                        answered = stream.received
+                        yield response
+                if stream.failure is None:
+                    return
+                if stream.received or attempts >= self.max_decode_attempts:
+                    # The client has tokens: the stream moves to another decode worker, which
+                    # computes them after the prompt and continues (pdserve/gateway/migration.py).
+                    break
+                # Nothing came from it yet: another decode worker pulls the KV the prefill worker holds.
+                log.warning("decode worker %s failed for %s (%s); retrying on another worker",
+                            decode.address, stream.request_id, stream.failure.details())
+                self.metrics.retried("decode")
+                decode, decode_request.kv_pushed = None, False
+            rest = migrate(stream)
             async with contextlib.aclosing(rest):
-                async for piece in rest:
-                    yield relayed(piece)
+                async for response in rest:
+                    yield response
         finally:
-            if not finished and answered is None:
+            if not stream.finished and not answered:
                 # Cancelled, past its deadline, or failed before any decode worker answered: the Decode may
                 # never have reached one, so the client's end is relayed to the decode worker it went to (or
                 # the push target), which ends what the handoff holds there and on the prefill worker.
@@ -410,21 +376,6 @@ class PrefillWorkersFailed(Unavailable):
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
-
-
-class _Inflight:
-    """Counts a request against a worker while this gateway waits on it."""
-
-    def __init__(self, worker: WorkerHandle, tokens: int) -> None:
-        self.worker, self.tokens = worker, tokens
-
-    def __enter__(self) -> None:
-        self.worker.inflight_requests += 1
-        self.worker.inflight_tokens += self.tokens
-
-    def __exit__(self, *exc: object) -> None:
-        self.worker.inflight_requests -= 1
-        self.worker.inflight_tokens -= self.tokens
 
 
 class Admission:

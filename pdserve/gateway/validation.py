@@ -2,24 +2,24 @@
 
 Every failure is a ``ValueError`` whose message starts with the offending
 field's name (``sampling_params.top_p must be in (0, 1], got 1.5``); the
-``grpc_errors`` decorator turns it into INVALID_ARGUMENT. The workers' engines
-validate again when they build ``SamplingParams`` and admit the request: these
-checks answer sooner and add the limits only a public endpoint needs (sizes of
-ids and stop lists, logprobs), they do not replace the engine's.
+``grpc_errors`` decorator turns it into INVALID_ARGUMENT. The sampling
+parameters' rules are ``SamplingParams``' own (pdserve/engine/types/sampling_params.py),
+checked here by building the parameters the worker's engine will build; the
+gateway adds the limits only a public endpoint needs (sizes of ids and stop
+lists, logprobs) and the served model's (context length, vocabulary), which the
+worker's engine checks again when it admits the request.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
+from pdserve.engine.types.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.engine.structured_output import check_grammar
 from pdserve.protos.pdserve.v1 import generation_pb2
-from pdserve.service_common.structured_outputs import structured_outputs_from_proto
+from pdserve.service_common.convert import sampling_params_from_proto
 
-# The API's default for an unset max_tokens (generation.proto, as vLLM's SamplingParams).
-DEFAULT_MAX_TOKENS = 16
 DEFAULT_MAX_LOGPROBS = 20
 
 
@@ -56,8 +56,8 @@ def validate_generate_request(
     """
     _check_request_id(request.request_id, limits)
     prompt_ids = _check_prompt(request, token_ids)
-    _check_sampling_params(request.sampling_params, limits)
-    _check_model_fit(request, prompt_ids, request.sampling_params, limits)
+    sampling = _check_sampling_params(request.sampling_params, limits)
+    _check_model_fit(request, prompt_ids, request.sampling_params, sampling.max_tokens, limits)
 
 
 def _check_request_id(request_id: str, limits: RequestLimits) -> None:
@@ -84,50 +84,37 @@ def _check_prompt(request: generation_pb2.GenerateRequest, token_ids: list[int] 
     return token_ids
 
 
-def _check_sampling_params(params: generation_pb2.SamplingParams, limits: RequestLimits) -> None:
-    if params.HasField("max_tokens") and params.max_tokens < 1:
-        raise ValueError(f"sampling_params.max_tokens must be >= 1, got {params.max_tokens}")
-    if params.HasField("temperature") and not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise ValueError(f"sampling_params.temperature must be a finite number >= 0, got {params.temperature!r}")
-    # Written so that NaN fails too.
-    if params.HasField("top_p") and not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}")
-    if params.HasField("top_k") and (params.top_k < -1 or params.top_k == 0):
-        raise ValueError(f"sampling_params.top_k must be -1 (disabled) or >= 1, got {params.top_k}")
-    if params.HasField("seed") and params.seed < 0:
-        raise ValueError(f"sampling_params.seed must be >= 0, got {params.seed}")
+def _check_sampling_params(params: generation_pb2.SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """The engine's parameters for ``params``, after the limits only a public endpoint sets; the ranges are
+    ``SamplingParams``' own checks, their messages naming the field as the request does."""
+    _check_endpoint_limits(params, limits)
+    try:
+        sampling = sampling_params_from_proto(params)
+    except SamplingParamsError as error:
+        raise ValueError(f"sampling_params.{error.typed_message}") from None
+    if sampling.structured_outputs is not None:
+        # GrammarError, a ValueError naming the field (sampling_params.structured_outputs.json ...).
+        check_grammar(sampling.structured_outputs)
+    return sampling
+
+
+def _check_endpoint_limits(params: generation_pb2.SamplingParams, limits: RequestLimits) -> None:
+    # logprobs' ranges hold the engine's lower bound too: a negative value is told the whole range.
     if params.HasField("logprobs") and not 0 <= params.logprobs <= limits.max_logprobs:
         raise ValueError(f"sampling_params.logprobs must be in [0, {limits.max_logprobs}], got {params.logprobs}")
     if params.HasField("prompt_logprobs") and not 0 <= params.prompt_logprobs <= limits.max_logprobs:
         raise ValueError(
             f"sampling_params.prompt_logprobs must be in [0, {limits.max_logprobs}], got {params.prompt_logprobs}"
         )
-    max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    if params.HasField("min_tokens") and not 0 <= params.min_tokens <= max_tokens:
-        raise ValueError(
-            f"sampling_params.min_tokens must be in [0, max_tokens={max_tokens}], got {params.min_tokens}"
-        )
-    # The range checks below are written so that NaN fails too.
-    for name in ("presence_penalty", "frequency_penalty"):
-        if params.HasField(name) and not -2.0 <= getattr(params, name) <= 2.0:
-            raise ValueError(f"sampling_params.{name} must be in [-2, 2], got {getattr(params, name)!r}")
-    if params.HasField("repetition_penalty") and not 0.0 < params.repetition_penalty <= 10.0:
-        raise ValueError(f"sampling_params.repetition_penalty must be in (0, 10], got {params.repetition_penalty!r}")
     if len(params.logit_bias) > limits.max_logit_bias:
         raise ValueError(
             f"sampling_params.logit_bias holds {len(params.logit_bias)} entries; the limit is {limits.max_logit_bias}"
         )
-    # A protobuf map's order is not kept across the wire: sorted, the error names the same entry every time.
-    for token_id, bias in sorted(params.logit_bias.items()):
-        if not -100.0 <= bias <= 100.0:
-            raise ValueError(f"sampling_params.logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
     if len(params.stop) > limits.max_stop_strings:
         raise ValueError(
             f"sampling_params.stop holds {len(params.stop)} strings; the limit is {limits.max_stop_strings}"
         )
     for index, stop in enumerate(params.stop):
-        if not stop:
-            raise ValueError(f"sampling_params.stop[{index}] must not be empty")
         if len(stop) > limits.max_stop_string_len:
             raise ValueError(
                 f"sampling_params.stop[{index}] is {len(stop)} characters long; "
@@ -138,20 +125,17 @@ def _check_sampling_params(params: generation_pb2.SamplingParams, limits: Reques
             f"sampling_params.stop_token_ids holds {len(params.stop_token_ids)} ids; "
             f"the limit is {limits.max_stop_token_ids}"
         )
-    if params.HasField("structured_outputs"):
-        # GrammarError, a ValueError naming the field (sampling_params.structured_outputs.json ...).
-        check_grammar(structured_outputs_from_proto(params.structured_outputs))
 
 
 def _check_model_fit(
     request: generation_pb2.GenerateRequest,
     token_ids: list[int],
     params: generation_pb2.SamplingParams,
+    max_tokens: int,
     limits: RequestLimits,
 ) -> None:
     prompt_field = "prompt_token_ids" if request.prompt_token_ids else "prompt"
     if limits.max_context_length is not None:
-        max_tokens = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         if len(token_ids) + max_tokens > limits.max_context_length:
             default = "" if params.HasField("max_tokens") else ", the default"
             raise ValueError(

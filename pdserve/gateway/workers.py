@@ -41,6 +41,29 @@ class WorkerHandle:
         return self.report.epoch if self.report is not None else 0
 
 
+class Inflight:
+    """A request counted against a worker while this gateway waits on it: one of its ``inflight_requests``,
+    and ``tokens`` of work queued there (prompt tokens it has yet to compute) in its ``inflight_tokens``
+    until ``computed``; the router weighs both before the worker's next load report."""
+
+    def __init__(self, worker: WorkerHandle, tokens: int = 0) -> None:
+        self.worker, self.tokens = worker, tokens
+
+    def __enter__(self) -> Inflight:
+        self.worker.inflight_requests += 1
+        self.worker.inflight_tokens += self.tokens
+        return self
+
+    def computed(self) -> None:
+        """The counted tokens are done (the worker sent its first token): the request alone stays counted."""
+        self.worker.inflight_tokens -= self.tokens
+        self.tokens = 0
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.inflight_requests -= 1
+        self.worker.inflight_tokens -= self.tokens
+
+
 class WorkerPool:
     """Workers from flags and from the Redis registry, polled for load every ``poll_s`` seconds."""
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pdserve.engine.types.handoff import KVHandoff, KVLayout
 from pdserve.engine.types.hashing import BlockHash
-from pdserve.engine.types.lora import LoRARequest
 from pdserve.protos.pdserve.v1.internal import worker_pb2
+from pdserve.service_common.convert import lora_from_proto, lora_to_proto
 
 __all__ = ["KVHandoff", "KVLayout", "handoff_from_proto", "handoff_to_proto", "layout_from_proto", "layout_to_proto"]
 
@@ -79,19 +79,3 @@ def handoff_from_proto(message: worker_pb2.KVHandoff) -> KVHandoff:
         tensor_parallel_size=message.tensor_parallel_size or 1,
         lora=lora_from_proto(message.lora),
     )
-
-
-def lora_to_proto(lora: LoRARequest | None) -> worker_pb2.LoRAAdapter | None:
-    if lora is None:
-        return None
-    return worker_pb2.LoRAAdapter(name=lora.lora_name, id=lora.lora_int_id, path=lora.lora_path)
-
-
-def lora_from_proto(message: worker_pb2.LoRAAdapter) -> LoRARequest | None:
-    """The adapter a request names (None: the base model); ``ValueError`` naming the field when it is malformed."""
-    if not message.name:
-        return None
-    try:
-        return LoRARequest(message.name, message.id, message.path)
-    except ValueError as error:
-        raise ValueError(f"lora.{error}") from None

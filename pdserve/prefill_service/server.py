@@ -13,11 +13,13 @@ from pdserve.engine.types.handoff import KVHoldParams
 from pdserve.engine.types.outputs import RequestOutput
 from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.config import INTERNAL_GRPC_OPTIONS, TransferConfig
-from pdserve.kv_transfer.descriptor import handoff_to_proto, lora_from_proto
+from pdserve.kv_transfer.descriptor import handoff_to_proto
 from pdserve.kv_transfer.pusher import PUSH_TRANSPORTS, KVPusher
 from pdserve.kv_transfer.sender import KVSenderServicer
 from pdserve.protos.pdserve.v1.internal import worker_pb2, worker_pb2_grpc
-from pdserve.service_common.convert import finish_reason_to_proto, logprobs_to_proto, sampling_params_from_proto
+from pdserve.service_common.convert import (
+    finish_reason_to_proto, logprobs_to_proto, lora_from_proto, sampling_params_from_proto,
+)
 from pdserve.service_common.errors import grpc_errors
 from pdserve.service_common.logs import with_request_id
 from pdserve.service_common.security import TlsConfig, open_channel

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pdserve.engine.types.lora import LoRARequest
 from pdserve.engine.types.outputs import TokenLogprobs
 from pdserve.engine.types.sampling_params import SamplingParams
 from pdserve.protos.pdserve.v1 import generation_pb2
+from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 
 # The message's `optional` scalars, named as in SamplingParams; unset keeps the engine's default.
@@ -83,3 +85,19 @@ def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[generation_pb2.Token
         )
         for entry in entries
     ]
+
+
+def lora_to_proto(lora: LoRARequest | None) -> worker_pb2.LoRAAdapter | None:
+    if lora is None:
+        return None
+    return worker_pb2.LoRAAdapter(name=lora.lora_name, id=lora.lora_int_id, path=lora.lora_path)
+
+
+def lora_from_proto(message: worker_pb2.LoRAAdapter) -> LoRARequest | None:
+    """The adapter a request names (None: the base model); ``ValueError`` naming the field when it is malformed."""
+    if not message.name:
+        return None
+    try:
+        return LoRARequest(message.name, message.id, message.path)
+    except ValueError as error:
+        raise ValueError(f"lora.{error}") from None

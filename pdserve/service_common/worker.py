@@ -24,7 +24,7 @@ from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.batch_window import BatchWindow
 from pdserve.engine.kv.block_manager import BlockEvent, BlockStored
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_transfer.descriptor import lora_from_proto
+from pdserve.service_common.convert import lora_from_proto
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.errors import Overloaded, grpc_errors
 from pdserve.service_common.metrics import MetricsEndpoint, WorkerMetrics

@@ -17,11 +17,13 @@ _LISTED = (
     "or name.split('.')[:2] == ['pdserve', 'engine'] or (name.startswith('transformers.') and 'modeling' in name))))"
 )
 
-# The engine modules the gateway loads: the value types it checks requests with (block hashes, errors,
-# structured-output specs) and the structured-output module that checks grammars before routing.
+# The engine modules the gateway loads: the value types it checks and converts requests with (block hashes, errors,
+# sampling parameters, structured-output specs, LoRA requests, logprobs) and the structured-output module that checks
+# grammars before routing.
 _GATEWAY_ENGINE_MODULES = sorted([
     "pdserve.engine", "pdserve.engine.structured_output", "pdserve.engine.types", "pdserve.engine.types.errors",
-    "pdserve.engine.types.hashing", "pdserve.engine.types.structured_outputs",
+    "pdserve.engine.types.hashing", "pdserve.engine.types.lora", "pdserve.engine.types.outputs",
+    "pdserve.engine.types.sampling_params", "pdserve.engine.types.structured_outputs",
 ])
 _VALUE_TYPE_MODULES = ("config", "errors", "handoff", "hashing", "lora", "outputs", "sampling_params", "speculative",
                        "structured_outputs")
@@ -39,8 +41,7 @@ def _heavy_modules_after(statement: str, *argv: str) -> list[str]:
 @pytest.mark.parametrize(
     ("statement", "expected"),
     [
-        # The gateway needs the engine's pure-Python block hash, error type and structured-output specs (it
-        # checks grammars before routing), nothing else.
+        # The gateway needs the engine's value types and its grammar checks (before routing), nothing else.
         ("import pdserve.gateway.server", _GATEWAY_ENGINE_MODULES),
         # What `pdserve gateway` imports before it loads a tokenizer: the CLI, the gateway, its HTTP API.
         ("import pdserve.cli, pdserve.gateway.server, pdserve.gateway.http_api, pdserve.gateway.tokenizer",

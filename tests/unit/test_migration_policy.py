@@ -5,57 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
+from pdserve.gateway.decode_stream import DecodeStream
 from pdserve.gateway.migration import MigrationPolicy, migrate, resume_request
 from pdserve.gateway.router import Router
-from pdserve.gateway.workers import WorkerHandle, WorkerPool
 from pdserve.protos.pdserve.v1 import generation_pb2
-from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.errors import Unavailable
 from pdserve.service_common.metrics import GatewayMetrics
-
-
-class _Call:
-    """A Decode call that sends ``pieces``, then fails UNAVAILABLE (``fail``) or hangs (``hang``)."""
-
-    def __init__(self, pieces: list[list[int]], fail: bool = False, hang: bool = False) -> None:
-        self.pieces, self.fail, self.hang, self.cancelled = pieces, fail, hang, False
-
-    def __aiter__(self):  # noqa: ANN204
-        return self._stream()
-
-    async def _stream(self):  # noqa: ANN202
-        for tokens in self.pieces:
-            yield worker_pb2.DecodeResponse(token_ids=tokens)
-        if self.fail:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
-        if self.hang:
-            await asyncio.sleep(3600)
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
-
-
-class _Stub:
-    def __init__(self, call: _Call) -> None:
-        self.call, self.requests = call, []
-
-    def Decode(self, request: worker_pb2.DecodeRequest, timeout: float | None = None) -> _Call:  # noqa: N802
-        self.requests.append(request)
-        return self.call
-
-
-def _router(calls: list[_Call]) -> tuple[Router, list[_Stub]]:
-    pool = WorkerPool([], [])
-    stubs = [_Stub(call) for call in calls]
-    for index, stub in enumerate(stubs):
-        report = worker_pb2.LoadReport(worker_id=f"d{index}", role="decode", epoch=1, num_running=index)
-        pool.workers[f"decode@{index}"] = WorkerHandle(address=f"127.0.0.1:{index + 1}", role="decode", channel=None,  # type: ignore[arg-type]
-                                                       stub=stub, report=report, healthy=True)  # type: ignore[arg-type]
-    return Router(pool, None), stubs
+from tests.support.decode_workers import DecodeCall, decode_router
 
 
 REQUEST = generation_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling_params=generation_pb2.SamplingParams(
@@ -63,9 +21,10 @@ REQUEST = generation_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling_pa
 
 
 async def _run(router: Router, metrics: GatewayMetrics, generated: list[int], policy: MigrationPolicy) -> list[int]:
+    stream = DecodeStream(router, metrics, policy, REQUEST, "r", [5, 6, 7], None, lambda: None, generated=generated,
+                          failed={"127.0.0.1:9"})
     tokens: list[int] = []
-    async for piece in migrate(router, metrics, REQUEST, "r", [5, 6, 7], generated, None, {"127.0.0.1:9"},
-                               lambda: None, policy, "decode_unavailable"):
+    async for piece in migrate(stream, "decode_unavailable"):
         tokens.extend(piece.token_ids)
     return tokens
 
@@ -76,7 +35,7 @@ def _count(metrics: GatewayMetrics, outcome: str) -> float:
 
 @pytest.mark.asyncio
 async def test_a_stream_moves_again_when_its_new_worker_fails_and_each_resume_carries_what_was_sent() -> None:
-    router, stubs = _router([_Call([[10], [11]], fail=True), _Call([[12], [13]])])
+    router, stubs = decode_router([DecodeCall([[10], [11]], fail=True), DecodeCall([[12], [13]])])
     metrics, generated = GatewayMetrics(), [1, 2]
     assert await _run(router, metrics, generated, MigrationPolicy(3, 5.0)) == [10, 11, 12, 13]
     assert generated == [1, 2, 10, 11, 12, 13]
@@ -88,7 +47,7 @@ async def test_a_stream_moves_again_when_its_new_worker_fails_and_each_resume_ca
 
 @pytest.mark.asyncio
 async def test_past_max_migrations_the_stream_ends_unavailable_saying_why() -> None:
-    router, _ = _router([_Call([], fail=True), _Call([], fail=True), _Call([], fail=True)])
+    router, _ = decode_router([DecodeCall([], fail=True), DecodeCall([], fail=True), DecodeCall([], fail=True)])
     metrics = GatewayMetrics()
     with pytest.raises(Unavailable, match=r"failed 3 times \(--max-migrations 2\); it ends after 2 tokens"):
         await _run(router, metrics, [1, 2], MigrationPolicy(2, 5.0))
@@ -97,7 +56,7 @@ async def test_past_max_migrations_the_stream_ends_unavailable_saying_why() -> N
 
 @pytest.mark.asyncio
 async def test_a_new_worker_that_sends_nothing_within_the_migration_timeout_ends_the_stream() -> None:
-    router, _ = _router([_Call([], hang=True)])
+    router, _ = decode_router([DecodeCall([], hang=True)])
     metrics = GatewayMetrics()
     with pytest.raises(Unavailable, match=r"not resumed within --migration-timeout 0.2 s"):
         await asyncio.wait_for(_run(router, metrics, [1], MigrationPolicy(3, 0.2)), 5)

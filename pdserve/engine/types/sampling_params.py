@@ -16,6 +16,16 @@ _MAX_REPETITION_PENALTY = 10.0
 _MAX_ABS_LOGIT_BIAS = 100.0
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter outside its domain; the message names it. ``str()`` is the message for Python callers,
+    which names the type the value must have; ``typed_message`` says the same to callers whose values have their
+    field's type already (a protobuf message's, at the gateway): the range alone, and which entry of a list."""
+
+    def __init__(self, message: str, typed_message: str | None = None) -> None:
+        super().__init__(message)
+        self.typed_message = message if typed_message is None else typed_message
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -85,50 +95,58 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # Messages that name a type say it again without the type for typed callers (SamplingParamsError).
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                                      f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+            raise SamplingParamsError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
+                                      f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        for s in self.stop:
+            raise SamplingParamsError(f"seed must be a non-negative integer or None, got {self.seed!r}",
+                                      f"seed must be >= 0, got {self.seed!r}")
+        for index, s in enumerate(self.stop):
             if not isinstance(s, str) or s == "":
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise SamplingParamsError(f"stop must hold non-empty strings, got {s!r}",
+                                          f"stop[{index}] must not be empty" if s == "" else None)
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+                raise SamplingParamsError(f"stop_token_ids must hold non-negative integers, got {t!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
         ):
-            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+            raise SamplingParamsError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            raise SamplingParamsError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             # Written so that NaN fails too.
             if not _is_number(value) or not -_MAX_ABS_PENALTY <= value <= _MAX_ABS_PENALTY:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= _MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+            raise SamplingParamsError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         for token_id, bias in self.logit_bias:
             if not _is_int(token_id) or token_id < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+                raise SamplingParamsError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
             if not _is_number(bias) or not -_MAX_ABS_LOGIT_BIAS <= bias <= _MAX_ABS_LOGIT_BIAS:
-                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+                raise SamplingParamsError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
         if not isinstance(self.use_speculation, bool):
-            raise ValueError(f"use_speculation must be a bool, got {self.use_speculation!r}")
+            raise SamplingParamsError(f"use_speculation must be a bool, got {self.use_speculation!r}")
         if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+            raise SamplingParamsError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
+            raise SamplingParamsError(
+                f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}"
+            )
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(
+            raise SamplingParamsError(
                 f"structured_outputs must be a StructuredOutputsParams or None, got {type(self.structured_outputs).__name__}"
             )
 
@@ -170,11 +188,11 @@ def _frozen_logit_bias(
     pairs = list(logit_bias.items()) if isinstance(logit_bias, Mapping) else list(logit_bias)
     for pair in pairs:
         if not isinstance(pair, tuple) or len(pair) != 2:
-            raise ValueError(f"logit_bias must map token ids to biases, got entry {pair!r}")
+            raise SamplingParamsError(f"logit_bias must map token ids to biases, got entry {pair!r}")
     token_ids = [token_id for token_id, _ in pairs]
     # Sorting needs comparable keys: a wrong key type is reported by _validate instead.
     if not all(_is_int(token_id) for token_id in token_ids):
         return tuple(pairs)
     if len(set(token_ids)) != len(token_ids):
-        raise ValueError("logit_bias holds a token id twice")
+        raise SamplingParamsError("logit_bias holds a token id twice")
     return tuple(sorted(pairs))
