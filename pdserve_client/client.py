@@ -60,6 +60,10 @@ class SamplingOptions:
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> bias added to its logit
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many alternatives each
     skip_special_tokens: bool | None = None  # False: the text writes the tokenizer's special tokens
+    use_speculation: bool | None = None  # False: this request decodes one token per step on a speculating server
+    # The output held to a JSON schema, a regex, choices or a grammar: ``generation_pb2.StructuredOutput(choice=
+    # generation_pb2.Choices(choices=["yes", "no"]))``, as docs/api.md describes the message.
+    structured_outputs: generation_pb2.StructuredOutput | None = None
 
     def to_proto(self) -> generation_pb2.SamplingParams:
         """The message with only the given optional fields set, so unset ones keep proto3 presence 'absent'."""
@@ -69,10 +73,12 @@ class SamplingOptions:
         )
         for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "min_tokens",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
-                     "skip_special_tokens"):
+                     "skip_special_tokens", "use_speculation"):
             value = getattr(self, name)
             if value is not None:
                 setattr(message, name, value)
+        if self.structured_outputs is not None:
+            message.structured_outputs.CopyFrom(self.structured_outputs)
         return message
 
 

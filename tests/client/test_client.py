@@ -9,8 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.engine import LLM, SamplingParams
 from pdserve.client import AsyncClient, Client, PdserveError, SamplingOptions, Usage
+from pdserve_client.v1 import generation_pb2
+from pdserve.engine import LLM, SamplingParams, StructuredOutputsParams
 from pdserve.service_common.server import ServerConfig
 from tests.conftest import Oracle, random_prompts
 from tests.support.cluster import ClusterOptions, InProcessCluster
@@ -41,6 +42,30 @@ def test_sampling_options_leave_skip_special_tokens_to_the_server_unless_given()
     assert not SamplingOptions().to_proto().HasField("skip_special_tokens")
     message = SamplingOptions(skip_special_tokens=False).to_proto()
     assert message.HasField("skip_special_tokens") and message.skip_special_tokens is False
+
+
+def test_sampling_options_carry_use_speculation_and_structured_outputs_only_when_given() -> None:
+    message = SamplingOptions().to_proto()
+    assert not message.HasField("use_speculation") and not message.HasField("structured_outputs")
+    choice = generation_pb2.StructuredOutput(choice=generation_pb2.Choices(choices=["yes", "no"]))
+    message = SamplingOptions(use_speculation=False, structured_outputs=choice).to_proto()
+    assert message.HasField("use_speculation") and message.use_speculation is False
+    assert message.structured_outputs == choice and list(message.structured_outputs.choice.choices) == ["yes", "no"]
+
+
+@pytest.mark.asyncio
+async def test_structured_outputs_hold_the_output_to_a_choice_as_the_offline_engine_does(chat_checkpoint: Path) -> None:
+    choices = ["cat", "dog", "bird"]
+    options = SamplingOptions(max_tokens=8, temperature=0.0, structured_outputs=generation_pb2.StructuredOutput(
+        choice=generation_pb2.Choices(choices=choices)))
+    prompt = [1, 2, 3, 4]
+    expected = LLM(model=str(chat_checkpoint), num_kv_blocks=NUM_BLOCKS).generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                 structured_outputs=StructuredOutputsParams(choice=choices)))[0]
+    async with _cluster(chat_checkpoint) as cluster, AsyncClient(cluster.gateway_address, timeout=60) as client:
+        completion = await client.generate(prompt, options)
+    assert expected.text in choices
+    assert (completion.text, completion.finish_reason) == (expected.text, "stop")
 
 
 @pytest.mark.asyncio
