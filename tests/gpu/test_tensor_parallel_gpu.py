@@ -19,7 +19,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from tests.conftest import random_prompts
-from tests.parallel.support import Reference, build, comparable
+from tests.parallel.support import Reference, build
+from tests.support.near_ties import comparable
 
 pytestmark = [
     pytest.mark.gpu,
