@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
-from tests.conftest import family_of, random_prompts
-from tests.support.handoff import handoff_tokens
+from tests.conftest import MLA_FAMILIES, family_of, random_prompts
+from tests.support.cpu_paths import CPU_KINDS, emulate
+from tests.support.handoff import hand_over, handoff_tokens, hold_together
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # Teacher-forced top-1 agreement with float32 KV over 4 x 300 positions of the tiny random checkpoints,
@@ -50,8 +51,66 @@ def test_kv_handoff_gives_exactly_the_tokens_of_the_decode_kv_dtype_in_process(
                      attention_backend=attention_backend).generate(prompts, GREEDY)
     prefill = _engine(checkpoint, prefill_dtype, attention_backend=attention_backend)
     decode = _engine(checkpoint, decode_dtype, attention_backend=attention_backend)
-    outputs = handoff_tokens(prefill, decode, prompts, GREEDY)
+    # Prefilled in one batch, as in process: what is compared is the handoff, not the GEMMs' row counts.
+    outputs = handoff_tokens(prefill, decode, prompts, GREEDY, together=True)
     assert [outputs[f"req-{i}"] for i in range(len(prompts))] == [out.token_ids for out in in_process]
+
+
+def _record_rows(engine: LLMEngine, index_of: dict[str, int], rows: dict[tuple[int, int], tuple[bytes, bytes]]) -> None:
+    """Each running sequence's cached rows, by (prompt index, position): int8 data and scales, as bytes."""
+    cache = engine.kv_cache
+    assert cache.scales is not None and cache.layout is None
+    for seq in engine.scheduler.running:
+        for position in range(seq.num_computed_tokens):
+            block, slot = seq.block_table[position // cache.block_size], position % cache.block_size
+            data, scales = cache.data[:, :, block, slot], cache.scales[:, :, block, slot]  # every layer's
+            rows.setdefault((index_of[seq.request_id], position), (data.numpy().tobytes(), scales.numpy().tobytes()))
+
+
+def _decode_recording_rows(engine: LLMEngine, index_of: dict[str, int]) -> dict[tuple[int, int], tuple[bytes, bytes]]:
+    rows: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+    for _ in range(GREEDY_ROWS.max_tokens + 1):
+        _record_rows(engine, index_of, rows)
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    return rows
+
+
+GREEDY_ROWS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prefill_dtype", ["int8", "auto"])
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_a_handed_off_int8_latent_cache_is_bit_for_bit_the_locally_written_one(
+    family: str, prefill_dtype: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each latent row (normalised latent and rope part under one scale) of the prompt as the decode engine
+    # imports it (int8 as sent, or float32 quantized on arrival) and of the tokens it decodes after, against
+    # the rows an int8 engine writes in process; with each CPU kind's GEMMs (MKL's on a Xeon or a Zen 3,
+    # pdserve's panels on a Zen 4 or 5) and both attention backends.
+    checkpoint = request.getfixturevalue(f"{family}_checkpoint")
+    prompts = random_prompts([1, 16, 37, 150], seed=10)
+    for kind in CPU_KINDS:
+        emulate(monkeypatch, kind)
+        for backend in ("sdpa", "cpu_paged"):
+            local = _engine(checkpoint, "int8", attention_backend=backend)
+            index_of = {local.add_request(prompt, GREEDY_ROWS): i for i, prompt in enumerate(prompts)}
+            expected = _decode_recording_rows(local, index_of)
+            prefill = _engine(checkpoint, prefill_dtype, attention_backend=backend)
+            decode = _engine(checkpoint, "int8", attention_backend=backend)
+            held = hold_together(prefill, prompts, GREEDY_ROWS)
+            index_of = {hand_over(prefill, decode, prompt, GREEDY_ROWS, out).request_id: i
+                        for i, (prompt, out) in enumerate(zip(prompts, held))}
+            landed = _decode_recording_rows(decode, index_of)
+            # Every prompt token's row and the first two decoded tokens' (a row read after a step is a running
+            # sequence's: the fourth token's step writes the third's and ends the request).
+            assert sorted(landed) == sorted(expected) == [
+                (i, position) for i, prompt in enumerate(prompts) for position in range(len(prompt) + 2)
+            ]
+            differing = [key for key in expected if landed[key] != expected[key]]
+            assert not differing, f"{kind.name}, {backend}: rows (prompt, position) {differing[:8]} differ"
 
 
 def test_int8_blocks_imported_into_a_float32_cache_decode_to_the_end(llama_checkpoint: Path) -> None:
