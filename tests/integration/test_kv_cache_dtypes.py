@@ -2,8 +2,9 @@
 
 float32 stays the oracle elsewhere (test_exactness.py); here a reduced KV
 dtype is held to two things: a handoff between engines gives exactly the
-tokens the same engine gives in-process, and teacher-forced top-1 agreement
-with float32 KV stays above a stated threshold.
+tokens (and the int8 rows) the same engine gives in-process, and teacher-forced
+top-1 agreement with float32 KV, where the float32 reference is decisive
+(tests/support/near_ties.py), stays near 1.
 """
 
 from __future__ import annotations
@@ -13,24 +14,19 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import LLM, LLMEngine, SamplingParams
-from tests.conftest import MLA_FAMILIES, family_of, random_prompts
+from tests.conftest import MLA_FAMILIES, random_prompts
 from tests.support.cpu_paths import CPU_KINDS, emulate
 from tests.support.handoff import hand_over, handoff_tokens, hold_together
+from tests.support.near_ties import TopTwo, decisive_agreement, prompt_top_two
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-# Teacher-forced top-1 agreement with float32 KV over 4 x 300 positions of the tiny random checkpoints,
-# measured (bfloat16 / int8): llama 0.979 / 0.958, qwen2 0.986 / 0.958, qwen3 0.994 / 0.985, mistral
-# 0.981 / 0.938, olmo2 0.997 / 0.989, phi3 0.971 / 0.937, gemma2 0.997 / 0.991, gemma3 1.000 / 0.993,
-# qwen3_moe 0.990 / 0.966; mixtral 0.920 / 0.829 (a moved router logit moves a token to another expert);
-# deepseek_v2 0.984 / 0.916, deepseek_v3 0.981 / 0.905 (one int8 scale covers a token's whole latent row, whose
-# rope part is larger than the normalised latent, and the experts amplify what moves).
-# Near-uniform random models make close calls common; real models agree more.
-MIN_TOP1_AGREEMENT = {"bfloat16": 0.95, "int8": 0.92}
-MOE_MIN_TOP1_AGREEMENT = {
-    "mixtral": {"bfloat16": 0.88, "int8": 0.79},
-    "deepseek_v2": {"bfloat16": 0.95, "int8": 0.89},
-    "deepseek_v3": {"bfloat16": 0.95, "int8": 0.88},
-}
+# Teacher-forced top-1 agreement with float32 KV over 4 x 283 positions, where the float32 reference leads by
+# MARGIN or more (672-857 positions count; Gemma 2's soft-capped logits fewest), the mixture-of-experts
+# families with decisive routers (``agreement_checkpoint``). Measured (bfloat16 / int8), the same on every CPU
+# kind's paths: 1.000 / 0.995-1.000 (Phi-3 lowest); over every position 0.971-1.000 / 0.937-0.996.
+MARGIN = 0.2
+MIN_COUNTED = 600
+MIN_AGREEMENT = 0.99
 
 
 def _engine(path: Path, kv_cache_dtype: str, **kwargs: object) -> LLMEngine:
@@ -126,23 +122,24 @@ def test_int8_blocks_imported_into_a_float32_cache_decode_to_the_end(llama_check
     assert [len(outputs[f"req-{i}"]) for i in range(2)] == [24, 24]
 
 
-def _teacher_forced_top1(path: Path, kv_cache_dtype: str, prompts: list[list[int]]) -> list[tuple[int, float]]:
-    """Argmax and its logprob at every position after the first chunk; 16-token chunks make each read its context
-    from the cache."""
+def _teacher_forced_top2(path: Path, kv_cache_dtype: str, prompts: list[list[int]]) -> TopTwo:
+    """The top two at every position after the first chunk; 16-token chunks make each read its context from the
+    cache."""
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16,
               kv_cache_dtype=kv_cache_dtype)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
-    return [entry.top[0] for out in outputs for entry in out.prompt_logprobs[16:]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    return prompt_top_two(outputs, skip=16)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
-def test_compact_kv_agrees_with_float32_kv_above_the_stated_threshold(checkpoint: Path, kv_cache_dtype: str) -> None:
+def test_compact_kv_agrees_with_float32_kv_where_float32_is_decisive(
+    agreement_checkpoint: Path, kv_cache_dtype: str
+) -> None:
     prompts = random_prompts([300] * 4, seed=21)
-    reference = _teacher_forced_top1(checkpoint, "auto", prompts)
-    compact = _teacher_forced_top1(checkpoint, kv_cache_dtype, prompts)
-    assert len(reference) == len(compact) == 4 * 283
-    agreement = sum(a[0] == b[0] for a, b in zip(reference, compact)) / len(reference)
-    threshold = MOE_MIN_TOP1_AGREEMENT.get(family_of(checkpoint), MIN_TOP1_AGREEMENT)[kv_cache_dtype]
-    assert agreement >= threshold
-    # The compact cache really is read: the logprobs move (an argmax need not, Gemma 3's never did in bf16).
-    assert max(abs(a[1] - b[1]) for a, b in zip(reference, compact)) > 1e-4
+    reference = _teacher_forced_top2(agreement_checkpoint, "auto", prompts)
+    compact = _teacher_forced_top2(agreement_checkpoint, kv_cache_dtype, prompts)
+    assert len(reference.tokens) == len(compact.tokens) == 4 * 283
+    agreement = decisive_agreement(reference, compact, MARGIN)
+    assert agreement.counted >= MIN_COUNTED and agreement.share >= MIN_AGREEMENT, str(agreement)
+    # The compact cache really is read: the leads move (an argmax need not, Gemma 3's never did in bf16).
+    assert max(abs(a - b) for a, b in zip(reference.margins, compact.margins)) > 1e-4
