@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import pytest_asyncio
 import torch
+from safetensors.torch import load_file, save_file
 
 if TYPE_CHECKING:  # imported by the fixture itself: most tests need no grpc
     from tests.support.cluster import InProcessCluster
@@ -475,6 +477,67 @@ MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 @pytest.fixture(scope="session", params=list(FAMILY_CONFIGS))
 def checkpoint(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+# The decisive routers' construction (with_decisive_routers): the lead of each chosen expert over the next, in
+# hidden-state units; the extra lead of the last chosen expert over the first left out; the router's gain.
+_ROUTING_STEP, _ROUTING_GAP, _ROUTER_GAIN = 0.25, 1.0, 4.0
+
+
+def with_decisive_routers(checkpoint: Path, directory: Path, seed: int = 0) -> Path:
+    """A copy of a MoE checkpoint whose routers choose every token's experts by a wide margin, the same in any
+    precision: what the agreement tests with reduced precision measure on (a random router's near ties move a
+    token to another expert at any rounding, and nothing of the path under test is learnt from that).
+
+    The first ``num_experts`` hidden features are reserved for routing: the embedding gives each token a
+    level per expert there (its experts in a random order, whole groups first where the family limits routing
+    to groups, levels ``_ROUTING_STEP`` apart and the ones left out ``_ROUTING_GAP`` further below), no layer
+    writes them (those rows of every o_proj and down projection are zero, in any quantization), and each
+    router reads its expert's feature alone. The residual stream keeps them as embedded, and RMSNorm scales
+    them all by one positive factor, so every router ranks a token's experts as its embedding does, whatever
+    the other features' rounding. DeepSeek-V3's routing bias is zero (a bias shifts the ranks by a constant
+    the order of levels need not dominate).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    for item in checkpoint.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, directory / item.name)
+    config = json.loads((checkpoint / "config.json").read_text())
+    num_experts = config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"]
+    top_k, groups = config["num_experts_per_tok"], config.get("n_group") or 1
+    per_group = num_experts // groups
+    levels = -_ROUTING_STEP * torch.arange(num_experts, dtype=torch.float32)  # by rank, best first
+    levels[top_k:] -= _ROUTING_GAP
+    generator = torch.Generator().manual_seed(seed)
+    for path in checkpoint.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        embed = tensors["model.embed_tokens.weight"]  # (vocab, hidden)
+        for token in range(embed.shape[0]):
+            # Rank of each expert: the token's groups in a random order, within each its experts in a random one.
+            ranks = torch.empty(num_experts, dtype=torch.long)
+            for group_rank, group in enumerate(torch.randperm(groups, generator=generator).tolist()):
+                for inner_rank, inner in enumerate(torch.randperm(per_group, generator=generator).tolist()):
+                    ranks[group * per_group + inner] = group_rank * per_group + inner_rank
+            embed[token, :num_experts] = levels[ranks]
+        for key, value in tensors.items():
+            if key.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):  # every writer of the residual
+                value[:num_experts] = 0
+            elif key.endswith(".gate.weight"):  # (num_experts, hidden): the routers
+                value.zero_()
+                value[:, :num_experts] = _ROUTER_GAIN * torch.eye(num_experts)
+            elif key.endswith("e_score_correction_bias"):
+                value.zero_()
+        save_file(tensors, str(directory / path.name), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="session")
+def agreement_checkpoint(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``checkpoint``, with decisive routers where it has experts (``with_decisive_routers``)."""
+    family = family_of(checkpoint)
+    if family not in MOE_FAMILIES:
+        return checkpoint
+    return with_decisive_routers(checkpoint, tmp_path_factory.mktemp(f"tiny-{family}-"))
 
 
 def preempting_pool(checkpoint: Path) -> int:

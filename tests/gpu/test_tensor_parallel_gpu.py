@@ -20,7 +20,8 @@ from pdserve.engine.types.handoff import KVHoldParams
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from tests.conftest import random_prompts
-from tests.parallel.support import Reference, build, comparable
+from tests.parallel.support import Reference, build
+from tests.support.near_ties import comparable
 
 pytestmark = [
     pytest.mark.gpu,

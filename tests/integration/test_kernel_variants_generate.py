@@ -14,6 +14,7 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.native import ISA_ENV, supported_variants
 from tests.conftest import Oracle, random_prompts
+from tests.support.cpu_paths import variant_params
 
 PROMPTS = random_prompts([5, 17, 40, 95], seed=61)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -25,7 +26,7 @@ def _tokens(checkpoint: Path, **options: object) -> list[list[int]]:
     return [output.token_ids for output in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("variant", supported_variants())
+@pytest.mark.parametrize("variant", variant_params())
 def test_float32_tokens_equal_transformers_in_every_variant(
     variant: str, llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

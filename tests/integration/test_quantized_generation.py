@@ -1,16 +1,27 @@
-"""Reduced-precision and quantized weights through ``LLM.generate``: top-1 agreement with float32 above stated thresholds.
+"""Reduced-precision and quantized weights through ``LLM.generate``: top-1 agreement with float32, teacher-forced.
 
-Agreement is measured teacher-forced, over every prompt position (the top
-token of ``prompt_logprobs``), so one early flip does not decide the figure.
-The tiny random checkpoints (initializer range 0.25) are far more sensitive
-to weight noise than trained models: 4-bit steps are about 8% of a group's
-spread there, so INT4 is also checked against float32 *on its own dequantized
-weights* (the LM head left unquantized), where only activation rounding
-differs: bf16 above the kernels' row counts, int8 per block of 32 in them.
+Agreement is measured over every prompt position (the top token of
+``prompt_logprobs``), so one early flip does not decide the figure, and only
+where the float32 reference is decisive (``MARGIN``, the near-tie rule of
+tests/support/near_ties.py): a random tiny model's near ties flip under any
+rounding and say nothing of the path under test, while a decisive position
+flips only when the setting moves the logits by half a nat or more. The
+mixture-of-experts families are measured on copies whose routers are decisive
+(``agreement_checkpoint``): a random router's near ties move a token to another
+expert under any rounding. INT4 weights are measured on a checkpoint already on
+their grid (4-bit steps are about 8% of a random group's spread: against the
+original weights INT4 agrees at 0.15-0.7 whatever the engine does; the
+quantizer's own error is pinned in tests/unit/test_linear_methods.py).
+
+Each test runs every CPU kind's paths (tests/support/cpu_paths.py): where the
+INT8/INT4 kernels take every row count (Zen 4/5), up to 256 rows with weights
+dequantized to bf16 above (Xeon with AMX), up to 512 (INT8) with float32
+dequantization above (Zen 3); float32 GEMMs in MKL or in pdserve's panels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +31,13 @@ from torch import nn
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers.linear import Int4LinearMethod, Int8LinearMethod, PackedLinear, UnquantizedLinearMethod
-from tests.conftest import FAMILY_CONFIGS, MOE_FAMILIES, family_of, random_prompts
+from pdserve.engine.models.llama import MoE
+from tests.conftest import FAMILY_CONFIGS, MOE_FAMILIES, family_of, random_prompts, with_decisive_routers
+from tests.support.cpu_paths import CPU_KINDS, emulate
+from tests.support.near_ties import Agreement, TopTwo, comparable, decisive_agreement, prompt_top_two
 
 PROMPTS = random_prompts([40, 95, 160, 300], seed=1)
-TOP1 = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+TOP2 = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
 _FUSED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"), "w1": ("w1", "w3")}
 # Phi-3's checkpoints store q/k/v and gate/up fused already, in the engine's order.
 _FIRST_OF_EACH_PACKED = (
@@ -33,70 +47,115 @@ _FIRST_OF_EACH_PACKED = (
     # Mixtral's experts: w1 / w3 (gate / up, packed together), w2 (down)
     "w1.weight", "w2.weight",
 )
+# The reference's lead (a logit difference) from which a position counts, and how many positions must count
+# (of the 591): at half a nat 158-295 do on every checkpoint (Gemma 2's soft-capped logits fewest).
+MARGIN = 0.5
+MIN_COUNTED = 150
+# Agreement on the decisive positions, measured on every CPU kind's paths (tests/support/cpu_paths.py, Zen 3 host)
+# at the worst family: bf16 0.996 (Phi-3); INT8 weights 0.980 (Qwen2), with bf16 activations 0.978 (Phi-3, Zen 4's
+# paths); INT4 on its grid 0.989 and INT4 on its own dequantized weights 0.989 (Phi-3, the Xeon's bf16
+# dequantization); INT8 on its own dequantized weights 0.996 (Phi-3, Zen 4's kernels at every row count).
+# Where only activations round (bf16, the weights on their grid) a point of slack; where the INT8 weights
+# are rounded from the checkpoint's, one more.
+BF16_MIN_AGREEMENT = 0.99
+ACTIVATIONS_MIN_AGREEMENT = 0.98
+INT8_WEIGHTS_MIN_AGREEMENT = 0.97
 
 
-def _top1(llm: LLM) -> list[int]:
-    outputs = llm.generate(PROMPTS, TOP1)
-    return [entry.top[0][0] for out in outputs for entry in out.prompt_logprobs]
+def _top2(checkpoint: Path, **options: object) -> TopTwo:
+    return prompt_top_two(LLM(model=str(checkpoint), num_kv_blocks=128, **options).generate(PROMPTS, TOP2))
 
 
-def _agreement(a: list[int], b: list[int]) -> float:
-    assert len(a) == len(b) == sum(len(p) - 1 for p in PROMPTS)
-    return sum(x == y for x, y in zip(a, b)) / len(a)
+def _check(agreements: dict[str, Agreement], threshold: float) -> None:
+    """Every CPU kind's agreement is at ``threshold`` or above, on ``MIN_COUNTED`` positions or more."""
+    report = "; ".join(f"{kind}: {agreement}" for kind, agreement in agreements.items())
+    assert all(a.counted >= MIN_COUNTED and a.share >= threshold for a in agreements.values()), report
 
 
 @pytest.fixture(scope="module")
-def float32_top1() -> dict[Path, list[int]]:
+def float32_top2() -> dict[tuple[Path, str], TopTwo]:
+    """The float32 reference of a checkpoint on a CPU kind's paths, computed once."""
     return {}
 
 
-# The tiny Mixtral routes every layer's tokens to 2 of 6 experts: a rounding that moves a router logit moves a
-# token to another expert, so it agrees less. Measured there (2,048 / 32-token steps): bf16 0.853 / 0.853,
-# int8 0.746 / 0.733, int8 on bf16 0.726 / 0.695, int4 g32 0.144 / 0.149; on its own dequantized weights
-# int4 0.741, int8 0.843 (0.932 where prefills of over 512 rows dequantize, AVX2 CPUs; 0.785 where every row
-# runs through the INT8 kernel's quantized activations, VNNI CPUs without AMX, a Zen 4). (The tiny Qwen3-MoE,
-# 3 of 8 experts in two of three layers, meets the dense ones.)
-# The tiny DeepSeek-V3 (3 of 8 experts by sigmoid scores plus a bias, within 2 of 4 groups) measured at
-# 32-token steps int8 0.834, int8 on bf16 0.826, int4 g32 0.225.
-_FAMILY_THRESHOLDS = {
-    "mixtral": {"bfloat16": 0.81, "int8": 0.69, "bfloat16:int8": 0.65, "int4": 0.10,
-                "dequantized int4": 0.70, "dequantized int8": 0.75},
-    "deepseek_v3": {"int8": 0.80, "bfloat16:int8": 0.79, "int4": 0.19},
-}
+@pytest.fixture(scope="module")
+def on_grid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str], Path]:
+    """A checkpoint's weights on a quantization's grid (``_fake_quantized_checkpoint``), made once."""
+    made: dict[tuple[Path, str], Path] = {}
+
+    def checkpoint_on_grid(checkpoint: Path, quantization: str) -> Path:
+        if (checkpoint, quantization) not in made:
+            method = Int4LinearMethod(32) if quantization == "int4" else Int8LinearMethod()
+            directory = tmp_path_factory.mktemp(f"{checkpoint.name}-on-{quantization}-grid")
+            made[checkpoint, quantization] = _fake_quantized_checkpoint(checkpoint, directory, method)
+        return made[checkpoint, quantization]
+
+    return checkpoint_on_grid
 
 
-def _threshold(checkpoint: Path, setting: str, default: float) -> float:
-    return _FAMILY_THRESHOLDS.get(family_of(checkpoint), {}).get(setting, default)
+def _reference(checkpoint: Path, kind: str, memo: dict[tuple[Path, str], TopTwo]) -> TopTwo:
+    if (checkpoint, kind) not in memo:
+        memo[checkpoint, kind] = _top2(checkpoint, dtype="float32")
+    return memo[checkpoint, kind]
 
 
-def _reference(checkpoint: Path, memo: dict[Path, list[int]]) -> list[int]:
-    if checkpoint not in memo:
-        memo[checkpoint] = _top1(LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=128))
-    return memo[checkpoint]
-
-
-# Thresholds sit a few points under what these checkpoints give (llama/qwen2 measured:
-# bf16 0.94/0.93, int8 0.91/0.90, int8 on bf16 0.89/0.89, int4 g32 0.29/0.32).
 @pytest.mark.parametrize(
     ("settings", "threshold"),
     [
-        ({"dtype": "bfloat16"}, 0.88),
-        ({"dtype": "float32", "quantization": "int8"}, 0.85),
-        ({"dtype": "bfloat16", "quantization": "int8"}, 0.83),
-        ({"dtype": "float32", "quantization": "int4", "quantization_group_size": 32}, 0.24),
+        ({"dtype": "bfloat16"}, BF16_MIN_AGREEMENT),
+        ({"dtype": "float32", "quantization": "int8"}, INT8_WEIGHTS_MIN_AGREEMENT),
+        ({"dtype": "bfloat16", "quantization": "int8"}, INT8_WEIGHTS_MIN_AGREEMENT),
+        # On the INT4 grid (see the module's docstring); the LM head INT8, as by default.
+        ({"dtype": "float32", "quantization": "int4", "quantization_group_size": 32}, ACTIVATIONS_MIN_AGREEMENT),
     ],
+    ids=["bfloat16", "int8", "bfloat16-int8", "int4"],
 )
-@pytest.mark.parametrize("max_num_batched_tokens", [2048, 32])
-def test_top1_agreement_with_float32_is_above_threshold(
-    checkpoint: Path, float32_top1: dict, settings: dict, threshold: float, max_num_batched_tokens: int
+def test_top1_agreement_with_float32_on_decisive_positions(
+    agreement_checkpoint: Path, float32_top2: dict, on_grid: Callable[[Path, str], Path], settings: dict,
+    threshold: float, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # 32-token chunks prefill through the quantized kernels, 2048 through dequantize + bf16 GEMM.
-    llm = LLM(model=str(checkpoint), num_kv_blocks=128, max_num_batched_tokens=max_num_batched_tokens, **settings)
-    setting = settings["dtype"] if "quantization" not in settings else settings["quantization"]
-    if settings["dtype"] == "bfloat16" and "quantization" in settings:
-        setting = "bfloat16:" + settings["quantization"]
-    threshold = _threshold(checkpoint, setting, threshold)
-    assert _agreement(_top1(llm), _reference(checkpoint, float32_top1)) >= threshold
+    checkpoint = agreement_checkpoint
+    if settings.get("quantization") == "int4":
+        checkpoint = on_grid(agreement_checkpoint, "int4")
+    agreements = {}
+    for kind in CPU_KINDS:
+        emulate(monkeypatch, kind)
+        reference = _reference(checkpoint, kind.name, float32_top2)
+        agreements[kind.name] = decisive_agreement(reference, _top2(checkpoint, **settings), MARGIN)
+    _check(agreements, threshold)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_decisive_routers_choose_every_tokens_experts_alike_in_every_precision(
+    family: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The premise of measuring the routed families on ``agreement_checkpoint``: its routers do not move with
+    # the precision, and they still spread the tokens over the experts.
+    checkpoint = with_decisive_routers(request.getfixturevalue(f"{family}_checkpoint"),
+                                       tmp_path_factory.mktemp(f"tiny-{family}-"))
+    chosen: list[torch.Tensor] = []
+    route = MoE.route
+
+    def recording(self: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(self, x)
+        chosen.append(experts.sort(dim=-1).values)  # (num_tokens, top_k) of each layer's call
+        return weights, experts
+
+    monkeypatch.setattr(MoE, "route", recording)
+    runs, num_moe_layers = [], 0
+    for settings in ({"dtype": "float32"}, {"dtype": "bfloat16"},
+                     {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32}):
+        chosen.clear()
+        llm = LLM(model=str(checkpoint), num_kv_blocks=128, **settings)
+        llm.generate(PROMPTS, TOP2)  # one step: every prompt token of every routed layer, once
+        runs.append(torch.cat(chosen))
+        num_moe_layers = sum(isinstance(module, MoE) for module in llm.engine.model.modules())
+    assert num_moe_layers >= 2 and runs[0].shape[0] == num_moe_layers * sum(map(len, PROMPTS))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    # Tokens go to many sets of experts, each expert to some of them.
+    assert len({tuple(row) for row in runs[0].tolist()}) >= 10
+    assert set(runs[0].flatten().tolist()) == set(range(int(runs[0].max()) + 1))
 
 
 def _fake_quantized_checkpoint(checkpoint: Path, directory: Path, method: Int4LinearMethod | Int8LinearMethod) -> Path:
@@ -127,20 +186,21 @@ def _fake_quantized_checkpoint(checkpoint: Path, directory: Path, method: Int4Li
     return directory
 
 
-# The kernels' int8 activations (a step of max|x| / 127 per block of 32) round more coarsely than
-# bf16 did (aten's kernels): llama int4 measured 0.897 with them (0.9+ with bf16 activations).
-@pytest.mark.parametrize(
-    ("quantization", "method", "threshold"),
-    [("int4", Int4LinearMethod(32), 0.86), ("int8", Int8LinearMethod(), 0.86)],
-)
+# The engine's INT8/INT4 on the checkpoint against float32 on the weights it multiplies by (the LM head left
+# unquantized): only the activations round (the kernels' int8 per block of 32, or bf16 where the Xeon dequantizes).
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_quantized_engine_agrees_with_float32_on_its_own_dequantized_weights(
-    checkpoint: Path, tmp_path: Path, quantization: str, method: Int4LinearMethod | Int8LinearMethod, threshold: float
+    agreement_checkpoint: Path, float32_top2: dict, on_grid: Callable[[Path, str], Path], quantization: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fake = _fake_quantized_checkpoint(checkpoint, tmp_path, method)
-    expected = _top1(LLM(model=str(fake), dtype="float32", num_kv_blocks=128))
-    llm = LLM(model=str(checkpoint), dtype="float32", num_kv_blocks=128, quantization=quantization,
-              quantization_group_size=32, quantize_lm_head=False)
-    assert _agreement(_top1(llm), expected) >= _threshold(checkpoint, f"dequantized {quantization}", threshold)
+    fake = on_grid(agreement_checkpoint, quantization)
+    agreements = {}
+    for kind in CPU_KINDS:
+        emulate(monkeypatch, kind)
+        quantized = _top2(agreement_checkpoint, dtype="float32", quantization=quantization, quantization_group_size=32,
+                          quantize_lm_head=False)
+        agreements[kind.name] = decisive_agreement(_reference(fake, kind.name, float32_top2), quantized, MARGIN)
+    _check(agreements, ACTIVATIONS_MIN_AGREEMENT)
 
 
 def test_int4_group_size_that_does_not_divide_a_projection_is_refused(checkpoint: Path) -> None:
@@ -176,11 +236,17 @@ _FUSED_FAMILIES = [f for f in FAMILY_CONFIGS if not f.startswith("gemma")]
 
 
 @pytest.mark.parametrize("family", _FUSED_FAMILIES)
-def test_bf16_fused_ops_agree_with_torch_ops(family: str, request: pytest.FixtureRequest) -> None:
+def test_bf16_fused_ops_agree_with_torch_ops(
+    family: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # On CPU in bf16 the norms and the MLP activation run fused C kernels. They round where the torch
     # ops round; only their float32 sum of squares is added in another order, which moves a
     # normalised value by one bf16 step now and then. Measured here: at most 0.055 on a prompt logprob.
     checkpoint = request.getfixturevalue(f"{family}_checkpoint")
+    if family in MOE_FAMILIES:
+        # Decisive routers (``with_decisive_routers``): a random router's near tie moves a token to another
+        # expert at one bf16 step, and its whole distribution with it.
+        checkpoint = with_decisive_routers(checkpoint, tmp_path_factory.mktemp(f"tiny-{family}-"))
     fused = LLM(model=str(checkpoint), dtype="bfloat16", num_kv_blocks=128)
     model = fused.engine.model
     # OLMo 2's norms of each sublayer's output add nothing into the residual: only its final norm is fused.
@@ -191,19 +257,20 @@ def test_bf16_fused_ops_agree_with_torch_ops(family: str, request: pytest.Fixtur
     mlps = [mlp for layer in model.model.layers for mlp in (layer.mlp.mlps() if hasattr(layer.mlp, "mlps") else [layer.mlp])]
     assert all(norm.fused is not None for norm in norms)
     assert all(mlp.fused is not None for mlp in mlps)
-    params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=1, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=2, logprobs=2)
     with_fused = fused.generate(PROMPTS, params)
     for module in norms + mlps:
         module.fused = None
     without = fused.generate(PROMPTS, params)
-    # Measured: generated tokens identical; teacher-forced top-1 differs at 1 of 588 positions (a near tie).
-    # Routed families: a rounding that moves a token to another expert moves its whole distribution, so only
-    # agreement is held (the tiny DeepSeek-V3 measured 0.971; Mixtral's greedy run parted at its 8th token on
-    # Zen 3, whose bf16 is emulated, at agreement >= 0.99).
-    fused_top1, torch_top1 = ([e.top[0][0] for out in outputs for e in out.prompt_logprobs] for outputs in (with_fused, without))
-    assert _agreement(fused_top1, torch_top1) >= (0.95 if family in MOE_FAMILIES else 0.99)
-    if family in MOE_FAMILIES:
-        return
+    # Measured: teacher-forced top-1 identical at every position the torch ops decide by 0.1 or more, in every
+    # family (dense ones differ at 1 of 591 positions in all, a near tie); generated tokens identical, but for
+    # one of the tiny DeepSeek-V3's prompts, which parts at a near tie of its greedy run.
+    assert decisive_agreement(prompt_top_two(without), prompt_top_two(with_fused), 0.1).share >= 0.99
     for a, b in zip(with_fused, without):
-        assert a.token_ids == b.token_ids
+        if family in MOE_FAMILIES:
+            assert b.logprobs is not None
+            n = comparable(b.token_ids, [entry.top[0][1] - entry.top[1][1] for entry in b.logprobs], 0.1)
+            assert a.token_ids[:n] == b.token_ids[:n]
+        else:
+            assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs, b.prompt_logprobs)) < 0.1

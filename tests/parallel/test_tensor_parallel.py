@@ -17,7 +17,8 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.parallel.group import TensorParallelError
 from pdserve.engine.types.sampling_params import SamplingParams
 from tests.conftest import random_prompts
-from tests.parallel.support import Reference, build, comparable
+from tests.parallel.support import Reference, build
+from tests.support.near_ties import comparable
 
 MAX_TOKENS = 8
 # Pools of 4-slot blocks that make the preemption test preempt: 12 blocks, or 10 where Gemma 2's window (10

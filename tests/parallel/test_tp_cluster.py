@@ -13,9 +13,10 @@ import pytest
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.service_common.server import ServerConfig
 from tests.conftest import StartInProcessCluster, random_prompts
-from tests.parallel.support import Reference, build, comparable
+from tests.parallel.support import Reference, build
 from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture
 from tests.support.cluster import ClusterOptions
+from tests.support.near_ties import comparable
 
 MAX_TOKENS = 6
 

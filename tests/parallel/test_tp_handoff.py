@@ -33,9 +33,10 @@ from pdserve.kv_transfer.sharded import RankFetchOptions, rank_fetcher
 from pdserve.protos.pdserve.v1.internal import worker_pb2_grpc
 from pdserve.service_common.security import TlsConfig, open_channel, server_credentials
 from tests.conftest import random_prompts
-from tests.parallel.support import Reference, build, comparable
+from tests.parallel.support import Reference, build
 from tests.security.test_tls_and_auth import Pki, pki  # noqa: F401 - pki: the throwaway CA fixture
 from tests.support.handoff import finished_outputs
+from tests.support.near_ties import comparable
 
 TRANSPORTS = ("grpc", "shm", "torch_dist")
 MAX_TOKENS = 6

@@ -17,9 +17,10 @@ from pdserve.engine.parallel.step_codec import StepInputs, decode_step, encode_s
 from pdserve.engine.types.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pdserve.engine.types.sampling_params import SamplingParams
 from tests.conftest import random_prompts
-from tests.parallel.support import Reference, build, comparable
+from tests.parallel.support import Reference, build
 from tests.parallel.test_tp_handoff import SenderServer, _hand_over
 from tests.support.handoff import finished_outputs, prefill_and_hold
+from tests.support.near_ties import comparable
 
 BS = 4
 MAX_TOKENS = 6

@@ -18,7 +18,8 @@ from pdserve.engine.parallel.sharding import TensorParallelShard, check_tensor_p
 from pdserve.engine.parallel.vocab_head import VocabSplitHead, install_split_head, uses_split_head, vocab_range
 from pdserve.engine.types.sampling_params import SamplingParams
 from tests.conftest import random_prompts
-from tests.parallel.support import ODD_VOCAB_SIZE, Reference, build, comparable, llama_config
+from tests.parallel.support import ODD_VOCAB_SIZE, Reference, build, llama_config
+from tests.support.near_ties import comparable
 
 MAX_TOKENS = 8
 HIDDEN = 48  # tests/parallel/support.py's configs

@@ -14,6 +14,7 @@ from pdserve.engine.attention.backend import write_to_cache
 from pdserve.engine.attention.cpu_kernel import PagedAttentionKernel, load_paged_attention_kernel
 from pdserve.engine.kv.cache import KVCache, QuantizedKV, dequantize_int8, quantize_int8
 from pdserve.engine.native import load_kernel_ops, supported_variants
+from tests.support.cpu_paths import variant_params
 
 VARIANTS = supported_variants()
 
@@ -64,7 +65,7 @@ SHAPES = [(3, 3, 64, 16), (2, 1, 128, 8), (1, 4, 24, 5), (2, 2, 16, 4)]
 
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES)
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", variant_params())
 def test_kernel_matches_reference_attention(num_kv_heads: int, group: int, head_dim: int, block_size: int,
                                             num_threads: int, variant: str) -> None:
     kernel = load_paged_attention_kernel(num_threads, variant)
@@ -263,7 +264,7 @@ def test_without_kernels_in_the_package_auto_falls_back_to_sdpa(monkeypatch: pyt
         select_backend("cpu_paged", torch.device("cpu"), torch.float16)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", variant_params())
 def test_kernel_reads_latent_attention_rows_as_keys_and_values(variant: str) -> None:
     # DeepSeek's absorbed decode: 16 query heads over one KV head of 576 features (512 latent + 64 rope), the
     # same rows passed as keys and values, as models/deepseek.py does.

@@ -16,7 +16,8 @@ from torch import nn
 from pdserve.engine.layers import linear as linear_module
 from pdserve.engine.layers.dense_kernels import PANEL, dense_kernel_serves_this_cpu, load_dense_kernels, pack_dense, unpack_dense
 from pdserve.engine.layers.linear import PackedLinear
-from pdserve.engine.native import cpu_flags, cpu_vendor, supported_variants
+from pdserve.engine.native import cpu_flags, cpu_vendor
+from tests.support.cpu_paths import variant_params
 
 # Every variant's code paths (float32, bf16), for the variants this CPU runs.
 _PATHS = {
@@ -26,7 +27,7 @@ _PATHS = {
     "avx512_vnni": {torch.float32: "avx512", torch.bfloat16: "portable"},
     "avx512_bf16": {torch.float32: "avx512", torch.bfloat16: "avx512_bf16"},
 }
-BUILDS = [pytest.param(variant, _PATHS[variant], id=variant) for variant in supported_variants()]
+BUILDS = variant_params(values=lambda variant: (variant, _PATHS[variant]))
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")]
 # Output counts that fill panels, leave the last one partial, or are smaller than one; inputs down to one pair.
 SHAPES = [(576, 960), (64, 40), (1536, 576), (6, 3), (2, 33)]

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from pdserve.engine.layers import fused_ops
 from pdserve.engine.layers.fused_ops import FusedOps, load_fused_ops
-from pdserve.engine.native import load_kernel_ops, supported_variants
+from pdserve.engine.native import load_kernel_ops
+from tests.support.cpu_paths import variant_params
 
 
 def _ops(variant: str | None = None) -> FusedOps:
@@ -100,7 +101,7 @@ def test_the_model_uses_them_on_cpu_in_bf16_only(monkeypatch: pytest.MonkeyPatch
     assert load_fused_ops(torch.device("cpu"), torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("variant", supported_variants())
+@pytest.mark.parametrize("variant", variant_params())
 def test_every_variant_gives_the_portable_ones_bits(variant: str) -> None:
     torch.manual_seed(11)
     portable, ops = _ops("portable"), _ops(variant)

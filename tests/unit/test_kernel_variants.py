@@ -1,13 +1,25 @@
-"""The kernels' ISA variants: built into the package, the best one this CPU runs chosen, an override honoured."""
+"""The kernels' ISA variants: built into the package, the best one this CPU runs chosen, an override honoured; the
+tests' forced paths (every variant a parameter, emulated CPU kinds) as they claim."""
 
 from __future__ import annotations
 
 import platform
 
 import pytest
+import torch
 
 from pdserve.engine import native
+from pdserve.engine.layers.dense_kernels import dense_kernel_serves_this_cpu
+from pdserve.engine.layers.linear import (
+    INT4_KERNEL_MAX_ROWS,
+    INT8_AVX2_KERNEL_MAX_ROWS,
+    INT8_KERNEL_MAX_ROWS,
+    NO_ROW_LIMIT,
+    _dequantized_dtype,
+    quant_kernel_max_rows,
+)
 from pdserve.engine.native import ISA_ENV, VARIANT_FEATURES, built_variants, load_kernel_ops, supported_variants
+from tests.support import cpu_paths
 
 
 def test_every_variant_is_built_into_the_package() -> None:
@@ -74,3 +86,47 @@ def test_a_forced_variant_hides_the_bigger_cpus_features_from_the_engines_choice
     )
     monkeypatch.setenv(ISA_ENV, "portable")
     assert native.dispatch_flags() == frozenset({"sse4_2", "bmi2", "aes", "popcnt"})
+
+
+def test_variants_this_cpu_lacks_are_parameters_skipped_with_the_missing_features(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if built_variants() != tuple(VARIANT_FEATURES):
+        pytest.skip(f"this build holds only {', '.join(built_variants()) or 'no kernels'}")
+    avx2_only = VARIANT_FEATURES["avx2"] | {"sse4_2", "aes"}  # a Zen 3's vector features
+    monkeypatch.setattr(cpu_paths, "cpu_flags", lambda: avx2_only)
+    params = cpu_paths.variant_params()
+    assert [param.id for param in params] == list(VARIANT_FEATURES)
+    reasons = {param.id: [mark.kwargs["reason"] for mark in param.marks] for param in params}
+    assert reasons == {
+        "portable": [],
+        "avx2": [],
+        "avx512": ["avx512 needs CPU features this CPU lacks: avx512bw, avx512cd, avx512dq, avx512f, avx512vl"],
+        "avx512_vnni": [
+            "avx512_vnni needs CPU features this CPU lacks: avx512_vnni, avx512bw, avx512cd, avx512dq, avx512f, "
+            "avx512vl"
+        ],
+        "avx512_bf16": [
+            "avx512_bf16 needs CPU features this CPU lacks: avx512_bf16, avx512_vnni, avx512bw, avx512cd, avx512dq, "
+            "avx512f, avx512vl"
+        ],
+    }
+    # The parameter is the variant's name, or what ``values`` makes of it.
+    assert [param.values for param in cpu_paths.variant_params(("avx2",), lambda name: (name, len(name)))] == [
+        ("avx2", 4)
+    ]
+
+
+def test_an_emulated_cpu_kind_makes_the_engines_choices_as_that_cpu_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    choices = {}
+    for kind in cpu_paths.CPU_KINDS:
+        cpu_paths.emulate(monkeypatch, kind)
+        choices[kind.name] = (
+            dense_kernel_serves_this_cpu(torch.float32), dense_kernel_serves_this_cpu(torch.bfloat16),
+            quant_kernel_max_rows("int8"), quant_kernel_max_rows("int4"), _dequantized_dtype(torch.zeros(1)),
+        )
+    assert choices == {
+        "zen3": (False, False, INT8_AVX2_KERNEL_MAX_ROWS, NO_ROW_LIMIT, torch.float32),
+        "zen4": (True, True, NO_ROW_LIMIT, NO_ROW_LIMIT, torch.bfloat16),
+        "xeon_amx": (False, False, INT8_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS, torch.bfloat16),
+    }

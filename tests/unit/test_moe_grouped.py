@@ -18,6 +18,7 @@ from pdserve.engine.layers.linear import (
 )
 from pdserve.engine.layers.quant_kernels import load_quant_kernels
 from pdserve.engine.native import supported_variants
+from tests.support.cpu_paths import variant_params
 
 # Expert row counts: an expert with no rows, one with one, one past the 16 rows from which the per-expert
 # INT8 kernel takes its tiles in pairs.
@@ -36,7 +37,7 @@ def _experts(method_name: str, variant: str, seed: int) -> list[PackedLinear]:
     return experts
 
 
-@pytest.mark.parametrize("variant", supported_variants())
+@pytest.mark.parametrize("variant", variant_params())
 @pytest.mark.parametrize("method_name", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_grouped_call_gives_each_experts_own_bits(variant: str, method_name: str, dtype: torch.dtype) -> None:
@@ -78,7 +79,7 @@ def _float32_experts(variant: str, monkeypatch: pytest.MonkeyPatch) -> list[Pack
     return [PackedLinear([nn.Linear(64, 80, bias=False)], UnquantizedLinearMethod()) for _ in COUNTS]
 
 
-@pytest.mark.parametrize("variant", supported_variants())
+@pytest.mark.parametrize("variant", variant_params())
 def test_one_grouped_float32_call_gives_each_experts_own_bits(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     experts = _float32_experts(variant, monkeypatch)
     # Each expert keeps its weight only in panels (80 outputs: the last panel of 32 is padded).

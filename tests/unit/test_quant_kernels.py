@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.layers import quant_kernels as qk
 from pdserve.engine.native import supported_variants
+from tests.support.cpu_paths import variant_params
 
 # The best variant this CPU runs; every test of the built kernels needs them (setup.py builds them).
 KERNELS = qk.load_quant_kernels()
@@ -141,12 +142,10 @@ def test_a_zero_activation_block_gives_exact_zeros_and_no_nan() -> None:
     _check(out, *_int8_reference(x, q, scales))
 
 
-@pytest.mark.parametrize("variant", ["avx512_vnni", "avx512", "avx2"])
+@pytest.mark.parametrize("variant", variant_params(("avx512_vnni", "avx512", "avx2")))
 def test_every_variant_computes_the_bits_of_the_portable_one(variant: str) -> None:
     # A CPU with AVX512-VNNI gets the VNNI path, one without it the AVX2 path, one without AVX2 the portable
     # C path: the same integer sums and float steps. Row counts cover full and partial row groups.
-    if variant not in supported_variants():
-        pytest.skip(f"this CPU cannot run the {variant} variant")
     kernels, portable = qk.load_quant_kernels(variant), qk.load_quant_kernels("portable")
     assert kernels is not None and portable is not None
     assert (kernels.isa, portable.isa) == ("avx512_vnni" if variant == "avx512_vnni" else "avx2", "portable")
