@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pdserve.engine import LLM, LLMEngine, SamplingParams
-from tests.conftest import Oracle, preempting_pool, random_prompts
+from tests.conftest import FAMILY_CONFIGS, Oracle, build_checkpoint, preempting_pool, random_prompts
 from tests.support.handoff import hand_over, handoff_tokens, prefill_and_hold
 
 # Mixed lengths from 1 to 300 tokens, around block boundaries (block size 16) too.
@@ -41,6 +43,32 @@ def test_batched_greedy_equals_transformers(checkpoint: Path, oracle: Oracle) ->
         "stop" if o.token_ids[-1] == 7 and len(o.token_ids) < MAX_TOKENS else "length" for o in outputs
     ]
     _assert_no_block_held(llm)
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
+def drawn_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A family's tiny checkpoint with its projection biases and norm weights drawn, and the same one without.
+
+    transformers starts every bias at zero and every norm weight at its identity, so on the shared fixtures a
+    path that dropped a bias (Qwen2's q/k/v) or a norm's weight (Qwen3's q/k norms, Gemma's sandwich norms)
+    would still agree with it."""
+    family = request.param
+    drawn = build_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}-"), FAMILY_CONFIGS[family](),
+                             draw_biases_and_norms=True)
+    plain = build_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}-"), FAMILY_CONFIGS[family]())
+    return drawn, plain
+
+
+def test_drawn_biases_and_norm_weights_equal_transformers(drawn_checkpoint: tuple[Path, Path]) -> None:
+    drawn, plain = drawn_checkpoint
+    prompts = random_prompts(PROMPT_LENGTHS, seed=11)
+    oracle = Oracle(drawn)
+    # Batched (decodes through the C kernel), and in 12-token chunks over the cache through SDPA.
+    for options in ({}, {"max_num_batched_tokens": 12, "attention_backend": "sdpa"}):
+        _assert_matches_oracle(_llm(drawn, num_kv_blocks=256, **options).generate(prompts, GREEDY), prompts, oracle)
+    # The drawn values decide tokens: the same weights without them answer otherwise.
+    plain_outputs = _llm(plain, num_kv_blocks=256).generate(prompts, GREEDY)
+    assert any(out.token_ids != oracle.generate(prompt, MAX_TOKENS) for prompt, out in zip(prompts, plain_outputs))
 
 
 def test_chunked_prefill_under_small_token_budget_equals_transformers(checkpoint: Path, oracle: Oracle) -> None:
