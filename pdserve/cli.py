@@ -10,8 +10,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pdserve.gateway.decode_stream import DEFAULT_MAX_MIGRATIONS, DEFAULT_MIGRATION_TIMEOUT_S
 from pdserve.gateway.disaggregation import MODES as DISAGGREGATION_MODES
-from pdserve.gateway.migration import DEFAULT_MAX_MIGRATIONS, DEFAULT_MIGRATION_TIMEOUT_S
 from pdserve.security_flags import (
     add_auth_token_argument,
     add_client_tls_arguments,
@@ -19,7 +19,14 @@ from pdserve.security_flags import (
     auth_token_from_args,
     client_tls_from_args,
 )
-from pdserve.serve import add_speculative_config_argument, engine_config, run_colocated, run_decode, run_gateway, run_prefill
+from pdserve.serve import (
+    add_speculative_config_argument,
+    engine_config,
+    run_colocated,
+    run_decode,
+    run_gateway,
+    run_prefill,
+)
 from pdserve.up import DEFAULT_BATCH_WINDOW_MS, DEFAULT_HTTP_PORT, DEFAULT_KV_HANDOFF_TIMEOUT_S, run_up
 
 DEMO_QUESTIONS = (

@@ -191,8 +191,8 @@ def run_colocated(args: argparse.Namespace) -> int:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from pdserve.engine.structured_output import set_check_timeout
+    from pdserve.gateway.decode_stream import MigrationPolicy
     from pdserve.gateway.lora import LoRAAdapters
-    from pdserve.gateway.migration import MigrationPolicy
     from pdserve.gateway.server import GatewayServer
     from pdserve.gateway.tokenizer import load_tokenizer
     from pdserve.service_common.server import ServerConfig

@@ -10,7 +10,8 @@ has kept in ``generated``. A worker that fails the call UNAVAILABLE (crashed,
 its engine dead, its connection gone) is taken out of rotation and the relay
 ends with ``failure`` set: its caller hands the stream to migration
 (pdserve/gateway/migration.py), or first retries another worker when nothing
-came from that one.
+came from that one. The stream carries its ``MigrationPolicy``: how far it
+goes to outlive its worker.
 """
 
 from __future__ import annotations
@@ -28,9 +29,27 @@ from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 
 if TYPE_CHECKING:
-    from pdserve.gateway.migration import MigrationPolicy
     from pdserve.gateway.router import Router
     from pdserve.service_common.metrics import GatewayMetrics
+
+DEFAULT_MAX_MIGRATIONS = 3
+DEFAULT_MIGRATION_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """How far a stream goes to outlive its decode worker (the gateway's ``--max-migrations`` and
+    ``--migration-timeout``): moves per request (0: none, the stream ends with UNAVAILABLE), and the longest
+    from its worker failing until another's first token, across moves."""
+
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    timeout_s: float = DEFAULT_MIGRATION_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"migration timeout must be > 0 seconds, got {self.timeout_s}")
 
 
 @dataclass

@@ -20,38 +20,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from pdserve.gateway.decode_stream import DecodeStream
 from pdserve.gateway.router import NoWorkerAvailable
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.protos.pdserve.v1.internal import worker_pb2
 from pdserve.service_common.errors import Unavailable
 
-if TYPE_CHECKING:
-    from pdserve.gateway.decode_stream import DecodeStream
-
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_MIGRATIONS = 3
-DEFAULT_MIGRATION_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class MigrationPolicy:
-    """How far a stream goes to outlive its decode worker (the gateway's ``--max-migrations`` and
-    ``--migration-timeout``): moves per request (0: none, the stream ends with UNAVAILABLE), and the longest
-    from its worker failing until another's first token, across moves."""
-
-    max_migrations: int = DEFAULT_MAX_MIGRATIONS
-    timeout_s: float = DEFAULT_MIGRATION_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"migration timeout must be > 0 seconds, got {self.timeout_s}")
-
 
 def resume_request(
     request: generation_pb2.GenerateRequest, request_id: str, token_ids: list[int], generated: list[int],

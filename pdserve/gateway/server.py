@@ -12,15 +12,15 @@ from typing import Any
 import grpc
 
 from pdserve.cluster_index import PrefixIndexLookup, WorkerRegistry, connect
-from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
-from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
+from pdserve.gateway.decode_stream import DecodeStream, MigrationPolicy
 from pdserve.gateway.disaggregation import LOCAL, DisaggregationPolicy, RouteDecision
-from pdserve.gateway.decode_stream import DecodeStream
-from pdserve.gateway.migration import MigrationPolicy, migrate
+from pdserve.gateway.http_api import DEFAULT_MAX_BODY_BYTES, OpenAIHttpApi
 from pdserve.gateway.lora import LoRAAdapters, UnknownAdapter, load_everywhere, unload_everywhere
+from pdserve.gateway.migration import migrate
+from pdserve.gateway.openai_protocol import DEFAULT_MAX_N
 from pdserve.gateway.prefill_route import Route, choose_route, learn, stream_local_prefill
-from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.reasoning_parsers import reasoning_parser as build_reasoning_parser
+from pdserve.gateway.router import NoWorkerAvailable, PrefillChoice, Router
 from pdserve.gateway.tool_parsers import tool_parser
 from pdserve.gateway.validation import DEFAULT_MAX_LOGPROBS, RequestLimits, validate_generate_request
 from pdserve.gateway.workers import Inflight, WorkerHandle, WorkerPool

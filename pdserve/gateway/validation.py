@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pdserve.engine.types.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.engine.structured_output import check_grammar
+from pdserve.engine.types.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.service_common.convert import sampling_params_from_proto
 

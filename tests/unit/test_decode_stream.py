@@ -10,9 +10,8 @@ import contextlib
 import grpc
 import pytest
 
-from pdserve.gateway.decode_stream import DecodeStream
+from pdserve.gateway.decode_stream import DecodeStream, MigrationPolicy
 from pdserve.gateway.disaggregation import LOCAL, RouteDecision
-from pdserve.gateway.migration import MigrationPolicy
 from pdserve.gateway.prefill_route import Route, stream_local_prefill
 from pdserve.gateway.router import Router
 from pdserve.gateway.server import GenerationServicer

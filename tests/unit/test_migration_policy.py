@@ -7,14 +7,13 @@ import asyncio
 
 import pytest
 
-from pdserve.gateway.decode_stream import DecodeStream
-from pdserve.gateway.migration import MigrationPolicy, migrate, resume_request
+from pdserve.gateway.decode_stream import DecodeStream, MigrationPolicy
+from pdserve.gateway.migration import migrate, resume_request
 from pdserve.gateway.router import Router
 from pdserve.protos.pdserve.v1 import generation_pb2
 from pdserve.service_common.errors import Unavailable
 from pdserve.service_common.metrics import GatewayMetrics
 from tests.support.decode_workers import DecodeCall, decode_router
-
 
 REQUEST = generation_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling_params=generation_pb2.SamplingParams(
     max_tokens=20, temperature=0.0, prompt_logprobs=1))
