@@ -10,7 +10,7 @@ from pathlib import Path
 import tomllib
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONTRACT_IDS = ["packages", "engine", "kv", "value-types", "engine-offline", "gateway-torch-free"]
+CONTRACT_IDS = ["packages", "no-circles", "engine", "kv", "value-types", "engine-offline", "gateway-torch-free"]
 
 
 def _config() -> dict:
