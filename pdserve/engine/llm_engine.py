@@ -23,6 +23,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from pdserve.engine.kv.block_manager import BlockEvent, BlockManager
 from pdserve.engine.kv.cache import KVCache, bytes_per_block, resolve_kv_cache_dtype, size_kv_pool
 from pdserve.engine.kv.connector import ConnectorParts, DecodeKVConnector
+from pdserve.engine.kv.handoff import dtype_name
 from pdserve.engine.kv.leases import LeaseTable
 from pdserve.engine.kv.pages import PagedBlockManager, PageLayout
 from pdserve.engine.kv.push import LayerPusher
@@ -159,7 +160,7 @@ class LLMEngine:
             num_kv_heads=self.model.total_kv_heads,
             head_dim=self.model.head_dim,
             block_size=block_size,
-            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+            dtype=dtype_name(self.kv_cache_dtype),
             kv_parts=self.model.kv_parts,
         )
         # Requests held with push=True hand each layer's KV to its sink as it is written.

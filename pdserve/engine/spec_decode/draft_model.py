@@ -37,6 +37,7 @@ import torch
 from pdserve.engine.attention.backend import AttentionBatch
 from pdserve.engine.attention.selector import select_backend
 from pdserve.engine.kv.cache import KVCache, bytes_per_block
+from pdserve.engine.kv.handoff import dtype_name
 from pdserve.engine.model_loader import TORCH_DTYPES, load_hf_config, load_model, resolve_model_path
 from pdserve.engine.sampler import first_argmax
 from pdserve.engine.sequence import Sequence
@@ -115,7 +116,7 @@ class DraftModelProposer(Proposer):
         )
         self.kv_layout = KVLayout(
             num_layers=self.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-            block_size=bs, dtype=str(self.dtype).removeprefix("torch."), kv_parts=self.model.kv_parts,
+            block_size=bs, dtype=dtype_name(self.dtype), kv_parts=self.model.kv_parts,
         )
 
     def allocate_kv(self, num_target_blocks: int) -> None:
